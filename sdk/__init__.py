@@ -1,0 +1,1 @@
+"""textgen's Python SDK (placeholder until the client lands)."""

@@ -1,0 +1,1 @@
+"""textgen server: engine, gRPC servicers, CLI."""
