@@ -135,6 +135,7 @@ class TextGenerationServiceServicer:
     def Metrics(self, request, context):
         """Prometheus metrics in the text exposition format (GET /metrics).
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

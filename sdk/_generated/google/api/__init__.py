@@ -37,9 +37,7 @@ class CustomHttpPattern(betterproto2.Message):
     """
 
 
-default_message_pool.register_message(
-    "google.api", "CustomHttpPattern", CustomHttpPattern
-)
+default_message_pool.register_message("google.api", "CustomHttpPattern", CustomHttpPattern)
 
 
 @dataclass(eq=False, repr=False)
@@ -50,18 +48,14 @@ class Http(betterproto2.Message):
     to one or more HTTP REST API methods.
     """
 
-    rules: "list[HttpRule]" = betterproto2.field(
-        1, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    rules: "list[HttpRule]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     A list of HTTP configuration rules that apply to individual API methods.
 
     **NOTE:** All service configuration rules follow "last one wins" order.
     """
 
-    fully_decode_reserved_expansion: "bool" = betterproto2.field(
-        2, betterproto2.TYPE_BOOL
-    )
+    fully_decode_reserved_expansion: "bool" = betterproto2.field(2, betterproto2.TYPE_BOOL)
     """
     When set to true, URL path parameters will be fully URI-decoded except in
     cases of single segment matches in reserved expansion, where "%2F" will be

@@ -677,9 +677,7 @@ class Any(betterproto2.Message):
 
     @classmethod
     def pack(
-        cls,
-        message: betterproto2.Message,
-        message_pool: "betterproto2.MessagePool | None" = None,
+        cls, message: betterproto2.Message, message_pool: "betterproto2.MessagePool | None" = None
     ) -> "Any":
         """
         Pack the given message in the `Any` object.
@@ -746,9 +744,7 @@ class Any(betterproto2.Message):
 
         return cls(
             type_url=type_url,
-            value=bytes(
-                msg_cls.from_dict(value, ignore_unknown_fields=ignore_unknown_fields)
-            ),
+            value=bytes(msg_cls.from_dict(value, ignore_unknown_fields=ignore_unknown_fields)),
         )
 
 
@@ -795,9 +791,7 @@ class DescriptorProto(betterproto2.Message):
         9, betterproto2.TYPE_MESSAGE, repeated=True
     )
 
-    reserved_name: "list[str]" = betterproto2.field(
-        10, betterproto2.TYPE_STRING, repeated=True
-    )
+    reserved_name: "list[str]" = betterproto2.field(10, betterproto2.TYPE_STRING, repeated=True)
     """
     Reserved field names, which may not be used by fields in the same message.
     A given name may only be reserved once.
@@ -811,9 +805,7 @@ class DescriptorProto(betterproto2.Message):
     """
 
 
-default_message_pool.register_message(
-    "google.protobuf", "DescriptorProto", DescriptorProto
-)
+default_message_pool.register_message("google.protobuf", "DescriptorProto", DescriptorProto)
 
 
 @dataclass(eq=False, repr=False)
@@ -874,9 +866,7 @@ class EnumDescriptorProto(betterproto2.Message):
         2, betterproto2.TYPE_MESSAGE, repeated=True
     )
 
-    options: "EnumOptions | None" = betterproto2.field(
-        3, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    options: "EnumOptions | None" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, optional=True)
 
     reserved_range: "list[EnumDescriptorProtoEnumReservedRange]" = betterproto2.field(
         4, betterproto2.TYPE_MESSAGE, repeated=True
@@ -887,9 +877,7 @@ class EnumDescriptorProto(betterproto2.Message):
     overlap.
     """
 
-    reserved_name: "list[str]" = betterproto2.field(
-        5, betterproto2.TYPE_STRING, repeated=True
-    )
+    reserved_name: "list[str]" = betterproto2.field(5, betterproto2.TYPE_STRING, repeated=True)
     """
     Reserved enum value names, which may not be reused. A given name may only
     be reserved once.
@@ -903,9 +891,7 @@ class EnumDescriptorProto(betterproto2.Message):
     """
 
 
-default_message_pool.register_message(
-    "google.protobuf", "EnumDescriptorProto", EnumDescriptorProto
-)
+default_message_pool.register_message("google.protobuf", "EnumDescriptorProto", EnumDescriptorProto)
 
 
 @dataclass(eq=False, repr=False)
@@ -931,9 +917,7 @@ class EnumDescriptorProtoEnumReservedRange(betterproto2.Message):
 
 
 default_message_pool.register_message(
-    "google.protobuf",
-    "EnumDescriptorProto.EnumReservedRange",
-    EnumDescriptorProtoEnumReservedRange,
+    "google.protobuf", "EnumDescriptorProto.EnumReservedRange", EnumDescriptorProtoEnumReservedRange
 )
 
 
@@ -953,9 +937,7 @@ class EnumOptions(betterproto2.Message):
     is a formalization for deprecating enums.
     """
 
-    deprecated_legacy_json_field_conflicts: "bool" = betterproto2.field(
-        6, betterproto2.TYPE_BOOL
-    )
+    deprecated_legacy_json_field_conflicts: "bool" = betterproto2.field(6, betterproto2.TYPE_BOOL)
     """
     Enable the legacy handling of JSON field name conflicts.  This lowercases
     and strips underscored from the fields before comparison in proto3 only.
@@ -965,9 +947,7 @@ class EnumOptions(betterproto2.Message):
     had time to migrate.
     """
 
-    features: "FeatureSet | None" = betterproto2.field(
-        7, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    features: "FeatureSet | None" = betterproto2.field(7, betterproto2.TYPE_MESSAGE, optional=True)
     """
     Any features defined in the specific edition.
     WARNING: This field should only be used by protobuf plugins or special
@@ -1024,9 +1004,7 @@ class EnumValueOptions(betterproto2.Message):
     this is a formalization for deprecating enum values.
     """
 
-    features: "FeatureSet | None" = betterproto2.field(
-        2, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    features: "FeatureSet | None" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, optional=True)
     """
     Any features defined in the specific edition.
     WARNING: This field should only be used by protobuf plugins or special
@@ -1056,9 +1034,7 @@ class EnumValueOptions(betterproto2.Message):
     """
 
 
-default_message_pool.register_message(
-    "google.protobuf", "EnumValueOptions", EnumValueOptions
-)
+default_message_pool.register_message("google.protobuf", "EnumValueOptions", EnumValueOptions)
 
 
 @dataclass(eq=False, repr=False)
@@ -1079,17 +1055,13 @@ class ExtensionRangeOptions(betterproto2.Message):
     used externally.
     """
 
-    features: "FeatureSet | None" = betterproto2.field(
-        50, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    features: "FeatureSet | None" = betterproto2.field(50, betterproto2.TYPE_MESSAGE, optional=True)
     """
     Any features defined in the specific edition.
     """
 
     verification: "ExtensionRangeOptionsVerificationState" = betterproto2.field(
-        3,
-        betterproto2.TYPE_ENUM,
-        default_factory=lambda: ExtensionRangeOptionsVerificationState(0),
+        3, betterproto2.TYPE_ENUM, default_factory=lambda: ExtensionRangeOptionsVerificationState(0)
     )
     """
     The verification state of the range.
@@ -1138,9 +1110,7 @@ class ExtensionRangeOptionsDeclaration(betterproto2.Message):
 
 
 default_message_pool.register_message(
-    "google.protobuf",
-    "ExtensionRangeOptions.Declaration",
-    ExtensionRangeOptionsDeclaration,
+    "google.protobuf", "ExtensionRangeOptions.Declaration", ExtensionRangeOptionsDeclaration
 )
 
 
@@ -1167,9 +1137,7 @@ class FeatureSet(betterproto2.Message):
     )
 
     repeated_field_encoding: "FeatureSetRepeatedFieldEncoding" = betterproto2.field(
-        3,
-        betterproto2.TYPE_ENUM,
-        default_factory=lambda: FeatureSetRepeatedFieldEncoding(0),
+        3, betterproto2.TYPE_ENUM, default_factory=lambda: FeatureSetRepeatedFieldEncoding(0)
     )
 
     utf8_validation: "FeatureSetUtf8Validation" = betterproto2.field(
@@ -1185,18 +1153,14 @@ class FeatureSet(betterproto2.Message):
     )
 
     enforce_naming_style: "FeatureSetEnforceNamingStyle" = betterproto2.field(
-        7,
-        betterproto2.TYPE_ENUM,
-        default_factory=lambda: FeatureSetEnforceNamingStyle(0),
+        7, betterproto2.TYPE_ENUM, default_factory=lambda: FeatureSetEnforceNamingStyle(0)
     )
 
     default_symbol_visibility: "FeatureSetVisibilityFeatureDefaultSymbolVisibility" = (
         betterproto2.field(
             8,
             betterproto2.TYPE_ENUM,
-            default_factory=lambda: FeatureSetVisibilityFeatureDefaultSymbolVisibility(
-                0
-            ),
+            default_factory=lambda: FeatureSetVisibilityFeatureDefaultSymbolVisibility(0),
         )
     )
 
@@ -1244,9 +1208,7 @@ class FeatureSetDefaults(betterproto2.Message):
     """
 
 
-default_message_pool.register_message(
-    "google.protobuf", "FeatureSetDefaults", FeatureSetDefaults
-)
+default_message_pool.register_message("google.protobuf", "FeatureSetDefaults", FeatureSetDefaults)
 
 
 @dataclass(eq=False, repr=False)
@@ -1343,9 +1305,7 @@ class FieldDescriptorProto(betterproto2.Message):
     it to camelCase.
     """
 
-    options: "FieldOptions | None" = betterproto2.field(
-        8, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    options: "FieldOptions | None" = betterproto2.field(8, betterproto2.TYPE_MESSAGE, optional=True)
 
     proto3_optional: "bool" = betterproto2.field(17, betterproto2.TYPE_BOOL)
     """
@@ -1475,9 +1435,7 @@ class FieldOptions(betterproto2.Message):
     """
 
     retention: "FieldOptionsOptionRetention" = betterproto2.field(
-        17,
-        betterproto2.TYPE_ENUM,
-        default_factory=lambda: FieldOptionsOptionRetention(0),
+        17, betterproto2.TYPE_ENUM, default_factory=lambda: FieldOptionsOptionRetention(0)
     )
 
     targets: "list[FieldOptionsOptionTargetType]" = betterproto2.field(
@@ -1488,9 +1446,7 @@ class FieldOptions(betterproto2.Message):
         20, betterproto2.TYPE_MESSAGE, repeated=True
     )
 
-    features: "FeatureSet | None" = betterproto2.field(
-        21, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    features: "FeatureSet | None" = betterproto2.field(21, betterproto2.TYPE_MESSAGE, optional=True)
     """
     Any features defined in the specific edition.
     WARNING: This field should only be used by protobuf plugins or special
@@ -1601,31 +1557,23 @@ class FileDescriptorProto(betterproto2.Message):
     e.g. "foo", "foo.bar", etc.
     """
 
-    dependency: "list[str]" = betterproto2.field(
-        3, betterproto2.TYPE_STRING, repeated=True
-    )
+    dependency: "list[str]" = betterproto2.field(3, betterproto2.TYPE_STRING, repeated=True)
     """
     Names of files imported by this file.
     """
 
-    public_dependency: "list[int]" = betterproto2.field(
-        10, betterproto2.TYPE_INT32, repeated=True
-    )
+    public_dependency: "list[int]" = betterproto2.field(10, betterproto2.TYPE_INT32, repeated=True)
     """
     Indexes of the public imported files in the dependency list above.
     """
 
-    weak_dependency: "list[int]" = betterproto2.field(
-        11, betterproto2.TYPE_INT32, repeated=True
-    )
+    weak_dependency: "list[int]" = betterproto2.field(11, betterproto2.TYPE_INT32, repeated=True)
     """
     Indexes of the weak imported files in the dependency list.
     For Google-internal migration only. Do not use.
     """
 
-    option_dependency: "list[str]" = betterproto2.field(
-        15, betterproto2.TYPE_STRING, repeated=True
-    )
+    option_dependency: "list[str]" = betterproto2.field(15, betterproto2.TYPE_STRING, repeated=True)
     """
     Names of files imported by this file purely for the purpose of providing
     option extensions. These are excluded from the dependency list above.
@@ -1650,9 +1598,7 @@ class FileDescriptorProto(betterproto2.Message):
         7, betterproto2.TYPE_MESSAGE, repeated=True
     )
 
-    options: "FileOptions | None" = betterproto2.field(
-        8, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    options: "FileOptions | None" = betterproto2.field(8, betterproto2.TYPE_MESSAGE, optional=True)
 
     source_code_info: "SourceCodeInfo | None" = betterproto2.field(
         9, betterproto2.TYPE_MESSAGE, optional=True
@@ -1686,9 +1632,7 @@ class FileDescriptorProto(betterproto2.Message):
     """
 
 
-default_message_pool.register_message(
-    "google.protobuf", "FileDescriptorProto", FileDescriptorProto
-)
+default_message_pool.register_message("google.protobuf", "FileDescriptorProto", FileDescriptorProto)
 
 
 @dataclass(eq=False, repr=False)
@@ -1703,9 +1647,7 @@ class FileDescriptorSet(betterproto2.Message):
     )
 
 
-default_message_pool.register_message(
-    "google.protobuf", "FileDescriptorSet", FileDescriptorSet
-)
+default_message_pool.register_message("google.protobuf", "FileDescriptorSet", FileDescriptorSet)
 
 
 @dataclass(eq=False, repr=False)
@@ -1771,9 +1713,7 @@ class FileOptions(betterproto2.Message):
     top-level extensions defined in the file.
     """
 
-    java_generate_equals_and_hash: "bool" = betterproto2.field(
-        20, betterproto2.TYPE_BOOL
-    )
+    java_generate_equals_and_hash: "bool" = betterproto2.field(20, betterproto2.TYPE_BOOL)
     """
     This option does nothing.
     """
@@ -1883,9 +1823,7 @@ class FileOptions(betterproto2.Message):
     determining the ruby package.
     """
 
-    features: "FeatureSet | None" = betterproto2.field(
-        50, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    features: "FeatureSet | None" = betterproto2.field(50, betterproto2.TYPE_MESSAGE, optional=True)
     """
     Any features defined in the specific edition.
     WARNING: This field should only be used by protobuf plugins or special
@@ -1905,8 +1843,7 @@ class FileOptions(betterproto2.Message):
         super().__post_init__()
         if self.is_set("java_generate_equals_and_hash"):
             warnings.warn(
-                "FileOptions.java_generate_equals_and_hash is deprecated",
-                DeprecationWarning,
+                "FileOptions.java_generate_equals_and_hash is deprecated", DeprecationWarning
             )
 
 
@@ -1930,9 +1867,7 @@ class GeneratedCodeInfo(betterproto2.Message):
     """
 
 
-default_message_pool.register_message(
-    "google.protobuf", "GeneratedCodeInfo", GeneratedCodeInfo
-)
+default_message_pool.register_message("google.protobuf", "GeneratedCodeInfo", GeneratedCodeInfo)
 
 
 @dataclass(eq=False, repr=False)
@@ -1962,9 +1897,7 @@ class GeneratedCodeInfoAnnotation(betterproto2.Message):
     """
 
     semantic: "GeneratedCodeInfoAnnotationSemantic" = betterproto2.field(
-        5,
-        betterproto2.TYPE_ENUM,
-        default_factory=lambda: GeneratedCodeInfoAnnotationSemantic(0),
+        5, betterproto2.TYPE_ENUM, default_factory=lambda: GeneratedCodeInfoAnnotationSemantic(0)
     )
 
 
@@ -1979,9 +1912,7 @@ class ListValue(betterproto2.Message):
     Represents a JSON array.
     """
 
-    values: "list[Value]" = betterproto2.field(
-        1, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    values: "list[Value]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     Repeated field of dynamically typed values.
     """
@@ -2030,9 +1961,7 @@ class MessageOptions(betterproto2.Message):
     the protocol compiler.
     """
 
-    no_standard_descriptor_accessor: "bool" = betterproto2.field(
-        2, betterproto2.TYPE_BOOL
-    )
+    no_standard_descriptor_accessor: "bool" = betterproto2.field(2, betterproto2.TYPE_BOOL)
     """
     Disables the generation of the standard "descriptor()" accessor, which can
     conflict with a field of the same name.  This is meant to make migration
@@ -2072,9 +2001,7 @@ class MessageOptions(betterproto2.Message):
     parser.
     """
 
-    deprecated_legacy_json_field_conflicts: "bool" = betterproto2.field(
-        11, betterproto2.TYPE_BOOL
-    )
+    deprecated_legacy_json_field_conflicts: "bool" = betterproto2.field(11, betterproto2.TYPE_BOOL)
     """
     Enable the legacy handling of JSON field name conflicts.  This lowercases
     and strips underscored from the fields before comparison in proto3 only.
@@ -2088,9 +2015,7 @@ class MessageOptions(betterproto2.Message):
     teams have had time to migrate.
     """
 
-    features: "FeatureSet | None" = betterproto2.field(
-        12, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    features: "FeatureSet | None" = betterproto2.field(12, betterproto2.TYPE_MESSAGE, optional=True)
     """
     Any features defined in the specific edition.
     WARNING: This field should only be used by protobuf plugins or special
@@ -2114,9 +2039,7 @@ class MessageOptions(betterproto2.Message):
             )
 
 
-default_message_pool.register_message(
-    "google.protobuf", "MessageOptions", MessageOptions
-)
+default_message_pool.register_message("google.protobuf", "MessageOptions", MessageOptions)
 
 
 @dataclass(eq=False, repr=False)
@@ -2171,14 +2094,10 @@ class MethodOptions(betterproto2.Message):
     """
 
     idempotency_level: "MethodOptionsIdempotencyLevel" = betterproto2.field(
-        34,
-        betterproto2.TYPE_ENUM,
-        default_factory=lambda: MethodOptionsIdempotencyLevel(0),
+        34, betterproto2.TYPE_ENUM, default_factory=lambda: MethodOptionsIdempotencyLevel(0)
     )
 
-    features: "FeatureSet | None" = betterproto2.field(
-        35, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    features: "FeatureSet | None" = betterproto2.field(35, betterproto2.TYPE_MESSAGE, optional=True)
     """
     Any features defined in the specific edition.
     WARNING: This field should only be used by protobuf plugins or special
@@ -2205,9 +2124,7 @@ class OneofDescriptorProto(betterproto2.Message):
 
     name: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
-    options: "OneofOptions | None" = betterproto2.field(
-        2, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    options: "OneofOptions | None" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, optional=True)
 
 
 default_message_pool.register_message(
@@ -2217,9 +2134,7 @@ default_message_pool.register_message(
 
 @dataclass(eq=False, repr=False)
 class OneofOptions(betterproto2.Message):
-    features: "FeatureSet | None" = betterproto2.field(
-        1, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    features: "FeatureSet | None" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, optional=True)
     """
     Any features defined in the specific edition.
     WARNING: This field should only be used by protobuf plugins or special
@@ -2262,9 +2177,7 @@ default_message_pool.register_message(
 
 @dataclass(eq=False, repr=False)
 class ServiceOptions(betterproto2.Message):
-    features: "FeatureSet | None" = betterproto2.field(
-        34, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    features: "FeatureSet | None" = betterproto2.field(34, betterproto2.TYPE_MESSAGE, optional=True)
     """
     Any features defined in the specific edition.
     WARNING: This field should only be used by protobuf plugins or special
@@ -2293,9 +2206,7 @@ class ServiceOptions(betterproto2.Message):
     """
 
 
-default_message_pool.register_message(
-    "google.protobuf", "ServiceOptions", ServiceOptions
-)
+default_message_pool.register_message("google.protobuf", "ServiceOptions", ServiceOptions)
 
 
 @dataclass(eq=False, repr=False)
@@ -2358,9 +2269,7 @@ class SourceCodeInfo(betterproto2.Message):
     """
 
 
-default_message_pool.register_message(
-    "google.protobuf", "SourceCodeInfo", SourceCodeInfo
-)
+default_message_pool.register_message("google.protobuf", "SourceCodeInfo", SourceCodeInfo)
 
 
 @dataclass(eq=False, repr=False)
@@ -2485,9 +2394,7 @@ class Struct(betterproto2.Message):
     fields: "dict[str, Value]" = betterproto2.field(
         1,
         betterproto2.TYPE_MAP,
-        map_meta=betterproto2.map_meta(
-            betterproto2.TYPE_STRING, betterproto2.TYPE_MESSAGE
-        ),
+        map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_MESSAGE),
     )
     """
     Unordered map of dynamically typed values.
@@ -2559,9 +2466,7 @@ class UninterpretedOption(betterproto2.Message):
     aggregate_value: "str" = betterproto2.field(8, betterproto2.TYPE_STRING)
 
 
-default_message_pool.register_message(
-    "google.protobuf", "UninterpretedOption", UninterpretedOption
-)
+default_message_pool.register_message("google.protobuf", "UninterpretedOption", UninterpretedOption)
 
 
 @dataclass(eq=False, repr=False)

@@ -59,23 +59,17 @@ class BestOfSequence(betterproto2.Message):
     Number of generated tokens.
     """
 
-    seed: "float | None" = betterproto2.field(
-        4, betterproto2.TYPE_DOUBLE, optional=True
-    )
+    seed: "float | None" = betterproto2.field(4, betterproto2.TYPE_DOUBLE, optional=True)
     """
     Seed of the sequence (see Details.seed).
     """
 
-    prefill: "list[PrefillToken]" = betterproto2.field(
-        5, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    prefill: "list[PrefillToken]" = betterproto2.field(5, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     Prompt tokens.
     """
 
-    tokens: "list[Token]" = betterproto2.field(
-        6, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    tokens: "list[Token]" = betterproto2.field(6, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     Generated tokens.
     """
@@ -107,24 +101,18 @@ class Details(betterproto2.Message):
     Number of generated tokens.
     """
 
-    seed: "float | None" = betterproto2.field(
-        3, betterproto2.TYPE_DOUBLE, optional=True
-    )
+    seed: "float | None" = betterproto2.field(3, betterproto2.TYPE_DOUBLE, optional=True)
     """
     Seed used for sampling. A double so JSON prints a number (proto3 JSON quotes
     64-bit integers); exact below 2^53.
     """
 
-    prefill: "list[PrefillToken]" = betterproto2.field(
-        4, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    prefill: "list[PrefillToken]" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     Prompt tokens, when decoder_input_details was set.
     """
 
-    tokens: "list[Token]" = betterproto2.field(
-        5, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    tokens: "list[Token]" = betterproto2.field(5, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     Generated tokens.
     """
@@ -149,9 +137,7 @@ class Details(betterproto2.Message):
     Number of prompt tokens.
     """
 
-    timings: "Timings | None" = betterproto2.field(
-        9, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    timings: "Timings | None" = betterproto2.field(9, betterproto2.TYPE_MESSAGE, optional=True)
     """
     Where the time went.
     """
@@ -168,9 +154,7 @@ class GenerateParameters(betterproto2.Message):
     validation and get TGI's message instead of a transcoder parse error.
     """
 
-    best_of: "int | None" = betterproto2.field(
-        1, betterproto2.TYPE_INT32, optional=True
-    )
+    best_of: "int | None" = betterproto2.field(1, betterproto2.TYPE_INT32, optional=True)
     """
     Generate best_of sequences and return the one with the highest token logprobs.
     """
@@ -197,16 +181,12 @@ class GenerateParameters(betterproto2.Message):
     Penalize tokens by how often they already occurred; 0 means none. In [-2, 2].
     """
 
-    grammar: "Grammar | None" = betterproto2.field(
-        6, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    grammar: "Grammar | None" = betterproto2.field(6, betterproto2.TYPE_MESSAGE, optional=True)
     """
     Constrain the output to a JSON schema or a regular expression.
     """
 
-    max_new_tokens: "int | None" = betterproto2.field(
-        7, betterproto2.TYPE_INT32, optional=True
-    )
+    max_new_tokens: "int | None" = betterproto2.field(7, betterproto2.TYPE_INT32, optional=True)
     """
     Maximum number of tokens to generate. Unset: up to max_total_tokens.
     """
@@ -218,9 +198,7 @@ class GenerateParameters(betterproto2.Message):
     Penalize repeated tokens (1.0 means none). Strictly positive.
     """
 
-    return_full_text: "bool | None" = betterproto2.field(
-        9, betterproto2.TYPE_BOOL, optional=True
-    )
+    return_full_text: "bool | None" = betterproto2.field(9, betterproto2.TYPE_BOOL, optional=True)
     """
     Prepend the prompt to the generated text.
     """
@@ -235,9 +213,7 @@ class GenerateParameters(betterproto2.Message):
     Stop when one of these strings is generated.
     """
 
-    temperature: "float | None" = betterproto2.field(
-        12, betterproto2.TYPE_FLOAT, optional=True
-    )
+    temperature: "float | None" = betterproto2.field(12, betterproto2.TYPE_FLOAT, optional=True)
     """
     Temperature of the logits distribution. Strictly positive.
     """
@@ -247,30 +223,22 @@ class GenerateParameters(betterproto2.Message):
     Keep the top_k most probable tokens. Strictly positive.
     """
 
-    top_n_tokens: "int | None" = betterproto2.field(
-        14, betterproto2.TYPE_INT32, optional=True
-    )
+    top_n_tokens: "int | None" = betterproto2.field(14, betterproto2.TYPE_INT32, optional=True)
     """
     Return the top_n_tokens most probable alternatives at each step.
     """
 
-    top_p: "float | None" = betterproto2.field(
-        15, betterproto2.TYPE_FLOAT, optional=True
-    )
+    top_p: "float | None" = betterproto2.field(15, betterproto2.TYPE_FLOAT, optional=True)
     """
     Nucleus sampling mass, in (0, 1).
     """
 
-    truncate: "int | None" = betterproto2.field(
-        16, betterproto2.TYPE_INT32, optional=True
-    )
+    truncate: "int | None" = betterproto2.field(16, betterproto2.TYPE_INT32, optional=True)
     """
     Keep only the last `truncate` prompt tokens.
     """
 
-    typical_p: "float | None" = betterproto2.field(
-        17, betterproto2.TYPE_FLOAT, optional=True
-    )
+    typical_p: "float | None" = betterproto2.field(17, betterproto2.TYPE_FLOAT, optional=True)
     """
     Typical decoding mass, in (0, 1).
     """
@@ -290,18 +258,14 @@ class GenerateParameters(betterproto2.Message):
     logit_bias: "dict[int, float]" = betterproto2.field(
         20,
         betterproto2.TYPE_MAP,
-        map_meta=betterproto2.map_meta(
-            betterproto2.TYPE_UINT32, betterproto2.TYPE_FLOAT
-        ),
+        map_meta=betterproto2.map_meta(betterproto2.TYPE_UINT32, betterproto2.TYPE_FLOAT),
     )
     """
     Bias added to the logits of token ids, keyed by token id.
     """
 
 
-default_message_pool.register_message(
-    "textgen.v1", "GenerateParameters", GenerateParameters
-)
+default_message_pool.register_message("textgen.v1", "GenerateParameters", GenerateParameters)
 
 
 @dataclass(eq=False, repr=False)
@@ -352,17 +316,13 @@ class GenerateResponse(betterproto2.Message):
     The generated text (with the prompt first when return_full_text).
     """
 
-    details: "Details | None" = betterproto2.field(
-        2, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    details: "Details | None" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, optional=True)
     """
     Set when details or decoder_input_details was asked.
     """
 
 
-default_message_pool.register_message(
-    "textgen.v1", "GenerateResponse", GenerateResponse
-)
+default_message_pool.register_message("textgen.v1", "GenerateResponse", GenerateResponse)
 
 
 @dataclass(eq=False, repr=False)
@@ -378,23 +338,17 @@ class GenerateStreamResponse(betterproto2.Message):
     1-based position of the token among the generated ones.
     """
 
-    token: "Token | None" = betterproto2.field(
-        2, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    token: "Token | None" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, optional=True)
     """
     The generated token.
     """
 
-    top_tokens: "list[Token]" = betterproto2.field(
-        3, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    top_tokens: "list[Token]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     The top_n_tokens alternatives at this position.
     """
 
-    generated_text: "str | None" = betterproto2.field(
-        4, betterproto2.TYPE_STRING, optional=True
-    )
+    generated_text: "str | None" = betterproto2.field(4, betterproto2.TYPE_STRING, optional=True)
     """
     The whole generated text, on the last message only.
     """
@@ -411,9 +365,7 @@ class GenerateStreamResponse(betterproto2.Message):
     In-band error message (see above).
     """
 
-    error_type: "str | None" = betterproto2.field(
-        7, betterproto2.TYPE_STRING, optional=True
-    )
+    error_type: "str | None" = betterproto2.field(7, betterproto2.TYPE_STRING, optional=True)
     """
     In-band error type: one of the reasons listed at the top of this file.
     """
@@ -493,9 +445,7 @@ class InfoResponse(betterproto2.Message):
     Model id (Hub id, local folder, or the embedded default's name).
     """
 
-    model_sha: "str | None" = betterproto2.field(
-        2, betterproto2.TYPE_STRING, optional=True
-    )
+    model_sha: "str | None" = betterproto2.field(2, betterproto2.TYPE_STRING, optional=True)
     """
     Hub revision sha of the weights, when known.
     """
@@ -557,9 +507,7 @@ class InfoResponse(betterproto2.Message):
     Source commit, when known.
     """
 
-    docker_label: "str | None" = betterproto2.field(
-        14, betterproto2.TYPE_STRING, optional=True
-    )
+    docker_label: "str | None" = betterproto2.field(14, betterproto2.TYPE_STRING, optional=True)
     """
     Container label, when known.
     """
@@ -617,9 +565,7 @@ class ListModelsRequest(betterproto2.Message):
     pass
 
 
-default_message_pool.register_message(
-    "textgen.v1", "ListModelsRequest", ListModelsRequest
-)
+default_message_pool.register_message("textgen.v1", "ListModelsRequest", ListModelsRequest)
 
 
 @dataclass(eq=False, repr=False)
@@ -633,17 +579,13 @@ class ListModelsResponse(betterproto2.Message):
     Always "list".
     """
 
-    data: "list[Model]" = betterproto2.field(
-        2, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    data: "list[Model]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     The served models.
     """
 
 
-default_message_pool.register_message(
-    "textgen.v1", "ListModelsResponse", ListModelsResponse
-)
+default_message_pool.register_message("textgen.v1", "ListModelsResponse", ListModelsResponse)
 
 
 @dataclass(eq=False, repr=False)
@@ -762,9 +704,7 @@ class StreamDetails(betterproto2.Message):
     Number of generated tokens.
     """
 
-    seed: "float | None" = betterproto2.field(
-        3, betterproto2.TYPE_DOUBLE, optional=True
-    )
+    seed: "float | None" = betterproto2.field(3, betterproto2.TYPE_DOUBLE, optional=True)
     """
     Seed used for sampling (see Details.seed).
     """
@@ -774,9 +714,7 @@ class StreamDetails(betterproto2.Message):
     Number of prompt tokens.
     """
 
-    timings: "Timings | None" = betterproto2.field(
-        5, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    timings: "Timings | None" = betterproto2.field(5, betterproto2.TYPE_MESSAGE, optional=True)
     """
     Where the time went.
     """
@@ -878,17 +816,13 @@ class TokenizeResponse(betterproto2.Message):
     The tokens of a text. HTTP prints the bare array.
     """
 
-    tokens: "list[SimpleToken]" = betterproto2.field(
-        1, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    tokens: "list[SimpleToken]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     The tokens in order.
     """
 
 
-default_message_pool.register_message(
-    "textgen.v1", "TokenizeResponse", TokenizeResponse
-)
+default_message_pool.register_message("textgen.v1", "TokenizeResponse", TokenizeResponse)
 
 
 from ...google import protobuf as __google__protobuf__

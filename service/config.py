@@ -1,0 +1,101 @@
+"""Settings: flags and environment -> one immutable object, built once and passed down.
+
+Flags mirror TGI's launcher where the meaning is the same. Every flag can also come
+from the environment as TEXTGEN_<FLAG> (e.g. TEXTGEN_MAX_BATCH_SIZE); the prefix
+keeps generic names such as HOSTNAME and PORT, which shells and containers set for
+their own purposes, from leaking in. The environment is read when the parser is
+built, never at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+ENV_PREFIX = "TEXTGEN_"
+
+
+@dataclass(frozen=True)
+class Settings:
+    model_id: str | None = None  # None: the embedded default model
+    revision: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_concurrent_requests: int = 128
+    max_best_of: int = 2
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_input_tokens: int | None = None  # None: max_total_tokens - 1
+    max_total_tokens: int | None = None  # None: min(model context, 4096)
+    max_batch_prefill_tokens: int = 2048  # per-step prefill budget (prompts are chunked)
+    max_batch_total_tokens: int | None = None  # KV-cache capacity; None: sized from memory
+    max_batch_size: int = 256
+    waiting_served_ratio: float = 1.2
+    api_key: str | None = None
+    hostname: str = "127.0.0.1"
+    port: int = 8080  # HTTP (Envoy)
+    grpc_port: int = 50051
+    no_envoy: bool = False
+    engine: str = "auto"  # "paged", "simple" (reference core), or "auto"
+
+    def resolved_limits(self, max_position_embeddings: int) -> tuple[int, int]:
+        """(max_input_tokens, max_total_tokens) for a model with this context length."""
+        total = self.max_total_tokens or min(max_position_embeddings, 4096)
+        max_input = self.max_input_tokens or total - 1
+        if max_input >= total:
+            raise ValueError(
+                f"--max-input-tokens ({max_input}) must be < --max-total-tokens ({total})"
+            )
+        if total > max_position_embeddings:
+            raise ValueError(
+                f"--max-total-tokens ({total}) exceeds the model's context ({max_position_embeddings})"
+            )
+        return max_input, total
+
+
+def _env(name: str, default=None):
+    return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `textgen serve` flags; each default comes from TEXTGEN_<FLAG> when set."""
+    d = Settings()
+
+    def flag(name: str, *, type=str, default=None, help: str) -> None:
+        env_default = _env(name)
+        value = type(env_default) if env_default is not None else default
+        parser.add_argument(f"--{name}", type=type, default=value, help=f"{help} [env {ENV_PREFIX}{name.upper().replace('-', '_')}]")
+
+    flag("model-id", default=d.model_id, help="Hub id or local folder (default: embedded SmolLM2-135M-Instruct)")
+    flag("revision", default=d.revision, help="Hub revision (branch, tag or commit)")
+    flag("dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16")
+    flag("device", default=d.device, help="auto | cpu | cuda | cuda:N")
+    flag("max-concurrent-requests", type=_positive_int, default=d.max_concurrent_requests, help="requests admitted at once; more get `overloaded`")
+    flag("max-best-of", type=_positive_int, default=d.max_best_of, help="largest best_of")
+    flag("max-stop-sequences", type=int, default=d.max_stop_sequences, help="most stop sequences per request")
+    flag("max-top-n-tokens", type=int, default=d.max_top_n_tokens, help="largest top_n_tokens")
+    flag("max-input-tokens", type=_positive_int, default=d.max_input_tokens, help="longest prompt (default: max-total-tokens - 1)")
+    flag("max-total-tokens", type=_positive_int, default=d.max_total_tokens, help="longest prompt + generation (default: min(model context, 4096))")
+    flag("max-batch-prefill-tokens", type=_positive_int, default=d.max_batch_prefill_tokens, help="prefill tokens per engine step")
+    flag("max-batch-total-tokens", type=_positive_int, default=d.max_batch_total_tokens, help="KV-cache capacity in tokens (default: sized from free memory)")
+    flag("max-batch-size", type=_positive_int, default=d.max_batch_size, help="most sequences per step")
+    flag("waiting-served-ratio", type=float, default=d.waiting_served_ratio, help="scheduling ratio of waiting to running requests (TGI)")
+    flag("api-key", default=d.api_key, help="require `authorization: Bearer KEY` on every call")
+    flag("hostname", default=d.hostname, help="address to listen on")
+    flag("port", type=int, default=d.port, help="HTTP port (Envoy)")
+    flag("grpc-port", type=int, default=d.grpc_port, help="gRPC port")
+    flag("engine", default=d.engine, help="engine core: auto | paged | simple")
+    parser.add_argument("--no-envoy", action="store_true", default=_env("no-envoy", "") not in ("", "0", "false"), help="serve gRPC only")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    fields = Settings.__dataclass_fields__
+    return Settings(**{k: v for k, v in vars(args).items() if k in fields})

@@ -1,0 +1,253 @@
+"""The paged KV cache: one preallocated pool of fixed-size blocks per layer (tensors) and
+the block manager that hands those blocks to sequences (pure Python).
+
+A block holds `block_size` consecutive positions of one sequence. A sequence's
+`block_table` lists its blocks in position order, so position p lives in slot
+`block_table[p // block_size] * block_size + p % block_size` of every layer's pool.
+
+Prefix caching: once a block is full of computed tokens it gets a hash chained over the
+previous block's hash and its own token ids, so equal hashes mean equal prefixes. A new
+sequence whose leading full blocks hash to cached blocks shares them (ref count) instead of
+recomputing them. A block whose ref count drops to zero goes back to the free list but keeps
+its hash, so it is still reusable until the allocator evicts it (LRU over free blocks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .sequence import Sequence
+
+
+class KVCachePool:
+    """Per-layer K and V tensors `[num_blocks, block_size, num_kv_heads, head_dim]`.
+
+    Layers are allocated on first use from the shapes the model hands the attention
+    function (the runner triggers that with a warm-up forward at start-up), so K and V may
+    have different head dims (MLA) and no per-architecture config reading is needed.
+    Pools are zero-filled: slots that are gathered but masked must hold finite values,
+    since one NaN there would poison the softmax through `0 * NaN`.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # layer_idx -> (key pool, value pool)
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def layer(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's (K, V) pools; key/value `[1, KVH, T, D]` give shapes on first use."""
+        pools = self._layers.get(layer_idx)
+        if pools is None:
+            pools = (self._allocate(key), self._allocate(value))
+            self._layers[layer_idx] = pools
+        return pools
+
+    def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the step's new K/V (`[1, KVH, T, D]`) at `slots` (`[T]`) and return the pools."""
+        k_pool, v_pool = self.layer(layer_idx, key, value)
+        _scatter(k_pool, key, slots)
+        _scatter(v_pool, value, slots)
+        return k_pool, v_pool
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self._layers.values() for t in pair)
+
+    def _allocate(self, states: torch.Tensor) -> torch.Tensor:
+        _, num_heads, _, head_dim = states.shape
+        return torch.zeros(
+            self.num_blocks, self.block_size, num_heads, head_dim, dtype=states.dtype, device=states.device
+        )
+
+
+def _scatter(pool: torch.Tensor, states: torch.Tensor, slots: torch.Tensor) -> None:
+    num_heads, head_dim = pool.shape[2], pool.shape[3]
+    flat = pool.view(-1, num_heads, head_dim)  # [num_blocks * block_size, KVH, D]
+    flat.index_copy_(0, slots, states[0].transpose(0, 1).to(pool.dtype))
+
+
+def num_blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    return math.ceil(num_tokens / block_size)
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0  # sequences holding it; 0: on the free list
+    block_hash: bytes | None = None  # set once full and registered in the prefix cache
+
+
+class BlockManager:
+    """Free list, ref counts, block tables (on the sequences) and the prefix cache."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free block ids in eviction order (front first). Blocks that hold nothing reusable
+        # go to the front; cached ones to the back, so the least recently freed cached block
+        # is the one evicted.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+        # hashes of each running sequence's full, computed blocks, in block order
+        self._seq_hashes: dict[Sequence, list[bytes]] = {}
+        self.prefix_hit_tokens = 0  # prompt tokens served from the prefix cache, cumulative
+        self.prefix_queried_tokens = 0  # prompt tokens looked up in it, cumulative
+
+    # counts ------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds, including cached ones (evictable)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self._free if self.blocks[b].block_hash is not None)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """New blocks `seq` needs to hold `num_new_tokens` more computed tokens."""
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, num_blocks_for_tokens(total, self.block_size) - len(seq.block_table))
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= len(self._free)
+
+    def num_fitting_tokens(self, seq: Sequence, max_tokens: int) -> int:
+        """How many of `max_tokens` new tokens fit in seq's last block plus the free blocks."""
+        capacity = (len(seq.block_table) + len(self._free)) * self.block_size - seq.num_computed_tokens
+        return max(0, min(max_tokens, capacity))
+
+    # prefix cache ------------------------------------------------------------
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached block ids for the longest run of seq's leading full blocks. No side effects.
+
+        Only blocks within the first `num_tokens - 1` tokens count: the last token is always
+        computed so that the step yields logits, and it must not land in a shared block.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent = b""
+        for tokens in self._full_blocks(seq.token_ids, (seq.num_tokens - 1) // self.block_size):
+            parent = _block_hash(parent, tokens)
+            block_id = self._cached.get(parent)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def num_free_among(self, block_ids: list[int]) -> int:
+        """How many of these (prefix-hit) blocks are on the free list (acquiring them uses it up)."""
+        return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)
+
+    # allocation --------------------------------------------------------------
+
+    def allocate(self, seq: Sequence, prefix_hits: list[int] | None = None) -> int:
+        """Admit `seq`: share its prefix-hit blocks (from `match_prefix`; None: the cache
+        was not consulted) and mark their tokens computed.
+
+        Returns the number of cached tokens. The blocks for the tokens to compute come
+        from `append_slots`.
+        """
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.request_id} already holds blocks")
+        hits = prefix_hits or []
+        for block_id in hits:
+            self._acquire(block_id)
+        seq.block_table = list(hits)
+        cached_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = cached_tokens
+        seq.num_cached_prompt_tokens = cached_tokens
+        self._seq_hashes[seq] = [self.blocks[b].block_hash for b in hits]  # type: ignore[misc]
+        if self.enable_prefix_caching and prefix_hits is not None:
+            self.prefix_queried_tokens += seq.num_tokens
+            self.prefix_hit_tokens += cached_tokens
+        return cached_tokens
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give `seq` the blocks for `num_new_tokens` more tokens."""
+        needed = self.blocks_needed(seq, num_new_tokens)
+        if needed > len(self._free):
+            raise RuntimeError(f"KV cache out of blocks: need {needed}, have {len(self._free)}")
+        for _ in range(needed):
+            seq.block_table.append(self._allocate_fresh())
+
+    def free(self, seq: Sequence) -> None:
+        """Return all of seq's blocks. Tail blocks are freed first so that, among equally
+        old blocks, a prompt's head (the part other requests share) is evicted last."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise RuntimeError(f"block {block_id} freed more often than allocated")
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
+        seq.block_table = []
+        self._seq_hashes.pop(seq, None)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register seq's newly full, computed blocks in the prefix cache (after a step)."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._seq_hashes.setdefault(seq, [])
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= len(hashes):
+            return
+        parent = hashes[-1] if hashes else b""
+        bs = self.block_size
+        for index in range(len(hashes), num_full):
+            parent = _block_hash(parent, seq.token_ids[index * bs : (index + 1) * bs])
+            hashes.append(parent)
+            block = self.blocks[seq.block_table[index]]
+            # Another sequence may have computed the same content into another block
+            # first; keep that one as the cached copy and leave this one unhashed.
+            if block.block_hash is None and parent not in self._cached:
+                block.block_hash = parent
+                self._cached[parent] = block.block_id
+
+    # internals ---------------------------------------------------------------
+
+    def _acquire(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _allocate_fresh(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict its cached content
+            if self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def _full_blocks(self, token_ids: list[int], num_blocks: int):
+        bs = self.block_size
+        for index in range(num_blocks):
+            yield token_ids[index * bs : (index + 1) * bs]
+
+
+def _block_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    # A cryptographic hash, so that two different prefixes can't be made to collide and
+    # serve one request another's K/V; cost ~1 us per 16-token block.
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()

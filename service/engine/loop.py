@@ -1,0 +1,235 @@
+"""The engine thread and its bridge to asyncio.
+
+The core runs on a thread of its own and never waits on the event loop. Requests
+and aborts reach it through a thread-safe inbox; after each step it detokenizes,
+matches stop strings, and hands every stream's new events to the event loop in one
+`call_soon_threadsafe` (one wake-up per step, not per token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from .core import EngineCore, StepOutput
+from .detokenizer import IncrementalDetokenizer
+from .sequence import Sequence
+from .stopping import StopSequenceMatcher
+from .types import (
+    EngineError,
+    EngineRequest,
+    EngineStats,
+    FinishInfo,
+    FinishReason,
+    PrefillInfo,
+    TokenEvent,
+    TokenInfo,
+)
+
+log = logging.getLogger("textgen.engine")
+
+_END = object()  # closes a stream's queue
+
+
+@dataclass(eq=False)
+class _Stream:
+    """Engine-thread state of one request, and the asyncio queue it feeds."""
+
+    seq: Sequence
+    queue: asyncio.Queue
+    event_loop: asyncio.AbstractEventLoop
+    detokenizer: IncrementalDetokenizer
+    stops: StopSequenceMatcher
+    events: list = field(default_factory=list)  # produced this step, not yet delivered
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore, tokenizer, eos_token_ids: frozenset[int]) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self._special_ids = frozenset(tokenizer.all_special_ids)
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="textgen-engine", daemon=True)
+        self.last_error: BaseException | None = None
+
+    # lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    # asyncio side ---------------------------------------------------------------
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
+        """Stream the request's tokens. Leaving the iteration early (the client went
+        away, the task was cancelled) aborts the sequence and frees its blocks."""
+        if not self.healthy:
+            raise EngineError("the engine is not running", "unavailable")
+        seq = Sequence(request, self.eos_token_ids)
+        stream = _Stream(
+            seq=seq,
+            queue=asyncio.Queue(),
+            event_loop=asyncio.get_running_loop(),
+            detokenizer=IncrementalDetokenizer.for_prompt(self.tokenizer, seq.num_prompt_tokens),
+            stops=StopSequenceMatcher(request.stopping.stop_sequences),
+        )
+        self._post("add", stream)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if item is _END:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                for event in item:
+                    yield event
+        finally:
+            if not finished:
+                self._post("abort", request.request_id)
+
+    def _post(self, kind: str, payload: object) -> None:
+        self._inbox.append((kind, payload))
+        self._wake.set()
+
+    # engine thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_inbox()
+            if not self.core.has_work():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.core.step()
+            except Exception as exc:  # noqa: BLE001 - any failure of a step fails its requests
+                log.exception("engine step failed")
+                self.last_error = exc
+                self._fail_all(EngineError(f"generation failed: {exc}", "generation"))
+                continue
+            self._process(outputs)
+        self._fail_all(EngineError("the engine is shutting down", "unavailable"))
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            kind, payload = self._inbox.popleft()
+            if kind == "add":
+                stream = payload
+                self._streams[stream.seq.request_id] = stream
+                self.core.add(stream.seq)
+            else:
+                stream = self._streams.pop(payload, None)
+                if stream is not None:
+                    self.core.abort(stream.seq)
+
+    def _process(self, outputs: list[StepOutput]) -> None:
+        touched = []
+        for out in outputs:
+            stream = self._streams.get(out.seq.request_id)
+            if stream is None:
+                continue
+            stream.events.append(self._token_event(stream, out))
+            touched.append(stream)
+            if out.seq.is_finished:
+                self._streams.pop(out.seq.request_id, None)
+        self._deliver(touched)
+
+    def _token_event(self, stream: _Stream, out: StepOutput) -> TokenEvent:
+        seq = out.seq
+        text = stream.detokenizer.step(seq.token_ids)
+        if not seq.is_finished and stream.stops.feed(text) is not None:
+            seq.finish(FinishReason.STOP_SEQUENCE)
+            self.core.abort(seq)
+        if seq.is_finished:
+            # flush a held partial character: the stream must add up to the full text
+            text += self._flush(stream)
+        return TokenEvent(
+            index=seq.num_output_tokens,
+            token=TokenInfo(out.token_id, text, out.logprob, out.token_id in self._special_ids),
+            top_tokens=tuple(self._token_info(i, lp) for i, lp in out.top_tokens),
+            prefill=self._prefill(seq, out.prefill_logprobs),
+            finish=self._finish_info(seq) if seq.is_finished else None,
+        )
+
+    def _flush(self, stream: _Stream) -> str:
+        seq, detok = stream.seq, stream.detokenizer
+        full = self.tokenizer.decode(seq.token_ids[detok.prefix_offset :])
+        emitted = self.tokenizer.decode(seq.token_ids[detok.prefix_offset : detok.read_offset])
+        return full[len(emitted) :] if full.startswith(emitted) else ""
+
+    def _token_info(self, token_id: int, logprob: float) -> TokenInfo:
+        text = self.tokenizer.decode([token_id])
+        return TokenInfo(token_id, text, logprob, token_id in self._special_ids)
+
+    def _prefill(self, seq: Sequence, logprobs: list[float | None] | None) -> tuple[PrefillInfo, ...]:
+        if not logprobs:
+            return ()
+        ids = seq.token_ids[: seq.num_prompt_tokens]
+        texts = self.tokenizer.batch_decode([[i] for i in ids])
+        return tuple(PrefillInfo(i, t, lp) for i, t, lp in zip(ids, texts, logprobs))
+
+    def _finish_info(self, seq: Sequence) -> FinishInfo:
+        now = time.monotonic()
+        started = seq.first_scheduled_time or now
+        return FinishInfo(
+            reason=seq.finish_reason or FinishReason.LENGTH,
+            generated_text=self.tokenizer.decode(seq.output_ids, skip_special_tokens=True),
+            generated_tokens=seq.num_output_tokens,
+            input_length=seq.num_prompt_tokens,
+            seed=seq.request.sampling.seed,
+            queue_time=max(0.0, started - seq.request.arrival_time),
+            inference_time=now - started,
+        )
+
+    def _deliver(self, streams: list[_Stream]) -> None:
+        """Hand this step's events to the event loop(s): one callback per loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, list, bool]]] = {}
+        for s in streams:
+            if s.events:
+                by_loop.setdefault(s.event_loop, []).append((s.queue, s.events, s.seq.is_finished))
+                s.events = []
+        for event_loop, batch in by_loop.items():
+            try:
+                event_loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    def _fail_all(self, error: EngineError) -> None:
+        streams = list(self._streams.values())
+        self._streams.clear()
+        for s in streams:
+            self.core.abort(s.seq)
+            try:
+                s.event_loop.call_soon_threadsafe(s.queue.put_nowait, error)
+            except RuntimeError:
+                pass
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, list, bool]]) -> None:
+    for queue, events, finished in batch:
+        queue.put_nowait(events)
+        if finished:
+            queue.put_nowait(_END)

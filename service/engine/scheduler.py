@@ -1,0 +1,178 @@
+"""Continuous batching: at each step decide which sequences run and how many tokens each
+computes. Pure Python: it sees sequences and the block manager, never a tensor.
+
+Policy, in order, every step:
+1. Decodes. Every running sequence with one token left to compute gets it. If the KV pool
+   can't hold it, the youngest running sequence is preempted (recompute) until it can.
+2. Prefill chunks of running sequences whose prompt (or recompute) is not done yet, oldest
+   first, within the per-step prefill budget `max_batch_prefill_tokens`.
+3. Admission of waiting sequences, FCFS, while the prefill budget, `max_batch_size` and the
+   free blocks allow. A long prompt is split into chunks across steps.
+
+Starvation policy. TGI's `waiting_served_ratio` / `max_waiting_tokens` exist because its
+prefill is a separate forward that stalls every running decode for the whole prompt, so it
+must ration prefills. Here prefill chunks ride in the same forward as the decodes and a step
+computes at most `max_batch_prefill_tokens` prompt tokens, so a decode's stall is bounded by
+that budget whatever arrives. We therefore admit waiting sequences at every step the budget
+and KV pool allow: new requests never wait behind a long generation, and running ones never
+lose more than one budgeted chunk of time per step. Waiting requests are served strictly in
+arrival order (no skipping ahead of a large request that doesn't fit yet), and preempted
+sequences go back to the front of the queue, so nothing starves.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's work, handed to the runner."""
+
+    # (sequence, number of new tokens it computes this step): decodes first, then prefill
+    # chunks of running sequences, then newly admitted ones. Its new tokens are
+    # token_ids[num_computed_tokens : num_computed_tokens + n]; blocks for them are allocated.
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    num_prefill_tokens: int = 0  # prompt/recompute tokens, <= max_batch_prefill_tokens
+    num_decode_tokens: int = 0  # one per running sequence with a single token left
+    # sequences preempted while building this step: blocks freed, back at the waiting front
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_batch_prefill_tokens: int, max_batch_size: int) -> None:
+        if max_batch_prefill_tokens <= 0 or max_batch_size <= 0:
+            raise ValueError("max_batch_prefill_tokens and max_batch_size must be positive")
+        self.block_manager = block_manager
+        self.max_batch_prefill_tokens = max_batch_prefill_tokens
+        self.max_batch_size = max_batch_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last is the youngest
+        self.num_preemptions = 0  # cumulative
+
+    # queue management --------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop `seq` wherever it is and return its blocks (finished or aborted)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    # scheduling --------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._schedule_decodes(out)
+        budget = self.max_batch_prefill_tokens
+        budget = self._schedule_running_prefills(out, budget)
+        # Admitting right after a preemption would hand the blocks just freed for the
+        # decodes to a newcomer and preempt again next step.
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """After the forward: the scheduled tokens are computed; cache newly full blocks."""
+        for seq, num_new in out.scheduled:
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq)
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> None:
+        # Oldest first; victims come from the tail, so a scheduled decode is never preempted.
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or _remaining(seq) != 1:
+                continue
+            while not self.block_manager.can_append(seq, 1):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.append_slots(seq, 1)
+                out.scheduled.append((seq, 1))
+                out.num_decode_tokens += 1
+
+    def _schedule_running_prefills(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled = {id(s) for s, _ in out.scheduled}
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or id(seq) in scheduled:
+                continue
+            wanted = min(_remaining(seq), budget)
+            num_new = self.block_manager.num_fitting_tokens(seq, wanted)
+            # Out of blocks: take them from younger sequences that have no work this step
+            # yet. Decodes keep priority: a scheduled decode is never a victim.
+            while num_new == 0 and self.running[-1] is not seq and id(self.running[-1]) not in scheduled:
+                self._preempt(self.running[-1], out)
+                num_new = self.block_manager.num_fitting_tokens(seq, wanted)
+            if num_new == 0:
+                continue
+            self.block_manager.append_slots(seq, num_new)
+            out.scheduled.append((seq, num_new))
+            out.num_prefill_tokens += num_new
+            budget -= num_new
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            # Prompt logprobs need the logits of every prompt position: no prefix reuse.
+            hits = None if seq.request.decoder_input_details else bm.match_prefix(seq)
+            num_to_compute = seq.num_tokens - len(hits or ()) * bm.block_size
+            free_blocks = bm.num_free_blocks - bm.num_free_among(hits or [])
+            # Admit only when the whole rest of the prompt fits in the free blocks (not just
+            # this chunk): a sequence admitted on a sliver would stall mid-prompt and be
+            # preempted, wasting the chunks already computed.
+            if -(-num_to_compute // bm.block_size) > free_blocks:
+                break
+            num_new = min(num_to_compute, budget)
+            self.waiting.popleft()
+            bm.allocate(seq, hits)
+            bm.append_slots(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            out.num_prefill_tokens += num_new
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Recompute preemption: drop seq's K/V; its generated tokens stay in token_ids and
+        are recomputed with the prompt when it is admitted again (at the queue's front)."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        # Victims are taken youngest first, so pushing each to the front keeps the older
+        # ones ahead: arrival order survives preemption.
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+
+def _remaining(seq: Sequence) -> int:
+    return seq.num_tokens - seq.num_computed_tokens

@@ -1,0 +1,117 @@
+"""Data that crosses the engine's boundary: what a validated request asks for and
+what the engine hands back. Plain dataclasses; nothing here knows gRPC or torch."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence ended; the values are TGI's strings."""
+
+    LENGTH = "length"
+    EOS_TOKEN = "eos_token"
+    STOP_SEQUENCE = "stop_sequence"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request logits processing, already validated (TGI's defaults when unset)."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    typical_p: float = 1.0  # 1.0: off
+    repetition_penalty: float = 1.0  # 1.0: off
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int = 0
+    top_n_tokens: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return not self.do_sample
+
+
+@dataclass(frozen=True, slots=True)
+class StoppingParams:
+    max_new_tokens: int
+    stop_sequences: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A validated, tokenized request, ready for the scheduler."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stopping: StoppingParams
+    decoder_input_details: bool = False  # return the prompt tokens' logprobs
+    arrival_time: float = 0.0  # time.monotonic() when the RPC arrived
+
+
+@dataclass(frozen=True, slots=True)
+class TokenInfo:
+    id: int
+    text: str
+    logprob: float
+    special: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillInfo:
+    id: int
+    text: str
+    logprob: float | None  # None for the first prompt token
+
+
+@dataclass(frozen=True, slots=True)
+class FinishInfo:
+    reason: FinishReason
+    generated_text: str
+    generated_tokens: int
+    input_length: int
+    seed: int
+    queue_time: float  # seconds from arrival to the first forward that included it
+    inference_time: float  # seconds from that forward to the last token
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One generated token of one request, as the stream sends it."""
+
+    index: int  # 1-based position among the generated tokens
+    token: TokenInfo  # token.text: the text this token completes (may be "")
+    top_tokens: tuple[TokenInfo, ...] = ()
+    prefill: tuple[PrefillInfo, ...] = ()  # on the first event when decoder_input_details
+    finish: FinishInfo | None = None  # on the last event
+
+
+class EngineError(Exception):
+    """The engine failed a request; error_type is TGI's (generation, incomplete_generation...)."""
+
+    def __init__(self, message: str, error_type: str = "generation") -> None:
+        super().__init__(message)
+        self.message = message
+        self.error_type = error_type
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot for Info, metrics and tests."""
+
+    waiting: int = 0
+    running: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_block_size: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_queried_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    extra: dict[str, float] = field(default_factory=dict)

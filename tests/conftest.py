@@ -1,0 +1,90 @@
+"""Shared fixtures: a tiny random model folder, and real gRPC servers on ephemeral
+ports (in-process, on a thread with its own event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_model import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+class ServerThread:
+    """A replica served from a background thread; `target` is its gRPC address."""
+
+    def __init__(self, settings) -> None:
+        self.settings = settings
+        self.loop = asyncio.new_event_loop()
+        self.replica = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from textgen.service.app import start_replica
+
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.replica = self.loop.run_until_complete(start_replica(self.settings))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test thread
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self.loop.run_forever()
+
+    def start(self, timeout: float = 300) -> "ServerThread":
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("server did not start")
+        if self._error:
+            raise self._error
+        return self
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.replica.grpc_port}"
+
+    @property
+    def engine(self):
+        return self.replica.engine
+
+    def stop(self) -> None:
+        if self.replica is not None:
+            asyncio.run_coroutine_threadsafe(self.replica.stop(grace=1), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
+
+
+def tiny_settings(model_dir: Path, **overrides):
+    from textgen.service.config import Settings
+
+    base = Settings(
+        model_id=str(model_dir),
+        dtype="float32",
+        hostname="127.0.0.1",
+        grpc_port=0,
+        no_envoy=True,
+        max_total_tokens=512,
+        max_batch_total_tokens=4096,
+    )
+    return replace(base, **overrides)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir):
+    server = ServerThread(tiny_settings(tiny_model_dir)).start()
+    yield server
+    server.stop()
