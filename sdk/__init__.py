@@ -1,6 +1,6 @@
 """textgen's Python SDK: typed gRPC clients of `textgen.v1.TextGenerationService`.
 
-    from textgen.sdk import Client, OverloadedError
+    from textgen.sdk import Client
     with Client("127.0.0.1:50051", api_key="secret", timeout=30) as client:
         print(client.generate("Hello", max_new_tokens=20).generated_text)
         for message in client.generate_stream("Once upon a time", max_new_tokens=50):

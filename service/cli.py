@@ -20,28 +20,53 @@ def _serve(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from textgen.sdk import Client, TextGenError
 
-    params = {"max_new_tokens": args.max_new_tokens}
-    if args.temperature is not None:
-        params.update(do_sample=True, temperature=args.temperature)
-    if args.seed is not None:
-        params["seed"] = args.seed
-    prompt = args.prompt
     with Client(args.target, api_key=args.api_key, timeout=args.timeout) as client:
         try:
             if args.chat:
-                prompt = client.apply_chat_template(prompt) if hasattr(client, "apply_chat_template") else prompt
-            if args.stream:
-                for message in client.generate_stream(prompt, **params):
-                    if message.token is not None and not message.token.special:
-                        sys.stdout.write(message.token.text)
-                        sys.stdout.flush()
-                sys.stdout.write("\n")
+                _generate_chat(client, args)
             else:
-                print(client.generate(prompt, **params).generated_text)
+                _generate_raw(client, args)
         except TextGenError as exc:
             print(f"error ({exc.error_type}): {exc.message}", file=sys.stderr)
             return 1
     return 0
+
+
+def _generate_chat(client, args: argparse.Namespace) -> None:
+    """The prompt as one user message, rendered with the model's chat template on the
+    server (the OpenAI chat RPC)."""
+    body = {
+        "messages": [{"role": "user", "content": args.prompt}],
+        "max_tokens": args.max_new_tokens,
+        "temperature": args.temperature or 0.0,
+    }
+    if args.seed is not None:
+        body["seed"] = args.seed
+    if not args.stream:
+        print(client.chat_completions(body)["choices"][0]["message"]["content"])
+        return
+    for chunk in client.chat_completions_stream(body):
+        for choice in chunk.get("choices", []):
+            sys.stdout.write(choice["delta"].get("content") or "")
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def _generate_raw(client, args: argparse.Namespace) -> None:
+    """The prompt as is, through the TGI-style Generate RPCs."""
+    params = {"max_new_tokens": args.max_new_tokens}
+    if args.temperature:
+        params.update(do_sample=True, temperature=args.temperature)
+    if args.seed is not None:
+        params["seed"] = args.seed
+    if not args.stream:
+        print(client.generate(args.prompt, **params).generated_text)
+        return
+    for message in client.generate_stream(args.prompt, **params):
+        if message.token is not None and not message.token.special:
+            sys.stdout.write(message.token.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="wrap the prompt in the model's chat template (server-side)")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="send the prompt as a chat message (the model's chat template, applied by the server); --no-chat sends it raw")
     gen.add_argument("--target", default="127.0.0.1:50051", help="gRPC address HOST:PORT")
     gen.add_argument("--api-key", default=None)
     gen.add_argument("--timeout", type=float, default=300.0)

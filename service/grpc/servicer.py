@@ -18,6 +18,7 @@ from ..proto import text_generation_service_pb2_grpc as svc_grpc
 from ..validation import ValidationError, Validator, ValidRequest
 from . import convert
 from .errors import ServiceError, abort, in_band_error
+from .openai_rpcs import OpenAIRpcs
 
 log = logging.getLogger("textgen.grpc")
 
@@ -47,7 +48,7 @@ class Admission:
         self.in_flight -= 1
 
 
-class TextGenerationServicer(svc_grpc.TextGenerationServiceServicer):
+class TextGenerationServicer(OpenAIRpcs, svc_grpc.TextGenerationServiceServicer):
     def __init__(self, engine: EngineLoop, validator: Validator, served: ServedModel, max_concurrent_requests: int) -> None:
         self.engine = engine
         self.validator = validator

@@ -68,15 +68,20 @@ def cpu_has_native_bf16() -> bool:
             info = f.read()
     except OSError:
         return False  # not Linux (or no procfs): be conservative
-    machine = platform.machine().lower()
-    for line in info.splitlines():
+    return cpuinfo_has_bf16(info, platform.machine())
+
+
+def cpuinfo_has_bf16(cpuinfo: str, machine: str) -> bool:
+    """x86: the `avx512_bf16` or `amx_bf16` flag; Arm: the `bf16` feature."""
+    machine = machine.lower()
+    x86 = machine in ("x86_64", "amd64", "i686", "i386")
+    arm = machine in ("aarch64", "arm64")
+    for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         key = key.strip().lower()
-        flags = set(value.split())
-        if key == "flags" and machine in ("x86_64", "amd64", "i686", "i386"):
-            return bool(flags & {"avx512_bf16", "amx_bf16"})
-        if key == "features" and machine in ("aarch64", "arm64"):
-            return "bf16" in flags
+        if (x86 and key == "flags") or (arm and key == "features"):
+            flags = set(value.split())
+            return bool(flags & {"avx512_bf16", "amx_bf16"}) if x86 else "bf16" in flags
     return False
 
 

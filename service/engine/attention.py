@@ -1,0 +1,401 @@
+"""Paged attention plugged into transformers' attention registry.
+
+The model runs one flattened ragged batch (`[1, T]` tokens of many sequences). Our function,
+registered with `AttentionInterface`, receives each layer's query `[1, H, T, D]` and new
+key/value `[1, KVH, T, D]` (rotary already applied), writes the new K/V into the paged pool
+and attends every query token over its own sequence's cached K/V.
+
+Everything that depends only on the batch layout (slot mapping, gather indices, masks) is in
+a `BatchMetadata` built once per step by the runner and passed to the model as an extra
+keyword argument (transformers forwards it to the attention function untouched). Masks and
+indices are built lazily on the first layer that needs them and shared by all the others, so
+the per-layer cost has no Python loop over sequences.
+
+Two backends:
+- CPU (and CUDA without flash-attn): torch SDPA over gathered blocks, in at most two calls
+  per layer: one for the single-token queries (decodes), one for the multi-token chunks
+  padded to the longest chunk.
+- CUDA with the `flash_attn` package: `flash_attn_varlen_func` over the unpadded batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import KVCachePool
+
+try:  # optional CUDA kernel; absent on CPU machines
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # pragma: no cover - depends on the install
+    flash_attn_varlen_func = None
+
+# The registry name. It must not contain "sdpa": transformers treats such names as SDPA and
+# refuses them on models without SDPA support (engine-facts).
+ATTENTION_NAME = "textgen_paged"
+# The keyword argument that carries the BatchMetadata through the model.
+METADATA_KWARG = "textgen_batch"
+# flash-attn 2 only reads a paged pool directly when its blocks are multiples of 256 tokens;
+# with smaller blocks the step's K/V are gathered into one contiguous varlen buffer.
+FLASH_PAGED_BLOCK_MULTIPLE = 256
+
+
+@dataclass(eq=False)
+class AttentionGroup:
+    """Sequences attended by one SDPA call, queries padded to `max_query_len`.
+
+    Its tokens are the contiguous slice [token_start, token_end) of the flattened batch.
+    """
+
+    token_start: int
+    token_end: int
+    num_seqs: int  # b
+    max_query_len: int  # q: the longest query chunk in the group
+    max_blocks: int  # nb: the longest block table in the group
+    block_size: int  # positions per block: gathered key j is position j
+    block_index: torch.Tensor  # [b * nb] long: pool blocks to gather, row-major, padded with 0
+    query_pos: torch.Tensor  # [b, q] long: absolute position of each padded query row
+    is_real_query: torch.Tensor  # [b, q] bool: False on padding rows
+    query_index: torch.Tensor | None  # [b * q] long: group token of each padded row (None: q == 1)
+    output_index: torch.Tensor | None  # [Tg] long: padded row of each real token (None: q == 1)
+    _masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int | None, num_groups: int) -> torch.Tensor:
+        """Bool mask `[b, 1, rows, nb * block_size]`, True = attend, for a layer whose query
+        heads are folded `num_groups` per KV head (rows = num_groups * q, or 1 when q == 1
+        and it broadcasts). Built once per (window, groups) and step."""
+        key = (window, num_groups)
+        mask = self._masks.get(key)
+        if mask is None:
+            mask = self._build_mask(window, num_groups)
+            self._masks[key] = mask
+        return mask
+
+    def _build_mask(self, window: int | None, num_groups: int) -> torch.Tensor:
+        num_keys = self.max_blocks * self.block_size
+        key_pos = torch.arange(num_keys, device=self.query_pos.device)
+        query_pos = self.query_pos.unsqueeze(-1)  # [b, q, 1]
+        allowed = key_pos <= query_pos  # causal; also hides slots past the context length
+        if window is not None:
+            allowed &= key_pos > query_pos - window
+        # Padding rows would be fully masked and SDPA gives NaN there: let them attend
+        # everything (the pool is zero-filled, so finite) and drop their output.
+        allowed |= ~self.is_real_query.unsqueeze(-1)
+        b, q, k = allowed.shape
+        if q == 1:
+            return allowed.view(b, 1, 1, k)
+        return allowed.unsqueeze(1).expand(b, num_groups, q, k).reshape(b, 1, num_groups * q, k)
+
+
+@dataclass(eq=False)
+class FlashIndices:
+    cu_query_lens: torch.Tensor  # [B + 1] int32: query token offsets
+    cu_context_lens: torch.Tensor  # [B + 1] int32: key offsets (in the gathered varlen buffer)
+    max_query_len: int
+    max_context_len: int
+    block_table: torch.Tensor | None  # [B, max_blocks] int32, when the pool is read in place
+    key_slots: torch.Tensor | None  # [sum(context)] long: pool slots to gather otherwise
+
+
+@dataclass(eq=False)
+class BatchMetadata:
+    """The step's batch layout, built once by the runner and shared by all layers.
+
+    Sequences appear in the flattened batch in list order; the runner puts all single-token
+    queries first so they form one cheap decode group.
+    """
+
+    pool: KVCachePool
+    slot_mapping: torch.Tensor  # [T] long: pool slot (block * block_size + offset) of each new token
+    query_lens: list[int]  # per sequence: tokens computed this step
+    context_lens: list[int]  # per sequence: tokens in the cache after this step
+    block_tables: list[list[int]]  # per sequence: its blocks, covering context_lens
+    device: torch.device
+    use_flash: bool = False  # CUDA + flash_attn: take the varlen kernel path
+    _groups: list[AttentionGroup] | None = None
+    _flash: FlashIndices | None = None
+
+    @classmethod
+    def build(
+        cls,
+        pool: KVCachePool,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        device: torch.device,
+    ) -> BatchMetadata:
+        bs = pool.block_size
+        num_tokens = sum(query_lens)
+        q_lens = torch.tensor(query_lens)
+        starts = torch.tensor(context_lens) - q_lens  # first new position of each sequence
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+        token_offset = torch.arange(num_tokens) - (torch.cumsum(q_lens, 0) - q_lens)[seq_of_token]
+        positions = starts[seq_of_token] + token_offset
+        tables = _pad_tables(block_tables)
+        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        use_flash = device.type == "cuda" and flash_attn_varlen_func is not None
+        return cls(
+            pool=pool,
+            slot_mapping=slots.to(device, non_blocking=True),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=block_tables,
+            device=device,
+            use_flash=use_flash,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.numel()
+
+    def groups(self) -> list[AttentionGroup]:
+        """The SDPA groups: the leading single-token queries, then the rest."""
+        if self._groups is None:
+            self._groups = self._build_groups()
+        return self._groups
+
+    def flash_indices(self) -> FlashIndices:
+        if self._flash is None:
+            self._flash = _build_flash_indices(self)
+        return self._flash
+
+    def _build_groups(self) -> list[AttentionGroup]:
+        num_decodes = 0
+        while num_decodes < len(self.query_lens) and self.query_lens[num_decodes] == 1:
+            num_decodes += 1
+        bounds = [(0, num_decodes), (num_decodes, len(self.query_lens))]
+        groups, token_start = [], 0
+        for first, last in bounds:
+            if first == last:
+                continue
+            group = _build_group(
+                self.query_lens[first:last],
+                self.context_lens[first:last],
+                self.block_tables[first:last],
+                token_start,
+                self.pool.block_size,
+                self.device,
+            )
+            groups.append(group)
+            token_start = group.token_end
+        return groups
+
+
+def _pad_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    """`[B, max_blocks]` long, padded with block 0 (never read unmasked)."""
+    width = max(len(t) for t in block_tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+
+
+def _build_group(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    token_start: int,
+    block_size: int,
+    device: torch.device,
+) -> AttentionGroup:
+    num_seqs, max_q = len(query_lens), max(query_lens)
+    tables = _pad_tables(block_tables)
+    q_lens = torch.tensor(query_lens)
+    row = torch.arange(max_q)
+    first_pos = torch.tensor(context_lens) - q_lens
+    query_pos = first_pos.unsqueeze(1) + row  # [b, q]
+    is_real = row < q_lens.unsqueeze(1)  # [b, q]
+    query_index = output_index = None
+    if max_q > 1:
+        first_token = torch.cumsum(q_lens, 0) - q_lens
+        query_index = torch.where(is_real, first_token.unsqueeze(1) + row, 0).flatten().to(device)
+        output_index = is_real.flatten().nonzero().squeeze(1).to(device)
+    return AttentionGroup(
+        token_start=token_start,
+        token_end=token_start + sum(query_lens),
+        num_seqs=num_seqs,
+        max_query_len=max_q,
+        max_blocks=tables.shape[1],
+        block_size=block_size,
+        block_index=tables.flatten().to(device),
+        query_pos=query_pos.to(device),
+        is_real_query=is_real.to(device),
+        query_index=query_index,
+        output_index=output_index,
+    )
+
+
+def _build_flash_indices(meta: BatchMetadata) -> FlashIndices:
+    bs = meta.pool.block_size
+    q_lens = torch.tensor(meta.query_lens, dtype=torch.int32)
+    ctx_lens = torch.tensor(meta.context_lens, dtype=torch.int32)
+    cu_q = F.pad(torch.cumsum(q_lens, 0, dtype=torch.int32), (1, 0))
+    cu_k = F.pad(torch.cumsum(ctx_lens, 0, dtype=torch.int32), (1, 0))
+    tables = _pad_tables(meta.block_tables)
+    block_table = key_slots = None
+    if bs % FLASH_PAGED_BLOCK_MULTIPLE == 0:
+        block_table = tables.to(torch.int32).to(meta.device)
+    else:
+        seq_of_key = torch.repeat_interleave(torch.arange(len(meta.context_lens)), ctx_lens.long())
+        key_pos = torch.arange(int(cu_k[-1])) - cu_k[:-1].long()[seq_of_key]
+        key_slots = (tables[seq_of_key, key_pos // bs] * bs + key_pos % bs).to(meta.device)
+    return FlashIndices(
+        cu_query_lens=cu_q.to(meta.device),
+        cu_context_lens=cu_k.to(meta.device),
+        max_query_len=max(meta.query_lens),
+        max_context_len=max(meta.context_lens),
+        block_table=block_table,
+        key_slots=key_slots,
+    )
+
+
+# the registered function ---------------------------------------------------------
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query `[1, H, T, D]`, key/value `[1, KVH, T, D]` -> (`[1, T, H, Dv]`, no weights)."""
+    meta: BatchMetadata | None = kwargs.get(METADATA_KWARG)
+    if meta is None:
+        raise RuntimeError(
+            f"attention '{ATTENTION_NAME}' was called without '{METADATA_KWARG}': this model "
+            "belongs to a PagedCore and can only run through its ModelRunner"
+        )
+    if query.shape[0] != 1 or query.shape[2] != meta.num_tokens:
+        raise ValueError(f"expected one flattened batch of {meta.num_tokens} tokens, got {tuple(query.shape)}")
+    k_pool, v_pool = meta.pool.write(module.layer_idx, key, value, meta.slot_mapping)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if meta.use_flash and _flash_supports(query, k_pool, v_pool):
+        return _flash_attention(query, k_pool, v_pool, meta, scaling, sliding_window, softcap), None
+    return _sdpa_attention(query, k_pool, v_pool, meta, scaling, sliding_window, softcap), None
+
+
+# CPU path: SDPA over gathered blocks ---------------------------------------------
+
+
+def _sdpa_attention(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    meta: BatchMetadata,
+    scaling: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    outputs = [
+        _attend_group(query[0], k_pool, v_pool, group, scaling, window, softcap)
+        for group in meta.groups()  # at most two: decodes, then chunks
+    ]
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return out.unsqueeze(0)  # [1, T, H, Dv]
+
+
+def _attend_group(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    group: AttentionGroup,
+    scaling: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """query `[H, T, D]` (whole batch) -> this group's output `[Tg, H, Dv]`."""
+    num_heads, _, head_dim = query.shape
+    num_kv_heads = k_pool.shape[2]
+    num_groups = num_heads // num_kv_heads
+    b, q = group.num_seqs, group.max_query_len
+    rows = query[:, group.token_start : group.token_end]  # [H, Tg, D]
+    if group.query_index is not None:
+        rows = rows.index_select(1, group.query_index)  # [H, b * q, D]
+    # GQA fold (engine-facts): the query heads sharing a KV head become extra query rows,
+    # [KVH, G, b, q, D] -> [b, KVH, G * q, D]; several times faster on CPU than enable_gqa.
+    rows = rows.reshape(num_kv_heads, num_groups, b, q, head_dim).permute(2, 0, 1, 3, 4)
+    rows = rows.reshape(b, num_kv_heads, num_groups * q, head_dim)
+    keys = _gather(k_pool, group)
+    values = _gather(v_pool, group)
+    mask = group.mask(window, num_groups)
+    out = _attend(rows, keys, values, mask, scaling, softcap)  # [b, KVH, G * q, Dv]
+    v_dim = out.shape[-1]
+    out = out.view(b, num_kv_heads, num_groups, q, v_dim).permute(0, 3, 1, 2, 4)
+    out = out.reshape(b * q, num_heads, v_dim)
+    if group.output_index is not None:
+        out = out.index_select(0, group.output_index)
+    return out
+
+
+def _gather(pool: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """The group's cached states `[b, KVH, nb * block_size, D]`, key j at position j."""
+    _, block_size, num_heads, head_dim = pool.shape
+    blocks = pool.index_select(0, group.block_index)  # [b * nb, bs, KVH, D]
+    return blocks.view(group.num_seqs, group.max_blocks * block_size, num_heads, head_dim).transpose(1, 2)
+
+
+def _attend(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    if not softcap:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+    # SDPA has no logit soft-capping (Gemma2): the eager formula, softmax in float32.
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.matmul(probs, values)
+
+
+# CUDA path: flash-attn varlen ------------------------------------------------------
+
+
+def _flash_supports(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    return (
+        query.dtype in (torch.float16, torch.bfloat16)
+        and k_pool.shape[-1] == v_pool.shape[-1] == query.shape[-1]
+        and query.shape[-1] <= 256
+    )
+
+
+def _flash_attention(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    meta: BatchMetadata,
+    scaling: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    idx = meta.flash_indices()
+    if idx.block_table is not None:
+        keys, values = k_pool, v_pool
+    else:
+        keys = k_pool.flatten(0, 1).index_select(0, idx.key_slots)  # [sum(context), KVH, D]
+        values = v_pool.flatten(0, 1).index_select(0, idx.key_slots)
+    out = flash_attn_varlen_func(
+        query[0].transpose(0, 1).contiguous(),  # [T, H, D]
+        keys,
+        values,
+        idx.cu_query_lens,
+        idx.cu_context_lens,
+        idx.max_query_len,
+        idx.max_context_len,
+        softmax_scale=scaling,
+        causal=True,  # bottom-right aligned: queries are the last tokens of each context
+        window_size=(window - 1, 0) if window else (-1, -1),  # k_pos > q_pos - window
+        softcap=softcap or 0.0,
+        block_table=idx.block_table,
+    )
+    return out.unsqueeze(0)  # [1, T, H, D]

@@ -1,0 +1,139 @@
+"""The fast engine core: continuous batching over a paged KV cache with prefix caching.
+
+One step = `Scheduler.schedule()` (which sequences, how many tokens each) -> one forward of
+the model over the flattened ragged batch (`ModelRunner`) -> `Sampler` on the sequences that
+reached their last token -> tokens appended, finished sequences' blocks freed at once.
+Implements the `EngineCore` protocol (core.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .core import StepOutput
+from .kv_cache import BlockManager, KVCachePool, num_blocks_for_tokens
+from .runner import ModelRunner, RunnerOutput
+from .sampler import Sampler
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .types import EngineError, EngineStats
+
+
+class PagedCore:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_batch_total_tokens: int,
+        max_batch_prefill_tokens: int,
+        max_batch_size: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        """
+        Args:
+            model: a transformers causal LM; its attention implementation is switched to ours.
+            max_batch_total_tokens: KV-cache budget in tokens, summed over all sequences; the
+                pool gets ceil(max_batch_total_tokens / block_size) blocks per layer.
+            max_batch_prefill_tokens: prompt tokens computed per step (chunked prefill).
+            max_batch_size: sequences running at once.
+            block_size: tokens per KV block.
+        """
+        if max_batch_total_tokens <= 0:
+            raise ValueError(f"max_batch_total_tokens must be positive, got {max_batch_total_tokens}")
+        num_blocks = num_blocks_for_tokens(max_batch_total_tokens, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_batch_prefill_tokens=max_batch_prefill_tokens,
+            max_batch_size=max_batch_size,
+        )
+        self.runner = ModelRunner(model, KVCachePool(num_blocks, block_size))
+        self.runner.warmup()
+        self.sampler = Sampler()
+        self._steps = 0
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The longest sequence (prompt + new tokens) the pool can hold."""
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    # EngineCore --------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        needed = seq.num_prompt_tokens + seq.request.stopping.max_new_tokens
+        if needed > self.max_total_tokens:
+            raise EngineError(
+                f"request needs {needed} tokens of KV cache but the pool holds {self.max_total_tokens} "
+                "(max_batch_total_tokens)",
+                "validation",
+            )
+        if seq.num_prompt_tokens == 0:
+            raise EngineError("empty prompt", "validation")
+        self.scheduler.add(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        self._steps += 1
+        now = time.monotonic()
+        for seq, _ in batch.scheduled:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        result = self.runner.execute(batch)
+        self.scheduler.commit(batch)
+        _store_prompt_logprobs(result)
+        if not result.sample_seqs:
+            return []
+        return self._append_sampled(result)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            kv_block_size=bm.block_size,
+            prefix_cache_hit_tokens=bm.prefix_hit_tokens,
+            prefix_cache_queried_tokens=bm.prefix_queried_tokens,
+            preemptions=self.scheduler.num_preemptions,
+            steps=self._steps,
+            extra={"kv_blocks_cached_free": float(bm.num_cached_free_blocks)},
+        )
+
+    # internals ---------------------------------------------------------------
+
+    def _append_sampled(self, result: RunnerOutput) -> list[StepOutput]:
+        sampled = self.sampler.sample(result.sample_logits, result.sample_seqs)
+        outputs = []
+        for row, seq in enumerate(result.sample_seqs):
+            prefill = None
+            if seq.request.decoder_input_details and seq.num_output_tokens == 0:
+                prefill = [None, *seq.prefill_logprobs]
+            token_id = sampled.token_ids[row]
+            seq.append_token(token_id)
+            outputs.append(StepOutput(seq, token_id, sampled.logprobs[row], sampled.top_tokens[row], prefill))
+            if seq.is_finished:
+                self.scheduler.finish(seq)
+        return outputs
+
+
+def _store_prompt_logprobs(result: RunnerOutput) -> None:
+    """seq.prefill_logprobs[i] is the logprob of prompt token i + 1. A chunk recomputed after
+    a preemption brings logprobs the sequence already has: keep the first ones."""
+    for chunk in result.prompt_logprobs:
+        have = len(chunk.seq.prefill_logprobs)
+        skip = have - (chunk.first_index - 1)
+        if skip < 0:
+            raise RuntimeError(f"prompt logprobs of {chunk.seq.request_id} arrived out of order")
+        chunk.seq.prefill_logprobs.extend(chunk.logprobs[skip:])

@@ -1,0 +1,108 @@
+"""End to end on the embedded default model: `textgen serve` as a user starts it,
+then the SDK and `textgen generate` against it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from textgen.sdk import Client
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+TEXTGEN = str(Path(sys.executable).parent / "textgen")
+QUESTION = "What is the capital of France?"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def embedded_server():
+    """`textgen serve --no-envoy` in a subprocess; waits for its ready line."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [TEXTGEN, "serve", "--no-envoy", "--grpc-port", str(port), "--max-batch-total-tokens", "16384"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if "textgen ready" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 540
+    while not ready.is_set() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:
+        if not ready.is_set():
+            pytest.fail("textgen serve did not become ready:\n" + "".join(lines[-30:]))
+        yield f"127.0.0.1:{port}", lines
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_chat_answer_contains_paris(embedded_server):
+    target, _ = embedded_server
+    with Client(target, timeout=120) as client:
+        body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 30, "temperature": 0}
+        answer = client.chat_completions(body)
+    content = answer["choices"][0]["message"]["content"]
+    assert "Paris" in content
+    assert answer["object"] == "chat.completion"
+    assert answer["usage"]["completion_tokens"] > 0
+
+
+def test_templated_generate_and_stream_agree(embedded_server):
+    target, _ = embedded_server
+    prompt = (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    with Client(target, timeout=120) as client:
+        full = client.generate(prompt, max_new_tokens=30)
+        streamed = list(client.generate_stream(prompt, max_new_tokens=30))
+        info = client.info()
+    assert "Paris" in full.generated_text
+    assert streamed[-1].generated_text == full.generated_text
+    assert "".join(m.token.text for m in streamed if not m.token.special) == full.generated_text
+    assert info.model_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_cli_generate_streams_the_answer(embedded_server):
+    target, _ = embedded_server
+    out = subprocess.run(
+        [TEXTGEN, "generate", "--stream", "--target", target, QUESTION],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+def test_ready_line_logged(embedded_server):
+    _, lines = embedded_server
+    ready = [line for line in lines if "textgen ready" in line]
+    assert ready and "grpc=127.0.0.1:" in ready[0]
