@@ -11,31 +11,30 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-
 from textgen.service import models
 from textgen.service.models import (
     DEFAULT_MODEL_ID,
     EmbeddedModelError,
     ModelError,
     ModelResolutionError,
+    embedded,
     load_model,
+    loader,
     resolve_model,
     select_device,
     select_dtype,
 )
-from textgen.service.models import embedded, loader
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
 
-# --------------------------------------------------------------------------- fixtures
+# ------------------------------------------------------------------- fixtures
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +58,12 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
 
     out = tmp_path_factory.mktemp("tiny-llama")
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "<eot>": 4, "world": 5}
@@ -116,7 +120,7 @@ def fake_converter(monkeypatch):
     return calls
 
 
-# --------------------------------------------------------------------------- (a) embedded conversion
+# ------------------------------------------------------------------- (a) embedded conversion
 
 
 @pytest.mark.slow
@@ -178,7 +182,7 @@ def test_missing_gguf_package_says_how_to_install(monkeypatch):
         resolve_model(None)
 
 
-# --------------------------------------------------------------------------- (b) embedded answers
+# ------------------------------------------------------------------- (b) embedded answers
 
 
 @pytest.mark.slow
@@ -205,7 +209,7 @@ def test_embedded_model_answers_paris(embedded_loaded):
     assert "Paris" in answer, answer
 
 
-# --------------------------------------------------------------------------- (c) crash safety
+# ------------------------------------------------------------------- (c) crash safety
 
 
 def test_half_written_cache_is_rebuilt(tmp_path, fake_converter):
@@ -242,27 +246,16 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_concurrent_resolves_convert_once(tmp_path, fake_converter):
-    results: list[Path] = []
-    errors: list[BaseException] = []
-
-    def worker():
-        try:
-            results.append(resolve_model(None, cache_dir=tmp_path).path)
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not errors
+    # separate FileLock objects serialise threads exactly as they do processes
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = [pool.submit(resolve_model, None, cache_dir=tmp_path) for _ in range(3)]
+        paths = {f.result(timeout=30).path for f in futures}
     assert len(fake_converter) == 1
-    assert len(results) == 3 and len(set(results)) == 1
-    assert embedded.is_complete(results[0])
+    assert len(paths) == 1
+    assert embedded.is_complete(paths.pop())
 
 
-# --------------------------------------------------------------------------- (d) Hub cache, offline
+# ------------------------------------------------------------------- (d) Hub cache, offline
 
 
 def test_hub_offline_from_cache(tmp_path, monkeypatch, tiny_model_dir):
@@ -318,7 +311,7 @@ def test_hub_snapshot_without_safetensors_is_refused(tmp_path, monkeypatch, tiny
         resolve_model("org/pickled")
 
 
-# --------------------------------------------------------------------------- (e) local folders
+# ------------------------------------------------------------------- (e) local folders
 
 
 def test_local_folder(tiny_model_dir):
@@ -344,7 +337,12 @@ def test_local_folder_missing_shard_is_refused(tmp_path, tiny_model_dir):
     folder.mkdir()
     (folder / "config.json").write_bytes((tiny_model_dir / "config.json").read_bytes())
     (folder / "model-00001-of-00002.safetensors").write_bytes(b"x")
-    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    index = {
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+        }
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ModelResolutionError, match="00002-of-00002"):
         resolve_model(str(folder))
@@ -362,7 +360,7 @@ def test_local_snapshot_folder_reports_sha(tmp_path, tiny_model_dir):
     assert resolve_model(str(snapshot)).sha == SHA
 
 
-# --------------------------------------------------------------------------- (f) dtype / device
+# ------------------------------------------------------------------- (f) dtype / device
 
 
 def test_select_device(monkeypatch):
@@ -414,4 +412,3 @@ def test_cpuinfo_bf16_detection():
     assert loader.cpuinfo_has_bf16(arm, "aarch64")
     assert not loader.cpuinfo_has_bf16(epyc, "aarch64")
     assert isinstance(loader.cpu_has_native_bf16(), bool)
-

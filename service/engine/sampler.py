@@ -27,6 +27,7 @@ class SampleResult:
 
 
 class Sampler:
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits: [len(seqs), vocab], the last position of each sequence."""
         params = [s.request.sampling for s in seqs]

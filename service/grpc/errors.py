@@ -11,6 +11,9 @@ from grpc_status import rpc_status
 from ..proto import generate_pb2
 
 DOMAIN = "textgen"
+# Trailing-metadata key carrying TGI's error_type, for Envoy's Lua filter: it writes
+# the HTTP error body and status from it (google.rpc details are binary there).
+ERROR_TYPE_KEY = "x-textgen-error-type"
 
 STATUS_BY_ERROR_TYPE: dict[str, grpc.StatusCode] = {
     "validation": grpc.StatusCode.INVALID_ARGUMENT,
@@ -36,9 +39,15 @@ def to_status(message: str, error_type: str) -> grpc.Status:
     code = STATUS_BY_ERROR_TYPE.get(error_type, grpc.StatusCode.INTERNAL)
     detail = any_pb2.Any()
     detail.Pack(error_details_pb2.ErrorInfo(reason=error_type, domain=DOMAIN))
-    return rpc_status.to_status(
+    status = rpc_status.to_status(
         status_pb2.Status(code=code.value[0], message=message, details=[detail])
     )
+    return _Status(status.code, status.details, (*status.trailing_metadata, (ERROR_TYPE_KEY, error_type)))
+
+
+class _Status(grpc.Status):
+    def __init__(self, code, details, trailing_metadata) -> None:
+        self.code, self.details, self.trailing_metadata = code, details, trailing_metadata
 
 
 async def abort(context: grpc.aio.ServicerContext, message: str, error_type: str):

@@ -97,7 +97,9 @@ class TextGenerationServicer(OpenAIRpcs, svc_grpc.TextGenerationServiceServicer)
                 runs = await self._generate_best_of(valid)
             except EngineError as exc:
                 await abort(context, exc.message, exc.error_type)
-            return self._generate_response(valid, runs, arrival)
+            response = self._generate_response(valid, runs, arrival)
+            await context.send_initial_metadata(_tgi_headers(valid, runs[0][-1].finish, arrival))
+            return response
         finally:
             self.admission.release()
 
@@ -182,6 +184,26 @@ class TextGenerationServicer(OpenAIRpcs, svc_grpc.TextGenerationServiceServicer)
             owned_by="textgen",
         )
         return svc_pb.ListModelsResponse(object="list", data=[model])
+
+
+def _tgi_headers(valid: ValidRequest, finish, arrival: float) -> tuple[tuple[str, str], ...]:
+    """TGI's /generate response headers (times in milliseconds), as initial metadata:
+    Envoy's transcoder turns them into HTTP headers."""
+    total = time.monotonic() - arrival
+    per_token = finish.inference_time / finish.generated_tokens if finish.generated_tokens else 0.0
+    ms = lambda seconds: str(int(seconds * 1000))  # noqa: E731
+    return (
+        ("x-compute-type", "textgen"),
+        ("x-compute-time", f"{total:.6f}"),
+        ("x-compute-characters", str(len(valid.inputs))),
+        ("x-total-time", ms(total)),
+        ("x-validation-time", ms(valid.validation_time)),
+        ("x-queue-time", ms(finish.queue_time)),
+        ("x-inference-time", ms(finish.inference_time)),
+        ("x-time-per-token", ms(per_token)),
+        ("x-prompt-tokens", str(finish.input_length)),
+        ("x-generated-tokens", str(finish.generated_tokens)),
+    )
 
 
 def _incomplete(error_type: str) -> str:

@@ -70,7 +70,9 @@ def locate_gguf() -> Path:
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
-        raise EmbeddedModelError(f"The embedded model package '{GGUF_PACKAGE}' is not installed; {hint}")
+        raise EmbeddedModelError(
+            f"The embedded model package '{GGUF_PACKAGE}' is not installed; {hint}"
+        )
     for folder in spec.submodule_search_locations:
         candidate = Path(folder) / GGUF_FILENAME
         if candidate.is_file():
@@ -237,7 +239,9 @@ def convert_gguf(gguf: Path, out: Path) -> None:
         bar.update()
 
         bar.set_postfix_str(steps[4])
-        tokenizer.save_pretrained(str(out))  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+        tokenizer.save_pretrained(
+            str(out)
+        )  # tokenizer.json, tokenizer_config.json, chat_template.jinja
         bar.update()
         bar.set_postfix_str("done")
     finally:

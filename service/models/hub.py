@@ -68,7 +68,9 @@ def hub_cache_dir() -> Path:
     if env.get("HF_HOME"):
         home = Path(os.path.expandvars(env["HF_HOME"])).expanduser()
     else:
-        home = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "huggingface"
+        home = (
+            Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "huggingface"
+        )
     return home / "hub"
 
 
@@ -92,7 +94,9 @@ def resolve_model(
     """
     if model_id is None or model_id in EMBEDDED_ALIASES:
         if revision is not None:
-            logger.warning("--revision %s ignored: the embedded model has a single version", revision)
+            logger.warning(
+                "--revision %s ignored: the embedded model has a single version", revision
+            )
         path = ensure_embedded(cache_dir)
         return ResolvedModel(model_id=DEFAULT_MODEL_ID, path=path, sha=None)
 
@@ -105,7 +109,8 @@ def resolve_model(
         return ResolvedModel(model_id=model_id, path=path, sha=_snapshot_sha(path))
     if local.exists() or model_id.startswith(("/", "./", "../", "~")) or model_id.count("/") > 1:
         raise ModelResolutionError(
-            f"--model-id {model_id!r} is neither a model folder (with config.json) nor a Hub repo id"
+            f"--model-id {model_id!r} is neither a model folder (with config.json) "
+            "nor a Hub repo id"
         )
     return _resolve_hub(model_id, revision)
 
@@ -134,7 +139,9 @@ def _resolve_hub(repo_id: str, revision: str | None) -> ResolvedModel:
             token=os.environ.get("HF_TOKEN") or None,
         )
     except HFValidationError as exc:
-        raise ModelResolutionError(f"--model-id {repo_id!r} is not a valid Hub repo id: {exc}") from exc
+        raise ModelResolutionError(
+            f"--model-id {repo_id!r} is not a valid Hub repo id: {exc}"
+        ) from exc
     except LocalEntryNotFoundError as exc:
         where = "offline (HF_HUB_OFFLINE=1)" if offline else "the Hub is unreachable"
         raise ModelResolutionError(
@@ -166,9 +173,15 @@ def check_model_folder(path: Path, what: str | None = None) -> None:
         shards = set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
         missing = sorted(s for s in shards if not (path / s).is_file())
         if missing:
-            raise ModelResolutionError(f"{what} is missing safetensors shards: {', '.join(missing[:3])}")
+            raise ModelResolutionError(
+                f"{what} is missing safetensors shards: {', '.join(missing[:3])}"
+            )
         return
     if not any(path.glob("*.safetensors")):
-        others = sorted(p.name for p in path.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".gguf"})
+        others = sorted(
+            p.name for p in path.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".gguf"}
+        )
         hint = f" (found {', '.join(others[:3])}; convert them to safetensors)" if others else ""
-        raise ModelResolutionError(f"{what} has no safetensors weights{hint}; only safetensors are loaded")
+        raise ModelResolutionError(
+            f"{what} has no safetensors weights{hint}; only safetensors are loaded"
+        )

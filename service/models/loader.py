@@ -42,7 +42,7 @@ _DTYPES = {
 
 
 def select_device(device: str = "auto") -> torch.device:
-    """"auto": cuda when available, else cpu. Anything else is parsed by torch and
+    """ "auto": cuda when available, else cpu. Anything else is parsed by torch and
     checked to exist, so a typo fails at startup rather than at the first request."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -93,7 +93,9 @@ def select_dtype(dtype: str, device: torch.device) -> torch.dtype:
         name = dtype.strip().lower()
     if name == "auto":
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            # native only (Ampere+): pre-Ampere GPUs emulate bf16, slower than fp16
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+            return torch.bfloat16 if native else torch.float16
         if device.type == "cpu":
             return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         return torch.float16 if device.type == "mps" else torch.float32
@@ -111,8 +113,8 @@ def select_dtype(dtype: str, device: torch.device) -> torch.dtype:
 @dataclass
 class LoadedModel:
     resolved: ResolvedModel
-    model: "PreTrainedModel"  # eval mode, on device, in dtype
-    tokenizer: "PreTrainedTokenizerBase"
+    model: PreTrainedModel  # eval mode, on device, in dtype
+    tokenizer: PreTrainedTokenizerBase
     dtype: torch.dtype
     device: torch.device
     eos_token_ids: frozenset[int]  # every EOS id the generation_config (and tokenizer) names
