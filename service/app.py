@@ -23,8 +23,10 @@ from .validation import Limits, Validator
 
 log = logging.getLogger("textgen.serve")
 
-# Share of free memory the KV cache may take when --max-batch-total-tokens is unset.
-KV_MEMORY_FRACTION = 0.3
+# Share of free memory the KV cache takes when --max-batch-total-tokens is unset: most
+# of what a GPU has left after the weights; on CPU a tenth of free RAM, since the pool
+# is zero-filled up front and shares the machine with everything else.
+KV_MEMORY_FRACTION = {"cuda": 0.85, "cpu": 0.1}
 KV_BLOCK_SIZE = 16
 
 
@@ -68,7 +70,8 @@ def kv_capacity_tokens(settings: Settings, loaded: LoadedModel, max_total_tokens
     if settings.max_batch_total_tokens:
         return settings.max_batch_total_tokens
     per_token = kv_bytes_per_token(loaded.model, loaded.dtype)
-    fits = int(free_memory_bytes(loaded.device) * KV_MEMORY_FRACTION) // per_token
+    fraction = KV_MEMORY_FRACTION.get(loaded.device.type, 0.1)
+    fits = int(free_memory_bytes(loaded.device) * fraction) // per_token
     return max(max_total_tokens, min(fits, 1 << 20))
 
 
