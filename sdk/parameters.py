@@ -39,6 +39,7 @@ class GenerateOptions(TypedDict, total=False):
     top_n_tokens: int | None
     logit_bias: Mapping[int, float] | None
     grammar: Grammar | Mapping[str, Any] | None
+    ignore_eos: bool
 
 
 def generate_parameters(
@@ -62,6 +63,7 @@ def generate_parameters(
     top_n_tokens: int | None = None,
     logit_bias: Mapping[int, float] | None = None,
     grammar: Grammar | Mapping[str, Any] | None = None,
+    ignore_eos: bool = False,
 ) -> GenerateParameters:
     """The `GenerateParameters` message for TGI-style keyword arguments.
 
@@ -89,6 +91,7 @@ def generate_parameters(
         top_n_tokens=top_n_tokens,
         logit_bias=dict(logit_bias or {}),
         grammar=_grammar(grammar),
+        ignore_eos=ignore_eos,
     )
 
 

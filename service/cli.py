@@ -1,4 +1,4 @@
-"""The `textgen` command: serve, generate."""
+"""The `textgen` command: serve, generate, bench."""
 
 from __future__ import annotations
 
@@ -69,6 +69,12 @@ def _generate_raw(client, args: argparse.Namespace) -> None:
     sys.stdout.write("\n")
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="textgen", description="LLM text generation over gRPC, TGI and OpenAI HTTP")
     parser.add_argument("--log-level", default="INFO")
@@ -89,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--api-key", default=None)
     gen.add_argument("--timeout", type=float, default=300.0)
     gen.set_defaults(func=_generate)
+
+    from .bench import add_bench_arguments  # light: imports nothing heavy at module level
+
+    bench = sub.add_parser("bench", help="load-test a server: tokens/s, TTFT, inter-token latency")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -89,7 +89,9 @@ class Validator:
             request_id=uuid.uuid4().hex,
             prompt_ids=tuple(prompt_ids),
             sampling=sampling,
-            stopping=StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=stops),
+            stopping=StoppingParams(
+                max_new_tokens=max_new_tokens, stop_sequences=stops, ignore_eos=p.ignore_eos
+            ),
             decoder_input_details=p.decoder_input_details,
             arrival_time=arrival,
         )

@@ -264,6 +264,11 @@ class GenerateParameters(betterproto2.Message):
     Bias added to the logits of token ids, keyed by token id.
     """
 
+    ignore_eos: "bool" = betterproto2.field(21, betterproto2.TYPE_BOOL)
+    """
+    Keep generating past EOS until max_new_tokens (vLLM's ignore_eos; for benchmarks).
+    """
+
 
 default_message_pool.register_message("textgen.v1", "GenerateParameters", GenerateParameters)
 

@@ -1,0 +1,28 @@
+"""`textgen bench` against a real server: the report adds up."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+
+from textgen.service.bench import add_bench_arguments, format_table, run_load
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_bench_report_adds_up(tiny_server):
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(
+        ["--target", tiny_server.target, "--concurrency", "4", "--requests", "6", "--max-new-tokens", "8", "--ignore-eos"]
+    )
+    report = asyncio.run(run_load(args, ["hello", "the quick brown fox", "café 🎉"]))
+    assert report.errors == 0
+    assert report.requests == 6
+    assert report.output_tokens == 6 * 8  # ignore_eos: every stream runs to max_new_tokens
+    assert report.output_tokens_per_s > 0
+    assert 0 < report.ttft_p50_ms <= report.ttft_p95_ms
+    assert 0 < report.itl_p50_ms <= report.itl_p95_ms
+    assert "output tokens/s" in format_table(report)
