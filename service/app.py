@@ -19,6 +19,7 @@ from .grpc.server import build_server, set_serving
 from .grpc.servicer import ServedModel, TextGenerationServicer
 from .models import LoadedModel, load_model
 from .proto import text_generation_service_pb2 as svc_pb
+from .proxy import start_envoy
 from .validation import Limits, Validator
 
 log = logging.getLogger("textgen.serve")
@@ -109,7 +110,7 @@ def served_model(settings: Settings, loaded: LoadedModel, limits: Limits, capaci
         max_input_tokens=limits.max_input_tokens,
         max_total_tokens=limits.max_total_tokens,
         validation_workers=1,
-        max_client_batch_size=1,
+        max_client_batch_size=settings.max_client_batch_size,
         router="textgen",
         version=__version__,
         model_dtype=str(loaded.dtype).removeprefix("torch."),
@@ -155,22 +156,55 @@ async def start_replica(settings: Settings, loaded: LoadedModel | None = None) -
 
 
 async def serve(settings: Settings) -> None:
-    """Run until SIGINT/SIGTERM."""
+    """Run until SIGINT/SIGTERM, or until Envoy dies (then exit 1, all stopped)."""
     started = time.monotonic()
     replica = await start_replica(settings)
+    envoy = None
+    if not settings.no_envoy:
+        try:
+            envoy = await start_envoy(
+                settings.hostname,
+                replica.grpc_port,
+                listen_host=settings.hostname,
+                listen_port=settings.port,
+            )
+        except BaseException:
+            await replica.stop()
+            raise
     log.info(
-        "textgen ready: model=%s dtype=%s device=%s grpc=%s:%d (%.1fs)",
+        "textgen ready: model=%s dtype=%s device=%s grpc=%s:%d%s (%.1fs)",
         replica.loaded.resolved.model_id,
         replica.servicer.served.info.model_dtype,
         replica.loaded.device,
         settings.hostname,
         replica.grpc_port,
+        f" http={envoy.http_url}" if envoy else "",
         time.monotonic() - started,
     )
+    if envoy:
+        log.info("try: %s", curl_example(envoy.http_url))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait(
+        [stopped] + ([envoy.exited] if envoy else []), return_when=asyncio.FIRST_COMPLETED
+    )
+    stopped.cancel()
+    envoy_died = envoy is not None and envoy.exited.done() and not stop.is_set()
+    if envoy_died:
+        log.error(
+            "envoy (pid %d) exited with code %s; shutting down", envoy.pid, envoy.process.returncode
+        )
     log.info("shutting down (pid %d)", os.getpid())
     await replica.stop()
+    if envoy:
+        await envoy.stop()  # last: in-flight HTTP streams drained through it
+    if envoy_died:
+        raise SystemExit(1)
+
+
+def curl_example(http_url: str) -> str:
+    body = '{"inputs":"What is the capital of France?","parameters":{"max_new_tokens":20}}'
+    return f"curl -N {http_url}/generate_stream -H 'Content-Type: application/json' -d '{body}'"

@@ -26,6 +26,7 @@ class Settings:
     max_best_of: int = 2
     max_stop_sequences: int = 4
     max_top_n_tokens: int = 5
+    max_client_batch_size: int = 4  # prompts in one /v1/completions request
     max_input_tokens: int | None = None  # None: max_total_tokens - 1
     max_total_tokens: int | None = None  # None: min(model context, 4096)
     max_batch_prefill_tokens: int = 2048  # per-step prefill budget (prompts are chunked)
@@ -82,6 +83,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     flag("max-best-of", type=_positive_int, default=d.max_best_of, help="largest best_of")
     flag("max-stop-sequences", type=int, default=d.max_stop_sequences, help="most stop sequences per request")
     flag("max-top-n-tokens", type=int, default=d.max_top_n_tokens, help="largest top_n_tokens")
+    flag("max-client-batch-size", type=_positive_int, default=d.max_client_batch_size, help="most prompts in one /v1/completions request")
     flag("max-input-tokens", type=_positive_int, default=d.max_input_tokens, help="longest prompt (default: max-total-tokens - 1)")
     flag("max-total-tokens", type=_positive_int, default=d.max_total_tokens, help="longest prompt + generation (default: min(model context, 4096))")
     flag("max-batch-prefill-tokens", type=_positive_int, default=d.max_batch_prefill_tokens, help="prefill tokens per engine step")

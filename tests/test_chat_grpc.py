@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from textgen.sdk import Client, ValidationError
-from textgen.service.openai.chat import StopHoldback
+from textgen.service.openai.common import StopHoldback
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -85,3 +85,36 @@ def test_stop_holdback_never_shows_a_partial_stop():
     hold = StopHoldback(("STOP",))
     shown = [hold.feed(t, final=False) for t in ["abS", "TO"]] + [hold.feed("Pzz", final=True)]
     assert "".join(shown) == "ab"
+
+
+def test_completions_single_and_list_prompts(client):
+    one = client.completions({"prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0})
+    assert one["object"] == "text_completion" and len(one["choices"]) == 1
+    two = client.completions({"prompt": ["The quick brown fox", "hello"], "max_tokens": 6, "temperature": 0})
+    assert [c["index"] for c in two["choices"]] == [0, 1]
+    assert two["choices"][0]["text"] == one["choices"][0]["text"]
+    assert two["usage"]["completion_tokens"] >= one["usage"]["completion_tokens"]
+
+
+def test_completions_stream_echo_and_usage(client):
+    body = {"prompt": ["The quick brown fox", "hello"], "max_tokens": 5, "temperature": 0, "echo": True}
+    full = client.completions(body)
+    chunks = list(client.completions_stream({**body, "stream_options": {"include_usage": True}}))
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] += choice["text"]
+    assert texts[0] == full["choices"][0]["text"] and texts[0].startswith("The quick brown fox")
+    assert texts[1] == full["choices"][1]["text"]
+    assert chunks[-1]["usage"] == full["usage"]
+
+
+def test_completions_logprobs_and_suffix(client):
+    resp = client.completions({"prompt": "hello", "max_tokens": 3, "temperature": 0, "logprobs": 2})
+    lp = resp["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"])
+    assert all(len(t) <= 2 for t in lp["top_logprobs"])
+    with pytest.raises(ValidationError):
+        client.completions({"prompt": "hello", "suffix": "world"})
+    with pytest.raises(ValidationError):
+        client.completions({"prompt": ["a"] * 5})

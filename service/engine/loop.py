@@ -46,6 +46,7 @@ class _Stream:
     detokenizer: IncrementalDetokenizer
     stops: StopSequenceMatcher
     events: list = field(default_factory=list)  # produced this step, not yet delivered
+    texts: list[str] = field(default_factory=list)  # TokenEvent.text sent so far
 
 
 class EngineLoop:
@@ -159,26 +160,35 @@ class EngineLoop:
 
     def _token_event(self, stream: _Stream, out: StepOutput) -> TokenEvent:
         seq = out.seq
+        special = out.token_id in self._special_ids
         text = stream.detokenizer.step(seq.token_ids)
-        if not seq.is_finished and stream.stops.feed(text) is not None:
+        visible = text.replace(self.tokenizer.decode([out.token_id]), "", 1) if special else text
+        if not seq.is_finished and stream.stops.feed(visible) is not None:
             seq.finish(FinishReason.STOP_SEQUENCE)
             self.core.abort(seq)
+        finish = None
         if seq.is_finished:
-            # flush a held partial character: the stream must add up to the full text
-            text += self._flush(stream)
+            generated = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            visible = self._last_text(stream, generated, visible)
+            text = text if special else visible
+            finish = self._finish_info(seq, generated)
+        stream.texts.append(visible)
         return TokenEvent(
             index=seq.num_output_tokens,
-            token=TokenInfo(out.token_id, text, out.logprob, out.token_id in self._special_ids),
+            token=TokenInfo(out.token_id, text, out.logprob, special),
+            text=visible,
             top_tokens=tuple(self._token_info(i, lp) for i, lp in out.top_tokens),
             prefill=self._prefill(seq, out.prefill_logprobs),
-            finish=self._finish_info(seq) if seq.is_finished else None,
+            finish=finish,
         )
 
-    def _flush(self, stream: _Stream) -> str:
-        seq, detok = stream.seq, stream.detokenizer
-        full = self.tokenizer.decode(seq.token_ids[detok.prefix_offset :])
-        emitted = self.tokenizer.decode(seq.token_ids[detok.prefix_offset : detok.read_offset])
-        return full[len(emitted) :] if full.startswith(emitted) else ""
+    @staticmethod
+    def _last_text(stream: _Stream, generated: str, visible: str) -> str:
+        """The last token's text, chosen so the stream adds up to generated_text: a
+        held partial character is flushed, and invalid byte runs, which the windowed
+        decode can split differently, are reconciled."""
+        sent = "".join(stream.texts)
+        return generated[len(sent) :] if generated.startswith(sent) else visible
 
     def _token_info(self, token_id: int, logprob: float) -> TokenInfo:
         text = self.tokenizer.decode([token_id])
@@ -191,12 +201,12 @@ class EngineLoop:
         texts = self.tokenizer.batch_decode([[i] for i in ids])
         return tuple(PrefillInfo(i, t, lp) for i, t, lp in zip(ids, texts, logprobs))
 
-    def _finish_info(self, seq: Sequence) -> FinishInfo:
+    def _finish_info(self, seq: Sequence, generated_text: str) -> FinishInfo:
         now = time.monotonic()
         started = seq.first_scheduled_time or now
         return FinishInfo(
             reason=seq.finish_reason or FinishReason.LENGTH,
-            generated_text=self.tokenizer.decode(seq.output_ids, skip_special_tokens=True),
+            generated_text=generated_text,
             generated_tokens=seq.num_output_tokens,
             input_length=seq.num_prompt_tokens,
             seed=seq.request.sampling.seed,

@@ -86,7 +86,10 @@ class TokenEvent:
     """One generated token of one request, as the stream sends it."""
 
     index: int  # 1-based position among the generated tokens
-    token: TokenInfo  # token.text: the text this token completes (may be "")
+    token: TokenInfo  # token.text: the text this token completes (may be ""); a special
+    # token's text includes its own string, as TGI streams it
+    text: str = ""  # what this token adds to generated_text (special strings left out):
+    # the texts of a stream add up to the final generated_text
     top_tokens: tuple[TokenInfo, ...] = ()
     prefill: tuple[PrefillInfo, ...] = ()  # on the first event when decoder_input_details
     finish: FinishInfo | None = None  # on the last event

@@ -3,19 +3,15 @@ generate exactly as the TGI RPCs do, write OpenAI's bytes."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from google.api import httpbody_pb2
 
 from ..engine.types import EngineError, TokenEvent
-from ..openai.chat import (
-    DONE,
-    ChatRenderer,
-    OpenAIRequestError,
-    StopHoldback,
-    parse_chat_request,
-    sse_error,
-)
+from ..openai.chat import ChatRenderer, parse_chat_request
+from ..openai.completions import CompletionRenderer, parse_completion_request
+from ..openai.common import DONE, OpenAIRequestError, StopHoldback, finish_reason, sse_error
 from ..validation import ValidationError
 from .errors import ServiceError, abort
 
@@ -57,27 +53,115 @@ class OpenAIRpcs:
         try:
             async for event in self.engine.generate(valid.engine_request):
                 if not sent_any:
-                    yield _sse(renderer.first_chunk())
+                    yield _body(renderer.first_chunk())
                     sent_any = True
                 for body in self._chat_event(renderer, holdback, event):
                     yield body
         except EngineError as exc:
             if sent_any:
-                yield _sse(sse_error(exc.message, exc.error_type))
+                yield _body(sse_error(exc.message, exc.error_type))
             await abort(context, exc.message, exc.error_type)
+
+    async def Completions(self, request, context):
+        arrival = time.monotonic()
+        try:
+            self.admission.acquire()
+        except ServiceError as exc:
+            await abort(context, exc.message, exc.error_type)
+        try:
+            info = self.served.info
+            try:
+                req = parse_completion_request(request.data, info.max_client_batch_size)
+                valid = [
+                    self.validator.validate(g, stream=req.stream, arrival_time=arrival) for g in req.generates
+                ]
+            except (OpenAIRequestError, ValidationError) as exc:
+                await abort(context, exc.message, "validation")
+            renderer = CompletionRenderer(info.model_id, f"textgen-{info.version}", req)
+            streams = [self.engine.generate(v.engine_request) for v in valid]
+            if req.stream:
+                async for body in self._completion_stream(renderer, streams, context):
+                    yield body
+                return
+            runs = [[] for _ in valid]
+            try:
+                async for index, event in _merged(streams):
+                    runs[index].append(event)
+            except EngineError as exc:
+                await abort(context, exc.message, exc.error_type)
+            yield httpbody_pb2.HttpBody(content_type=JSON, data=renderer.completion(runs))
+        finally:
+            self.admission.release()
+
+    async def _completion_stream(self, renderer: CompletionRenderer, streams, context):
+        req = renderer.request
+        holdbacks = [StopHoldback(req.stop) for _ in streams]
+        finishes = []
+        sent_any = False
+        try:
+            if req.echo:
+                for index, prompt in enumerate(req.prompts):
+                    yield _body(renderer.chunk(index, prompt))
+                    sent_any = True
+            async for index, event in _merged(streams):
+                final = event.finish is not None
+                text = holdbacks[index].feed(event.text, final)
+                if text or (req.logprobs is not None and not event.token.special):
+                    yield _body(renderer.chunk(index, text, event))
+                    sent_any = True
+                if final:
+                    finishes.append(event.finish)
+                    yield _body(renderer.chunk(index, "", reason=finish_reason(event.finish)))
+                    sent_any = True
+        except EngineError as exc:
+            if sent_any:
+                yield _body(sse_error(exc.message, exc.error_type))
+            await abort(context, exc.message, exc.error_type)
+        if req.include_usage:
+            yield _body(renderer.usage_chunk(finishes))
+        yield _body(DONE)
 
     def _chat_event(self, renderer: ChatRenderer, holdback: StopHoldback, event: TokenEvent):
         final = event.finish is not None
-        text = "" if event.token.special else event.token.text
-        delta = holdback.feed(text, final)
+        delta = holdback.feed(event.text, final)
         if delta or (renderer.request.logprobs and not event.token.special):
-            yield _sse(renderer.content_chunk(delta, event if renderer.request.logprobs else None))
+            yield _body(renderer.content_chunk(delta, event if renderer.request.logprobs else None))
         if final:
-            yield _sse(renderer.final_chunk(event.finish))
+            yield _body(renderer.final_chunk(event.finish))
             if renderer.request.include_usage:
-                yield _sse(renderer.usage_chunk(event.finish))
-            yield _sse(DONE)
+                yield _body(renderer.usage_chunk(event.finish))
+            yield _body(DONE)
 
 
-def _sse(data: bytes) -> httpbody_pb2.HttpBody:
+async def _merged(streams):
+    """Events of several engine streams as (index, event), in arrival order. Leaving
+    early cancels every stream (each aborts its sequence)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for event in stream:
+                queue.put_nowait((index, event, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((index, None, exc))
+        queue.put_nowait((index, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            index, event, error = await queue.get()
+            if error is not None:
+                raise error
+            if event is None:
+                open_streams -= 1
+                continue
+            yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _body(data: bytes) -> httpbody_pb2.HttpBody:
     return httpbody_pb2.HttpBody(content_type=SSE, data=data)

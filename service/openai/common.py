@@ -1,0 +1,169 @@
+"""What OpenAI's chat and completions routes share: request-field parsing with
+OpenAI's types, the sampling fields as TGI parameters, usage, stop handling and the
+JSON/SSE byte writers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..engine.types import FinishInfo
+from ..proto import generate_pb2 as pb
+
+
+class OpenAIRequestError(Exception):
+    """A malformed OpenAI request (a validation error, reported in OpenAI's shape)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def sampling_parameters(data: dict) -> tuple[pb.GenerateParameters, tuple[str, ...]]:
+    """The OpenAI sampling fields shared by chat and completions, as TGI parameters."""
+    params = pb.GenerateParameters()
+    n = optional_field(data, "n", int)
+    if n is not None and n != 1:
+        raise OpenAIRequestError("only `n: 1` is supported", "n")
+    max_tokens = optional_field(data, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = optional_field(data, "max_tokens", int)
+    if max_tokens is not None:
+        params.max_new_tokens = max_tokens
+    temperature = optional_field(data, "temperature", float)
+    if temperature is not None and temperature < 0:
+        raise OpenAIRequestError("`temperature` must be >= 0", "temperature")
+    sampling = temperature is None or temperature > 0  # OpenAI samples unless temperature is 0
+    top_p = optional_field(data, "top_p", float)
+    if sampling:
+        params.do_sample = True
+        if temperature is not None:
+            params.temperature = temperature
+        if top_p is not None and top_p < 1.0:
+            params.top_p = top_p
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = optional_field(data, name, float)
+        if value is not None:
+            setattr(params, name, value)
+    seed = optional_field(data, "seed", int)
+    if seed is not None:
+        if seed < 0:
+            raise OpenAIRequestError("`seed` must be >= 0", "seed")
+        params.seed = seed
+    stop = _stop(data)
+    params.stop.extend(stop)
+    for token, bias in (optional_field(data, "logit_bias", dict) or {}).items():
+        if not str(token).isdigit() or not isinstance(bias, (int, float)) or isinstance(bias, bool):
+            raise OpenAIRequestError("`logit_bias` maps token ids to numbers", "logit_bias")
+        params.logit_bias[int(token)] = float(bias)
+    return params, stop
+
+
+def _stop(data: dict) -> tuple[str, ...]:
+    stop = data.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise OpenAIRequestError("`stop` must be a string or a list of strings", "stop")
+
+
+def json_object(body: bytes) -> dict:
+    try:
+        data = json.loads(body or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise OpenAIRequestError(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise OpenAIRequestError("the body must be a JSON object")
+    return data
+
+
+_TYPE_NAMES = {list: "an array", dict: "an object", int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+
+
+def optional_field(data: dict, key: str, kind: type):
+    value = data.get(key)
+    if value is None:
+        return None
+    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise OpenAIRequestError(f"`{key}` must be {_TYPE_NAMES[kind]}", key)
+    return value
+
+
+def required_field(data: dict, key: str, kind: type):
+    if data.get(key) is None:
+        raise OpenAIRequestError(f"`{key}` is required", key)
+    return optional_field(data, key, kind)
+
+
+def finish_reason(finish: FinishInfo) -> str:
+    return "length" if finish.reason.value == "length" else "stop"
+
+
+def trim_stop(text: str, stop: tuple[str, ...]) -> str:
+    """OpenAI leaves the stop sequence out of the content."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return text if cut < 0 else text[:cut]
+
+
+def usage(finish: FinishInfo) -> dict:
+    return {
+        "prompt_tokens": finish.input_length,
+        "completion_tokens": finish.generated_tokens,
+        "total_tokens": finish.input_length + finish.generated_tokens,
+    }
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def json_bytes(obj) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def sse_bytes(obj) -> bytes:
+    return b"data: " + json_bytes(obj) + b"\n\n"
+
+
+def error_body(message: str, error_type: str, param: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": None}}
+
+
+def sse_error(message: str, error_type: str) -> bytes:
+    return sse_bytes(error_body(message, error_type))
+
+
+@dataclass
+class StopHoldback:
+    """Streams content without ever showing a stop sequence: text that could be the
+    start of one is held until the next token decides."""
+
+    stop: tuple[str, ...]
+    _text: str = ""
+    _emitted: int = 0
+
+    def feed(self, text: str, final: bool) -> str:
+        self._text += text
+        visible = trim_stop(self._text, self.stop)
+        if not final and len(visible) == len(self._text):
+            visible = visible[: len(visible) - self._partial_stop_suffix(visible)]
+        out = visible[self._emitted :]
+        self._emitted = max(self._emitted, len(visible))
+        return out
+
+    def _partial_stop_suffix(self, text: str) -> int:
+        """Length of the longest tail of `text` that begins some stop sequence."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
