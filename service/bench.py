@@ -101,9 +101,8 @@ async def _one(client, prompt: str, args, progress) -> RequestResult:
 
 
 async def run_load(args, prompts: list[str]) -> Report:
-    from tqdm import tqdm
-
     from textgen.sdk import AsyncClient
+    from tqdm import tqdm
 
     n = args.requests or args.concurrency
     work = asyncio.Queue()
@@ -158,7 +157,6 @@ def measure_baselines(model_id: str | None, prompts: list[str], batch: int, max_
     """Plain transformers on the same model: the batched forward ceiling (both dtypes,
     the faster counts) and naive sequential generate."""
     import torch
-
     from textgen.service.models import load_model
 
     out: dict = {"ceiling_tokens_per_s": {}, "naive_generate_tokens_per_s": None}
@@ -184,7 +182,6 @@ def _forward_ceiling(model, tokenizer, prompts: list[str], max_new_tokens: int) 
     """Left-padded prefill, then greedy decode steps with a DynamicCache: no sampling
     logic, no stopping, no scheduling — what the model's forward pass allows."""
     import torch
-    from transformers import DynamicCache
 
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)

@@ -126,7 +126,7 @@ class EngineLoop:
                 continue
             try:
                 outputs = self.core.step()
-            except Exception as exc:  # noqa: BLE001 - any failure of a step fails its requests
+            except Exception as exc:
                 log.exception("engine step failed")
                 self.last_error = exc
                 self._fail_all(EngineError(f"generation failed: {exc}", "generation"))

@@ -10,8 +10,8 @@ from google.api import httpbody_pb2
 
 from ..engine.types import EngineError, TokenEvent
 from ..openai.chat import ChatRenderer, parse_chat_request
-from ..openai.completions import CompletionRenderer, parse_completion_request
 from ..openai.common import DONE, OpenAIRequestError, StopHoldback, finish_reason, sse_error
+from ..openai.completions import CompletionRenderer, parse_completion_request
 from ..validation import ValidationError
 from .errors import ServiceError, abort
 
