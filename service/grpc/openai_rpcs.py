@@ -13,7 +13,7 @@ from ..openai.chat import ChatRenderer, parse_chat_request
 from ..openai.common import DONE, OpenAIRequestError, StopHoldback, finish_reason, sse_error
 from ..openai.completions import CompletionRenderer, parse_completion_request
 from ..validation import ValidationError
-from .errors import ServiceError, abort
+from .errors import abort
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -24,11 +24,7 @@ class OpenAIRpcs:
 
     async def ChatCompletions(self, request, context):
         arrival = time.monotonic()
-        try:
-            self.admission.acquire()
-        except ServiceError as exc:
-            await abort(context, exc.message, exc.error_type)
-        try:
+        async with self.admission.permit(context):
             try:
                 chat = parse_chat_request(request.data, self.validator.tokenizer)
                 valid = self.validator.validate(chat.generate, stream=chat.stream, arrival_time=arrival)
@@ -44,8 +40,6 @@ class OpenAIRpcs:
                 except EngineError as exc:
                     await abort(context, exc.message, exc.error_type)
                 yield httpbody_pb2.HttpBody(content_type=JSON, data=renderer.completion(events))
-        finally:
-            self.admission.release()
 
     async def _chat_stream(self, renderer: ChatRenderer, valid, context):
         holdback = StopHoldback(renderer.request.stop)
@@ -64,11 +58,7 @@ class OpenAIRpcs:
 
     async def Completions(self, request, context):
         arrival = time.monotonic()
-        try:
-            self.admission.acquire()
-        except ServiceError as exc:
-            await abort(context, exc.message, exc.error_type)
-        try:
+        async with self.admission.permit(context):
             info = self.served.info
             try:
                 req = parse_completion_request(request.data, info.max_client_batch_size)
@@ -90,8 +80,6 @@ class OpenAIRpcs:
             except EngineError as exc:
                 await abort(context, exc.message, exc.error_type)
             yield httpbody_pb2.HttpBody(content_type=JSON, data=renderer.completion(runs))
-        finally:
-            self.admission.release()
 
     async def _completion_stream(self, renderer: CompletionRenderer, streams, context):
         req = renderer.request

@@ -4,11 +4,10 @@ It decides nothing itself; errors leave as typed statuses (errors.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
-
-import grpc
 
 from ..engine.loop import EngineLoop
 from ..engine.types import EngineError, TokenEvent
@@ -17,7 +16,7 @@ from ..proto import text_generation_service_pb2 as svc_pb
 from ..proto import text_generation_service_pb2_grpc as svc_grpc
 from ..validation import ValidationError, Validator, ValidRequest
 from . import convert
-from .errors import ServiceError, abort, in_band_error
+from .errors import abort, in_band_error
 from .openai_rpcs import OpenAIRpcs
 
 log = logging.getLogger("textgen.grpc")
@@ -39,13 +38,16 @@ class Admission:
         self.limit = limit
         self.in_flight = 0
 
-    def acquire(self) -> None:
+    @contextlib.asynccontextmanager
+    async def permit(self, context):
+        """Hold a permit for the body of the block, or end the RPC with `overloaded`."""
         if self.in_flight >= self.limit:
-            raise ServiceError("Model is overloaded", "overloaded")
+            await abort(context, "Model is overloaded", "overloaded")
         self.in_flight += 1
-
-    def release(self) -> None:
-        self.in_flight -= 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
 
 
 class TextGenerationServicer(OpenAIRpcs, svc_grpc.TextGenerationServiceServicer):
@@ -59,11 +61,7 @@ class TextGenerationServicer(OpenAIRpcs, svc_grpc.TextGenerationServiceServicer)
 
     async def GenerateStream(self, request, context):
         arrival = time.monotonic()
-        try:
-            self.admission.acquire()
-        except ServiceError as exc:
-            await abort(context, exc.message, exc.error_type)
-        try:
+        async with self.admission.permit(context):
             valid = await self._validate(request, context, stream=True, arrival=arrival)
             prefix = valid.inputs if valid.return_full_text else ""
             sent_any = False
@@ -82,16 +80,10 @@ class TextGenerationServicer(OpenAIRpcs, svc_grpc.TextGenerationServiceServicer)
                     yield in_band_error(exc.message, _incomplete(exc.error_type))
                     await abort(context, exc.message, _incomplete(exc.error_type))
                 await abort(context, exc.message, exc.error_type)
-        finally:
-            self.admission.release()
 
     async def Generate(self, request, context):
         arrival = time.monotonic()
-        try:
-            self.admission.acquire()
-        except ServiceError as exc:
-            await abort(context, exc.message, exc.error_type)
-        try:
+        async with self.admission.permit(context):
             valid = await self._validate(request, context, stream=False, arrival=arrival)
             try:
                 runs = await self._generate_best_of(valid)
@@ -100,8 +92,6 @@ class TextGenerationServicer(OpenAIRpcs, svc_grpc.TextGenerationServiceServicer)
             response = self._generate_response(valid, runs, arrival)
             await context.send_initial_metadata(_tgi_headers(valid, runs[0][-1].finish, arrival))
             return response
-        finally:
-            self.admission.release()
 
     async def _validate(self, request, context, *, stream: bool, arrival: float) -> ValidRequest:
         try:
@@ -191,7 +181,7 @@ def _tgi_headers(valid: ValidRequest, finish, arrival: float) -> tuple[tuple[str
     Envoy's transcoder turns them into HTTP headers."""
     total = time.monotonic() - arrival
     per_token = finish.inference_time / finish.generated_tokens if finish.generated_tokens else 0.0
-    ms = lambda seconds: str(int(seconds * 1000))  # noqa: E731
+    ms = lambda seconds: str(int(seconds * 1000))
     return (
         ("x-compute-type", "textgen"),
         ("x-compute-time", f"{total:.6f}"),
