@@ -26,15 +26,6 @@ STATUS_BY_ERROR_TYPE: dict[str, grpc.StatusCode] = {
 }
 
 
-class ServiceError(Exception):
-    """An error a client should see, with TGI's error_type."""
-
-    def __init__(self, message: str, error_type: str) -> None:
-        super().__init__(message)
-        self.message = message
-        self.error_type = error_type
-
-
 def to_status(message: str, error_type: str) -> grpc.Status:
     code = STATUS_BY_ERROR_TYPE.get(error_type, grpc.StatusCode.INTERNAL)
     detail = any_pb2.Any()
