@@ -43,7 +43,7 @@ def timings(finish: FinishInfo, validation_time: float, total_time: float) -> pb
 
 
 def stream_response(
-    event: TokenEvent, *, prefix: str, validation_time: float, total_time: float
+    event: TokenEvent, *, prefix: str, seed_reported: bool, validation_time: float, total_time: float
 ) -> pb.GenerateStreamResponse:
     msg = pb.GenerateStreamResponse(
         index=event.index,
@@ -57,11 +57,12 @@ def stream_response(
             pb.StreamDetails(
                 finish_reason=f.reason.value,
                 generated_tokens=f.generated_tokens,
-                seed=float(f.seed),
                 input_length=f.input_length,
                 timings=timings(f, validation_time, total_time),
             )
         )
+        if seed_reported:  # TGI reports a seed only when sampling
+            msg.details.seed = float(f.seed)
     return msg
 
 

@@ -27,7 +27,7 @@ class OpenAIRpcs:
         async with self.admission.permit(context):
             try:
                 chat = parse_chat_request(request.data, self.validator.tokenizer)
-                valid = self.validator.validate(chat.generate, stream=chat.stream, arrival_time=arrival)
+                valid = await self.validate(chat.generate, stream=chat.stream, arrival=arrival)
             except (OpenAIRequestError, ValidationError) as exc:
                 await abort(context, exc.message, "validation")
             renderer = ChatRenderer(self.served.info.model_id, f"textgen-{self.served.info.version}", chat)
@@ -62,9 +62,7 @@ class OpenAIRpcs:
             info = self.served.info
             try:
                 req = parse_completion_request(request.data, info.max_client_batch_size)
-                valid = [
-                    self.validator.validate(g, stream=req.stream, arrival_time=arrival) for g in req.generates
-                ]
+                valid = [await self.validate(g, stream=req.stream, arrival=arrival) for g in req.generates]
             except (OpenAIRequestError, ValidationError) as exc:
                 await abort(context, exc.message, "validation")
             renderer = CompletionRenderer(info.model_id, f"textgen-{info.version}", req)

@@ -17,9 +17,13 @@ from ..proto import text_generation_service_pb2_grpc as svc_grpc
 from ..validation import ValidationError, Validator, ValidRequest
 from . import convert
 from .errors import abort, in_band_error
+from .metrics_rpc import MetricsRpc
 from .openai_rpcs import OpenAIRpcs
 
 log = logging.getLogger("textgen.grpc")
+
+# Prompts longer than this are tokenized on a worker thread.
+LONG_PROMPT_CHARS = 20_000
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class Admission:
             self.in_flight -= 1
 
 
-class TextGenerationServicer(OpenAIRpcs, svc_grpc.TextGenerationServiceServicer):
+class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServiceServicer):
     def __init__(self, engine: EngineLoop, validator: Validator, served: ServedModel, max_concurrent_requests: int) -> None:
         self.engine = engine
         self.validator = validator
@@ -70,6 +74,7 @@ class TextGenerationServicer(OpenAIRpcs, svc_grpc.TextGenerationServiceServicer)
                     yield convert.stream_response(
                         event,
                         prefix=prefix,
+                        seed_reported=valid.engine_request.sampling.do_sample,
                         validation_time=valid.validation_time,
                         total_time=time.monotonic() - arrival,
                     )
@@ -95,9 +100,16 @@ class TextGenerationServicer(OpenAIRpcs, svc_grpc.TextGenerationServiceServicer)
 
     async def _validate(self, request, context, *, stream: bool, arrival: float) -> ValidRequest:
         try:
-            return self.validator.validate(request, stream=stream, arrival_time=arrival)
+            return await self.validate(request, stream=stream, arrival=arrival)
         except ValidationError as exc:
             await abort(context, exc.message, exc.error_type)
+
+    async def validate(self, request, *, stream: bool, arrival: float) -> ValidRequest:
+        """Validate (and tokenize); long prompts off the event loop, so one 2 MB prompt
+        doesn't stall every other stream while it is tokenized."""
+        if len(request.inputs) < LONG_PROMPT_CHARS:
+            return self.validator.validate(request, stream=stream, arrival_time=arrival)
+        return await asyncio.to_thread(self.validator.validate, request, stream=stream, arrival_time=arrival)
 
     async def _generate_best_of(self, valid: ValidRequest) -> list[list[TokenEvent]]:
         """best_of sequences run side by side with their own seeds; the first is the
