@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from opentelemetry.sdk.trace import TracerProvider
 
 from . import __version__
 from .config import Settings
@@ -18,6 +19,9 @@ from .engine.loop import EngineLoop
 from .grpc.server import build_server, set_serving
 from .grpc.servicer import ServedModel, TextGenerationServicer
 from .models import LoadedModel, load_model
+from .observability.metrics import Metrics
+from .observability.requests import RequestRecorder
+from .observability.tracing import otlp_tracer_provider, server_interceptors
 from .proto import text_generation_service_pb2 as svc_pb
 from .proxy import start_envoy
 from .validation import Limits, Validator
@@ -127,8 +131,11 @@ def served_model(settings: Settings, loaded: LoadedModel, limits: Limits, capaci
     return ServedModel(info=info, created=int(time.time()))
 
 
-async def start_replica(settings: Settings, loaded: LoadedModel | None = None) -> Replica:
-    """Load (unless given), build and start one replica; returns once it serves."""
+async def start_replica(
+    settings: Settings, loaded: LoadedModel | None = None, tracer_provider: TracerProvider | None = None
+) -> Replica:
+    """Load (unless given), build and start one replica; returns once it serves.
+    Tracing is on when a tracer provider is given or --otlp-endpoint is set."""
     if loaded is None:
         loaded = await asyncio.to_thread(
             load_model, settings.model_id, settings.revision, settings.dtype, settings.device
@@ -144,12 +151,23 @@ async def start_replica(settings: Settings, loaded: LoadedModel | None = None) -
     )
     capacity = kv_capacity_tokens(settings, loaded, max_total)
     core = build_core(settings, loaded, capacity)
-    engine = EngineLoop(core, loaded.tokenizer, loaded.eos_token_ids)
+    metrics = Metrics()
+    engine = EngineLoop(core, loaded.tokenizer, loaded.eos_token_ids, metrics=metrics)
+    metrics.watch_engine(engine.stats, capacity)
     engine.start()
+    if tracer_provider is None and settings.otlp_endpoint:
+        tracer_provider = otlp_tracer_provider(settings.otlp_endpoint)
+    tracer = tracer_provider.get_tracer("textgen") if tracer_provider else None
     servicer = TextGenerationServicer(
-        engine, Validator(loaded.tokenizer, limits), served_model(settings, loaded, limits, capacity, core), settings.max_concurrent_requests
+        engine,
+        Validator(loaded.tokenizer, limits),
+        served_model(settings, loaded, limits, capacity, core),
+        settings.max_concurrent_requests,
+        RequestRecorder(metrics, tracer),
     )
-    server, health, port = build_server(servicer, f"{settings.hostname}:{settings.grpc_port}")
+    server, health, port = build_server(
+        servicer, f"{settings.hostname}:{settings.grpc_port}", interceptors=server_interceptors(tracer_provider)
+    )
     await server.start()
     await set_serving(health, True)
     return Replica(settings, loaded, engine, servicer, server, health, port)

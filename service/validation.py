@@ -191,7 +191,7 @@ class Validator:
     def _tokenize(self, inputs: str, truncate: int | None) -> list[int]:
         try:
             ids = self.tokenizer(inputs, add_special_tokens=True)["input_ids"]
-        except Exception as exc:  # noqa: BLE001 - a tokenizer failure is the caller's input
+        except Exception as exc:
             raise ValidationError(f"tokenizer error {exc}") from exc
         if truncate is not None:
             ids = ids[-truncate:]

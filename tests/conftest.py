@@ -26,9 +26,10 @@ class ServerThread:
     """A replica served from a background thread; `target` is its gRPC address.
     With http=True an Envoy process (stopped by PID in stop()) serves `http_url`."""
 
-    def __init__(self, settings, *, http: bool = False) -> None:
+    def __init__(self, settings, *, http: bool = False, tracer_provider=None) -> None:
         self.settings = settings
         self.http = http
+        self.tracer_provider = tracer_provider
         self.loop = asyncio.new_event_loop()
         self.replica = None
         self.envoy = None
@@ -42,7 +43,9 @@ class ServerThread:
 
         asyncio.set_event_loop(self.loop)
         try:
-            self.replica = self.loop.run_until_complete(start_replica(self.settings))
+            self.replica = self.loop.run_until_complete(
+                start_replica(self.settings, tracer_provider=self.tracer_provider)
+            )
             if self.http:
                 # Envoy is a child of this thread (it dies with it): port 0, Envoy says which
                 self.envoy = self.loop.run_until_complete(

@@ -26,7 +26,7 @@ class IncrementalDetokenizer:
     skip_special_tokens: bool = False
 
     @classmethod
-    def for_prompt(cls, tokenizer, num_prompt_tokens: int, **kw) -> "IncrementalDetokenizer":
+    def for_prompt(cls, tokenizer, num_prompt_tokens: int, **kw) -> IncrementalDetokenizer:
         return cls(tokenizer, max(num_prompt_tokens - _PROMPT_CONTEXT, 0), num_prompt_tokens, **kw)
 
     def step(self, token_ids: list[int]) -> str:

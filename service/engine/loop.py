@@ -47,11 +47,13 @@ class _Stream:
     stops: StopSequenceMatcher
     events: list = field(default_factory=list)  # produced this step, not yet delivered
     texts: list[str] = field(default_factory=list)  # TokenEvent.text sent so far
+    last_token_at: float | None = None  # monotonic, for inter-token latency
 
 
 class EngineLoop:
-    def __init__(self, core: EngineCore, tokenizer, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, core: EngineCore, tokenizer, eos_token_ids: frozenset[int], metrics=None) -> None:
         self.core = core
+        self.metrics = metrics  # observability.metrics.Metrics, or None
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self._special_ids = frozenset(tokenizer.all_special_ids)
@@ -158,8 +160,24 @@ class EngineLoop:
                 self._streams.pop(out.seq.request_id, None)
         self._deliver(touched)
 
+    def _observe_step(self, outputs: list[StepOutput], seconds: float) -> None:
+        # a step that finished some prompt is a prefill step (TGI's `method` label)
+        prefill = any(o.seq.num_output_tokens == 1 for o in outputs)
+        self.metrics.batch_forward_duration.labels("prefill" if prefill else "decode").observe(seconds)
+        self.metrics.batch_size.observe(len(outputs))
+
+    def _observe_token(self, stream: _Stream) -> None:
+        now = time.monotonic()
+        if stream.last_token_at is None:
+            self.metrics.time_to_first_token.observe(now - stream.seq.request.arrival_time)
+        else:
+            self.metrics.inter_token_latency.observe(now - stream.last_token_at)
+        stream.last_token_at = now
+
     def _token_event(self, stream: _Stream, out: StepOutput) -> TokenEvent:
         seq = out.seq
+        if self.metrics is not None:
+            self._observe_token(stream)
         special = out.token_id in self._special_ids
         text = stream.detokenizer.step(seq.token_ids)
         visible = text.replace(self.tokenizer.decode([out.token_id]), "", 1) if special else text
@@ -212,6 +230,7 @@ class EngineLoop:
             seed=seq.request.sampling.seed,
             queue_time=max(0.0, started - seq.request.arrival_time),
             inference_time=now - started,
+            prefill_time=(seq.first_token_time or now) - started,
         )
 
     def _deliver(self, streams: list[_Stream]) -> None:

@@ -154,7 +154,7 @@ def _typical_keep(sorted_lp: torch.Tensor, probs: torch.Tensor, mass: torch.Tens
     """Typical decoding (Meister et al.), as HF's TypicalLogitsWarper, on sorted rows."""
     entropy = -(probs * sorted_lp.nan_to_num(neginf=0.0)).sum(-1, keepdim=True)
     surprise_gap = (-sorted_lp - entropy).abs()
-    gap_sorted, gap_order = torch.sort(surprise_gap, dim=-1)
+    _, gap_order = torch.sort(surprise_gap, dim=-1)
     cum = probs.gather(1, gap_order).cumsum(-1)
     last = (cum < mass.unsqueeze(1)).sum(-1, keepdim=True)
     keep_in_gap_order = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0) <= last

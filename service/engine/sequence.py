@@ -34,6 +34,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     prefill_logprobs: list[float] = field(default_factory=list)  # decoder_input_details
     first_scheduled_time: float | None = None  # monotonic, first forward it joined
+    first_token_time: float | None = None  # monotonic
     last_token_time: float | None = None
     num_preemptions: int = 0
     sampler_state: object | None = None  # owned by the sampler (e.g. a torch.Generator)
@@ -71,6 +72,8 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.last_token_time = time.monotonic()
+        if self.first_token_time is None:
+            self.first_token_time = self.last_token_time
         self._check_token_stop(token_id)
 
     def finish(self, reason: FinishReason) -> None:

@@ -79,6 +79,7 @@ class FinishInfo:
     seed: int
     queue_time: float  # seconds from arrival to the first forward that included it
     inference_time: float  # seconds from that forward to the last token
+    prefill_time: float = 0.0  # seconds from that forward to the first token
 
 
 @dataclass(frozen=True, slots=True)

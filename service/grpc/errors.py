@@ -8,6 +8,7 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from ..observability.requests import current_error_type
 from ..proto import generate_pb2
 
 DOMAIN = "textgen"
@@ -43,6 +44,7 @@ class _Status(grpc.Status):
 
 async def abort(context: grpc.aio.ServicerContext, message: str, error_type: str):
     """End the RPC with the typed status (raises)."""
+    current_error_type.set(error_type)  # for the request's metrics and log line
     await context.abort_with_status(to_status(message, error_type))
 
 

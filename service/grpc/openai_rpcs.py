@@ -4,7 +4,6 @@ generate exactly as the TGI RPCs do, write OpenAI's bytes."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 from google.api import httpbody_pb2
 
@@ -23,25 +22,26 @@ class OpenAIRpcs:
     """Mixed into TextGenerationServicer (uses its engine, validator, admission)."""
 
     async def ChatCompletions(self, request, context):
-        arrival = time.monotonic()
-        async with self.admission.permit(context):
+        async with self.request(context, "ChatCompletions") as record:
             try:
                 chat = parse_chat_request(request.data, self.validator.tokenizer)
-                valid = await self.validate(chat.generate, stream=chat.stream, arrival=arrival)
+                valid = await self.validate(chat.generate, stream=chat.stream, arrival=record.arrival)
             except (OpenAIRequestError, ValidationError) as exc:
                 await abort(context, exc.message, "validation")
+            record.validated(valid)
             renderer = ChatRenderer(self.served.info.model_id, f"textgen-{self.served.info.version}", chat)
             if chat.stream:
-                async for body in self._chat_stream(renderer, valid, context):
+                async for body in self._chat_stream(renderer, valid, context, record):
                     yield body
             else:
                 try:
                     events = [e async for e in self.engine.generate(valid.engine_request)]
                 except EngineError as exc:
                     await abort(context, exc.message, exc.error_type)
+                record.finished(events[-1].finish)
                 yield httpbody_pb2.HttpBody(content_type=JSON, data=renderer.completion(events))
 
-    async def _chat_stream(self, renderer: ChatRenderer, valid, context):
+    async def _chat_stream(self, renderer: ChatRenderer, valid, context, record):
         holdback = StopHoldback(renderer.request.stop)
         sent_any = False
         try:
@@ -49,6 +49,8 @@ class OpenAIRpcs:
                 if not sent_any:
                     yield _body(renderer.first_chunk())
                     sent_any = True
+                if event.finish is not None:
+                    record.finished(event.finish)
                 for body in self._chat_event(renderer, holdback, event):
                     yield body
         except EngineError as exc:
@@ -57,18 +59,18 @@ class OpenAIRpcs:
             await abort(context, exc.message, exc.error_type)
 
     async def Completions(self, request, context):
-        arrival = time.monotonic()
-        async with self.admission.permit(context):
+        async with self.request(context, "Completions") as record:
             info = self.served.info
             try:
                 req = parse_completion_request(request.data, info.max_client_batch_size)
-                valid = [await self.validate(g, stream=req.stream, arrival=arrival) for g in req.generates]
+                valid = [await self.validate(g, stream=req.stream, arrival=record.arrival) for g in req.generates]
             except (OpenAIRequestError, ValidationError) as exc:
                 await abort(context, exc.message, "validation")
+            record.validated(valid[0])
             renderer = CompletionRenderer(info.model_id, f"textgen-{info.version}", req)
             streams = [self.engine.generate(v.engine_request) for v in valid]
             if req.stream:
-                async for body in self._completion_stream(renderer, streams, context):
+                async for body in self._completion_stream(renderer, streams, context, record):
                     yield body
                 return
             runs = [[] for _ in valid]
@@ -77,9 +79,10 @@ class OpenAIRpcs:
                     runs[index].append(event)
             except EngineError as exc:
                 await abort(context, exc.message, exc.error_type)
+            record.finished(*(run[-1].finish for run in runs))
             yield httpbody_pb2.HttpBody(content_type=JSON, data=renderer.completion(runs))
 
-    async def _completion_stream(self, renderer: CompletionRenderer, streams, context):
+    async def _completion_stream(self, renderer: CompletionRenderer, streams, context, record):
         req = renderer.request
         holdbacks = [StopHoldback(req.stop) for _ in streams]
         finishes = []
@@ -103,6 +106,7 @@ class OpenAIRpcs:
             if sent_any:
                 yield _body(sse_error(exc.message, exc.error_type))
             await abort(context, exc.message, exc.error_type)
+        record.finished(*finishes)
         if req.include_usage:
             yield _body(renderer.usage_chunk(finishes))
         yield _body(DONE)

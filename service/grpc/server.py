@@ -17,9 +17,12 @@ SERVICE_NAME = svc_pb.DESCRIPTOR.services_by_name["TextGenerationService"].full_
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
-def build_server(servicer: TextGenerationServicer, address: str) -> tuple[grpc.aio.Server, health.HealthServicer, int]:
+def build_server(
+    servicer: TextGenerationServicer, address: str, interceptors: list | None = None
+) -> tuple[grpc.aio.Server, health.HealthServicer, int]:
     """Returns the server (not started), its health servicer and the bound port."""
     server = grpc.aio.server(
+        interceptors=interceptors or None,
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from ..engine.loop import EngineLoop
 from ..engine.types import EngineError, TokenEvent
+from ..observability.requests import RequestRecorder
 from ..proto import generate_pb2 as gen_pb
 from ..proto import text_generation_service_pb2 as svc_pb
 from ..proto import text_generation_service_pb2_grpc as svc_grpc
@@ -55,18 +56,33 @@ class Admission:
 
 
 class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServiceServicer):
-    def __init__(self, engine: EngineLoop, validator: Validator, served: ServedModel, max_concurrent_requests: int) -> None:
+    def __init__(
+        self,
+        engine: EngineLoop,
+        validator: Validator,
+        served: ServedModel,
+        max_concurrent_requests: int,
+        recorder: RequestRecorder,
+    ) -> None:
         self.engine = engine
         self.validator = validator
         self.served = served
         self.admission = Admission(max_concurrent_requests)
+        self.recorder = recorder
+
+    @contextlib.asynccontextmanager
+    async def request(self, context, method: str):
+        """Record the request (metrics, spans, log line) and hold its admission permit."""
+        async with self.recorder.track(method) as record, self.admission.permit(context):
+            yield record
 
     # generation -------------------------------------------------------------------
 
     async def GenerateStream(self, request, context):
-        arrival = time.monotonic()
-        async with self.admission.permit(context):
+        async with self.request(context, "GenerateStream") as record:
+            arrival = record.arrival
             valid = await self._validate(request, context, stream=True, arrival=arrival)
+            record.validated(valid)
             prefix = valid.inputs if valid.return_full_text else ""
             sent_any = False
             try:
@@ -79,6 +95,9 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
                         total_time=time.monotonic() - arrival,
                     )
                     sent_any = True
+                    if event.finish is not None:
+                        record.finished(event.finish)
+                        context.set_trailing_metadata(_timing_metadata(valid, event.finish, arrival))
             except EngineError as exc:
                 if sent_any:
                     # an HTTP/1.1 client can't see a status after the first frame
@@ -87,13 +106,15 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
                 await abort(context, exc.message, exc.error_type)
 
     async def Generate(self, request, context):
-        arrival = time.monotonic()
-        async with self.admission.permit(context):
+        async with self.request(context, "Generate") as record:
+            arrival = record.arrival
             valid = await self._validate(request, context, stream=False, arrival=arrival)
+            record.validated(valid)
             try:
                 runs = await self._generate_best_of(valid)
             except EngineError as exc:
                 await abort(context, exc.message, exc.error_type)
+            record.finished(*(run[-1].finish for run in runs))
             response = self._generate_response(valid, runs, arrival)
             await context.send_initial_metadata(_tgi_headers(valid, runs[0][-1].finish, arrival))
             return response
@@ -189,23 +210,34 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
 
 
 def _tgi_headers(valid: ValidRequest, finish, arrival: float) -> tuple[tuple[str, str], ...]:
-    """TGI's /generate response headers (times in milliseconds), as initial metadata:
-    Envoy's transcoder turns them into HTTP headers."""
+    """TGI's /generate response headers, as initial metadata: Envoy's transcoder turns
+    them into HTTP headers."""
     total = time.monotonic() - arrival
-    per_token = finish.inference_time / finish.generated_tokens if finish.generated_tokens else 0.0
-    ms = lambda seconds: str(int(seconds * 1000))
     return (
         ("x-compute-type", "textgen"),
         ("x-compute-time", f"{total:.6f}"),
         ("x-compute-characters", str(len(valid.inputs))),
-        ("x-total-time", ms(total)),
-        ("x-validation-time", ms(valid.validation_time)),
-        ("x-queue-time", ms(finish.queue_time)),
-        ("x-inference-time", ms(finish.inference_time)),
-        ("x-time-per-token", ms(per_token)),
+        *_timing_metadata(valid, finish, arrival),
+    )
+
+
+def _timing_metadata(valid: ValidRequest, finish, arrival: float) -> tuple[tuple[str, str], ...]:
+    """Per-request timings (milliseconds) and token counts under TGI's header names;
+    also the trailing metadata of a finished GenerateStream."""
+    per_token = finish.inference_time / finish.generated_tokens if finish.generated_tokens else 0.0
+    return (
+        ("x-total-time", _ms(time.monotonic() - arrival)),
+        ("x-validation-time", _ms(valid.validation_time)),
+        ("x-queue-time", _ms(finish.queue_time)),
+        ("x-inference-time", _ms(finish.inference_time)),
+        ("x-time-per-token", _ms(per_token)),
         ("x-prompt-tokens", str(finish.input_length)),
         ("x-generated-tokens", str(finish.generated_tokens)),
     )
+
+
+def _ms(seconds: float) -> str:
+    return str(int(seconds * 1000))
 
 
 def _incomplete(error_type: str) -> str:

@@ -1,0 +1,1 @@
+"""Metrics (Prometheus, TGI's names), tracing (OpenTelemetry) and request logs."""
