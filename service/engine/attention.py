@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .kv_cache import KVCachePool
+from .kv_cache import KVCachePool, LayerCache
 
 try:  # optional CUDA kernel; absent on CPU machines
     from flash_attn import flash_attn_varlen_func
@@ -60,20 +60,24 @@ class AttentionGroup:
     is_real_query: torch.Tensor  # [b, q] bool: False on padding rows
     query_index: torch.Tensor | None  # [b * q] long: group token of each padded row (None: q == 1)
     output_index: torch.Tensor | None  # [Tg] long: padded row of each real token (None: q == 1)
-    _masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)
+    _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # (window, G, dtype)
 
-    def mask(self, window: int | None, num_groups: int) -> torch.Tensor:
-        """Bool mask `[b, 1, rows, nb * block_size]`, True = attend, for a layer whose query
-        heads are folded `num_groups` per KV head (rows = num_groups * q, or 1 when q == 1
-        and it broadcasts). Built once per (window, groups) and step."""
-        key = (window, num_groups)
+    def mask(self, window: int | None, num_groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask `[b, 1, rows, nb * block_size]` (0 = attend, -inf = not) for a
+        layer whose query heads are folded `num_groups` per KV head: rows = num_groups * q,
+        or 1 when q == 1 (it broadcasts over the heads). Built once per step and key, and
+        additive in the query's dtype because SDPA would otherwise convert a bool mask on
+        every call."""
+        key = (window, num_groups, dtype)
         mask = self._masks.get(key)
         if mask is None:
-            mask = self._build_mask(window, num_groups)
+            allowed = self._allowed(window, num_groups)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            mask.masked_fill_(~allowed, float("-inf"))
             self._masks[key] = mask
         return mask
 
-    def _build_mask(self, window: int | None, num_groups: int) -> torch.Tensor:
+    def _allowed(self, window: int | None, num_groups: int) -> torch.Tensor:
         num_keys = self.max_blocks * self.block_size
         key_pos = torch.arange(num_keys, device=self.query_pos.device)
         query_pos = self.query_pos.unsqueeze(-1)  # [b, q, 1]
@@ -108,7 +112,8 @@ class BatchMetadata:
     """
 
     pool: KVCachePool
-    slot_mapping: torch.Tensor  # [T] long: pool slot (block * block_size + offset) of each new token
+    # [T] long: pool slot (block * block_size + offset) where each new token's K/V go
+    slot_mapping: torch.Tensor
     query_lens: list[int]  # per sequence: tokens computed this step
     context_lens: list[int]  # per sequence: tokens in the cache after this step
     block_tables: list[list[int]]  # per sequence: its blocks, covering context_lens
@@ -135,7 +140,6 @@ class BatchMetadata:
         positions = starts[seq_of_token] + token_offset
         tables = _pad_tables(block_tables)
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
-        use_flash = device.type == "cuda" and flash_attn_varlen_func is not None
         return cls(
             pool=pool,
             slot_mapping=slots.to(device, non_blocking=True),
@@ -143,7 +147,7 @@ class BatchMetadata:
             context_lens=context_lens,
             block_tables=block_tables,
             device=device,
-            use_flash=use_flash,
+            use_flash=_flash_available(device),
         )
 
     @property
@@ -271,13 +275,15 @@ def paged_attention_forward(
             "belongs to a PagedCore and can only run through its ModelRunner"
         )
     if query.shape[0] != 1 or query.shape[2] != meta.num_tokens:
-        raise ValueError(f"expected one flattened batch of {meta.num_tokens} tokens, got {tuple(query.shape)}")
-    k_pool, v_pool = meta.pool.write(module.layer_idx, key, value, meta.slot_mapping)
+        raise ValueError(
+            f"expected one flattened batch of {meta.num_tokens} tokens, got {tuple(query.shape)}"
+        )
+    cache = meta.pool.write(module.layer_idx, key, value, meta.slot_mapping)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if meta.use_flash and _flash_supports(query, k_pool, v_pool):
-        return _flash_attention(query, k_pool, v_pool, meta, scaling, sliding_window, softcap), None
-    return _sdpa_attention(query, k_pool, v_pool, meta, scaling, sliding_window, softcap), None
+    if meta.use_flash and _flash_supports(query, cache):
+        return _flash_attention(query, cache, meta, scaling, sliding_window, softcap), None
+    return _sdpa_attention(query, cache, meta, scaling, sliding_window, softcap), None
 
 
 # CPU path: SDPA over gathered blocks ---------------------------------------------
@@ -285,59 +291,70 @@ def paged_attention_forward(
 
 def _sdpa_attention(
     query: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
+    cache: LayerCache,
     meta: BatchMetadata,
     scaling: float,
     window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    outputs = [
-        _attend_group(query[0], k_pool, v_pool, group, scaling, window, softcap)
-        for group in meta.groups()  # at most two: decodes, then chunks
-    ]
+    outputs = []
+    for group in meta.groups():  # at most two: decodes, then chunks
+        rows = query[0, :, group.token_start : group.token_end]  # [H, Tg, D]
+        attend = _attend_decodes if group.max_query_len == 1 else _attend_chunks
+        outputs.append(attend(rows, cache, group, scaling, window, softcap))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     return out.unsqueeze(0)  # [1, T, H, Dv]
 
 
-def _attend_group(
+def _attend_decodes(
     query: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
+    cache: LayerCache,
     group: AttentionGroup,
     scaling: float,
     window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """query `[H, T, D]` (whole batch) -> this group's output `[Tg, H, Dv]`."""
+    """One query token per sequence: query `[H, b, D]` -> `[b, H, Dv]`."""
+    num_heads, b, head_dim = query.shape
+    num_kv_heads = cache.keys.shape[2]
+    # GQA fold (engine-facts): the G query heads sharing a KV head become G query rows,
+    # [b, KVH, G, D]; several times faster on CPU than SDPA's enable_gqa.
+    rows = query.transpose(0, 1).reshape(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    keys, values = _gather(cache.keys, group), _gather(cache.values, group)
+    out = _attend(rows, keys, values, group.mask(window, 1, query.dtype), scaling, softcap)
+    return out.reshape(b, num_heads, out.shape[-1])
+
+
+def _attend_chunks(
+    query: torch.Tensor,
+    cache: LayerCache,
+    group: AttentionGroup,
+    scaling: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Multi-token chunks padded to q rows each: query `[H, Tg, D]` -> `[Tg, H, Dv]`."""
     num_heads, _, head_dim = query.shape
-    num_kv_heads = k_pool.shape[2]
+    num_kv_heads = cache.keys.shape[2]
     num_groups = num_heads // num_kv_heads
     b, q = group.num_seqs, group.max_query_len
-    rows = query[:, group.token_start : group.token_end]  # [H, Tg, D]
-    if group.query_index is not None:
-        rows = rows.index_select(1, group.query_index)  # [H, b * q, D]
-    # GQA fold (engine-facts): the query heads sharing a KV head become extra query rows,
-    # [KVH, G, b, q, D] -> [b, KVH, G * q, D]; several times faster on CPU than enable_gqa.
-    rows = rows.reshape(num_kv_heads, num_groups, b, q, head_dim).permute(2, 0, 1, 3, 4)
+    rows = query.index_select(1, group.query_index)  # [H, b * q, D]
+    # GQA fold: [KVH, G, b, q, D] -> [b, KVH, G * q, D]
+    rows = rows.view(num_kv_heads, num_groups, b, q, head_dim).permute(2, 0, 1, 3, 4)
     rows = rows.reshape(b, num_kv_heads, num_groups * q, head_dim)
-    keys = _gather(k_pool, group)
-    values = _gather(v_pool, group)
-    mask = group.mask(window, num_groups)
+    keys, values = _gather(cache.keys, group), _gather(cache.values, group)
+    mask = group.mask(window, num_groups, query.dtype)
     out = _attend(rows, keys, values, mask, scaling, softcap)  # [b, KVH, G * q, Dv]
     v_dim = out.shape[-1]
     out = out.view(b, num_kv_heads, num_groups, q, v_dim).permute(0, 3, 1, 2, 4)
-    out = out.reshape(b * q, num_heads, v_dim)
-    if group.output_index is not None:
-        out = out.index_select(0, group.output_index)
-    return out
+    return out.reshape(b * q, num_heads, v_dim).index_select(0, group.output_index)
 
 
 def _gather(pool: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
     """The group's cached states `[b, KVH, nb * block_size, D]`, key j at position j."""
-    _, block_size, num_heads, head_dim = pool.shape
+    num_heads, head_dim = pool.shape[2], pool.shape[3]
     blocks = pool.index_select(0, group.block_index)  # [b * nb, bs, KVH, D]
-    return blocks.view(group.num_seqs, group.max_blocks * block_size, num_heads, head_dim).transpose(1, 2)
+    return blocks.view(group.num_seqs, -1, num_heads, head_dim).transpose(1, 2)
 
 
 def _attend(
@@ -352,8 +369,7 @@ def _attend(
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
     # SDPA has no logit soft-capping (Gemma2): the eager formula, softmax in float32.
     scores = torch.matmul(query, keys.transpose(-1, -2)) * scaling
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = torch.tanh(scores / softcap) * softcap + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
     return torch.matmul(probs, values)
 
@@ -361,18 +377,21 @@ def _attend(
 # CUDA path: flash-attn varlen ------------------------------------------------------
 
 
-def _flash_supports(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+def _flash_available(device: torch.device) -> bool:
+    return device.type == "cuda" and flash_attn_varlen_func is not None
+
+
+def _flash_supports(query: torch.Tensor, cache: LayerCache) -> bool:
     return (
         query.dtype in (torch.float16, torch.bfloat16)
-        and k_pool.shape[-1] == v_pool.shape[-1] == query.shape[-1]
+        and cache.keys.shape[-1] == cache.values.shape[-1] == query.shape[-1]
         and query.shape[-1] <= 256
     )
 
 
 def _flash_attention(
     query: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
+    cache: LayerCache,
     meta: BatchMetadata,
     scaling: float,
     window: int | None,
@@ -380,10 +399,10 @@ def _flash_attention(
 ) -> torch.Tensor:
     idx = meta.flash_indices()
     if idx.block_table is not None:
-        keys, values = k_pool, v_pool
+        keys, values = cache.keys, cache.values
     else:
-        keys = k_pool.flatten(0, 1).index_select(0, idx.key_slots)  # [sum(context), KVH, D]
-        values = v_pool.flatten(0, 1).index_select(0, idx.key_slots)
+        keys = cache.key_slots.index_select(0, idx.key_slots)  # [sum(context), KVH, D]
+        values = cache.value_slots.index_select(0, idx.key_slots)
     out = flash_attn_varlen_func(
         query[0].transpose(0, 1).contiguous(),  # [T, H, D]
         keys,

@@ -25,6 +25,16 @@ import torch
 from .sequence import Sequence
 
 
+@dataclass(slots=True)
+class LayerCache:
+    """One layer's pools and their slot-major views (same storage)."""
+
+    keys: torch.Tensor  # [num_blocks, block_size, KVH, Dk]
+    values: torch.Tensor  # [num_blocks, block_size, KVH, Dv]
+    key_slots: torch.Tensor  # [num_blocks * block_size, KVH, Dk]
+    value_slots: torch.Tensor  # [num_blocks * block_size, KVH, Dv]
+
+
 class KVCachePool:
     """Per-layer K and V tensors `[num_blocks, block_size, num_kv_heads, head_dim]`.
 
@@ -38,39 +48,43 @@ class KVCachePool:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # layer_idx -> (key pool, value pool)
-        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layers: dict[int, LayerCache] = {}  # by the attention module's layer_idx
 
-    def layer(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's (K, V) pools; key/value `[1, KVH, T, D]` give shapes on first use."""
-        pools = self._layers.get(layer_idx)
-        if pools is None:
-            pools = (self._allocate(key), self._allocate(value))
-            self._layers[layer_idx] = pools
-        return pools
+    def layer(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> LayerCache:
+        """The layer's pools; key/value `[1, KVH, T, D]` give their shapes on first use."""
+        cache = self._layers.get(layer_idx)
+        if cache is None:
+            keys, values = self._allocate(key), self._allocate(value)
+            cache = LayerCache(keys, values, keys.flatten(0, 1), values.flatten(0, 1))
+            self._layers[layer_idx] = cache
+        return cache
 
-    def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the step's new K/V (`[1, KVH, T, D]`) at `slots` (`[T]`) and return the pools."""
-        k_pool, v_pool = self.layer(layer_idx, key, value)
-        _scatter(k_pool, key, slots)
-        _scatter(v_pool, value, slots)
-        return k_pool, v_pool
+    def write(
+        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+    ) -> LayerCache:
+        """Store the step's new K/V (`[1, KVH, T, D]`) at `slots` (`[T]`); return the layer."""
+        cache = self.layer(layer_idx, key, value)
+        cache.key_slots.index_copy_(0, slots, key[0].transpose(0, 1).to(cache.keys.dtype))
+        cache.value_slots.index_copy_(0, slots, value[0].transpose(0, 1).to(cache.values.dtype))
+        return cache
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self._layers.values() for t in pair)
+        return sum(
+            c.keys.numel() * c.keys.element_size() + c.values.numel() * c.values.element_size()
+            for c in self._layers.values()
+        )
 
     def _allocate(self, states: torch.Tensor) -> torch.Tensor:
         _, num_heads, _, head_dim = states.shape
         return torch.zeros(
-            self.num_blocks, self.block_size, num_heads, head_dim, dtype=states.dtype, device=states.device
+            self.num_blocks,
+            self.block_size,
+            num_heads,
+            head_dim,
+            dtype=states.dtype,
+            device=states.device,
         )
-
-
-def _scatter(pool: torch.Tensor, states: torch.Tensor, slots: torch.Tensor) -> None:
-    num_heads, head_dim = pool.shape[2], pool.shape[3]
-    flat = pool.view(-1, num_heads, head_dim)  # [num_blocks * block_size, KVH, D]
-    flat.index_copy_(0, slots, states[0].transpose(0, 1).to(pool.dtype))
 
 
 def num_blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -87,9 +101,13 @@ class Block:
 class BlockManager:
     """Free list, ref counts, block tables (on the sequences) and the prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
+            raise ValueError(
+                f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -129,7 +147,9 @@ class BlockManager:
 
     def num_fitting_tokens(self, seq: Sequence, max_tokens: int) -> int:
         """How many of `max_tokens` new tokens fit in seq's last block plus the free blocks."""
-        capacity = (len(seq.block_table) + len(self._free)) * self.block_size - seq.num_computed_tokens
+        capacity = (
+            len(seq.block_table) + len(self._free)
+        ) * self.block_size - seq.num_computed_tokens
         return max(0, min(max_tokens, capacity))
 
     # prefix cache ------------------------------------------------------------
@@ -153,7 +173,7 @@ class BlockManager:
         return hits
 
     def num_free_among(self, block_ids: list[int]) -> int:
-        """How many of these (prefix-hit) blocks are on the free list (acquiring them uses it up)."""
+        """How many of these prefix-hit blocks are free (acquiring them takes them off the list)."""
         return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)
 
     # allocation --------------------------------------------------------------

@@ -42,7 +42,9 @@ class PagedCore:
             block_size: tokens per KV block.
         """
         if max_batch_total_tokens <= 0:
-            raise ValueError(f"max_batch_total_tokens must be positive, got {max_batch_total_tokens}")
+            raise ValueError(
+                f"max_batch_total_tokens must be positive, got {max_batch_total_tokens}"
+            )
         num_blocks = num_blocks_for_tokens(max_batch_total_tokens, block_size)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -66,8 +68,8 @@ class PagedCore:
         needed = seq.num_prompt_tokens + seq.request.stopping.max_new_tokens
         if needed > self.max_total_tokens:
             raise EngineError(
-                f"request needs {needed} tokens of KV cache but the pool holds {self.max_total_tokens} "
-                "(max_batch_total_tokens)",
+                f"request needs {needed} tokens of KV cache but the pool holds "
+                f"{self.max_total_tokens} (max_batch_total_tokens)",
                 "validation",
             )
         if seq.num_prompt_tokens == 0:
@@ -80,6 +82,7 @@ class PagedCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
         if batch.is_empty:
@@ -108,7 +111,6 @@ class PagedCore:
             prefix_cache_queried_tokens=bm.prefix_queried_tokens,
             preemptions=self.scheduler.num_preemptions,
             steps=self._steps,
-            extra={"kv_blocks_cached_free": float(bm.num_cached_free_blocks)},
         )
 
     # internals ---------------------------------------------------------------
@@ -122,7 +124,9 @@ class PagedCore:
                 prefill = [None, *seq.prefill_logprobs]
             token_id = sampled.token_ids[row]
             seq.append_token(token_id)
-            outputs.append(StepOutput(seq, token_id, sampled.logprobs[row], sampled.top_tokens[row], prefill))
+            outputs.append(
+                StepOutput(seq, token_id, sampled.logprobs[row], sampled.top_tokens[row], prefill)
+            )
             if seq.is_finished:
                 self.scheduler.finish(seq)
         return outputs

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache import BlockManager
+from .kv_cache import BlockManager, num_blocks_for_tokens
 from .sequence import Sequence, SequenceStatus
 
 
@@ -52,7 +52,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, max_batch_prefill_tokens: int, max_batch_size: int) -> None:
+    def __init__(
+        self, block_manager: BlockManager, *, max_batch_prefill_tokens: int, max_batch_size: int
+    ) -> None:
         if max_batch_prefill_tokens <= 0 or max_batch_size <= 0:
             raise ValueError("max_batch_prefill_tokens and max_batch_size must be positive")
         self.block_manager = block_manager
@@ -125,7 +127,11 @@ class Scheduler:
             num_new = self.block_manager.num_fitting_tokens(seq, wanted)
             # Out of blocks: take them from younger sequences that have no work this step
             # yet. Decodes keep priority: a scheduled decode is never a victim.
-            while num_new == 0 and self.running[-1] is not seq and id(self.running[-1]) not in scheduled:
+            while (
+                num_new == 0
+                and self.running[-1] is not seq
+                and id(self.running[-1]) not in scheduled
+            ):
                 self._preempt(self.running[-1], out)
                 num_new = self.block_manager.num_fitting_tokens(seq, wanted)
             if num_new == 0:
@@ -147,7 +153,7 @@ class Scheduler:
             # Admit only when the whole rest of the prompt fits in the free blocks (not just
             # this chunk): a sequence admitted on a sliver would stall mid-prompt and be
             # preempted, wasting the chunks already computed.
-            if -(-num_to_compute // bm.block_size) > free_blocks:
+            if num_blocks_for_tokens(num_to_compute, bm.block_size) > free_blocks:
                 break
             num_new = min(num_to_compute, budget)
             self.waiting.popleft()
