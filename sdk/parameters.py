@@ -40,6 +40,7 @@ class GenerateOptions(TypedDict, total=False):
     logit_bias: Mapping[int, float] | None
     grammar: Grammar | Mapping[str, Any] | None
     ignore_eos: bool
+    max_time: float | None
 
 
 def generate_parameters(
@@ -64,6 +65,7 @@ def generate_parameters(
     logit_bias: Mapping[int, float] | None = None,
     grammar: Grammar | Mapping[str, Any] | None = None,
     ignore_eos: bool = False,
+    max_time: float | None = None,
 ) -> GenerateParameters:
     """The `GenerateParameters` message for TGI-style keyword arguments.
 
@@ -92,6 +94,7 @@ def generate_parameters(
         logit_bias=dict(logit_bias or {}),
         grammar=_grammar(grammar),
         ignore_eos=ignore_eos,
+        max_time=max_time,
     )
 
 

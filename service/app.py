@@ -14,9 +14,11 @@ import torch
 from opentelemetry.sdk.trace import TracerProvider
 
 from . import __version__
+from .admission import Admission
 from .config import Settings
 from .engine.loop import EngineLoop
-from .grpc.server import build_server, set_serving
+from .grpc.interceptors import ApiKeyInterceptor, DecodingInterceptor
+from .grpc.server import SERVICE_NAME, build_server, set_serving
 from .grpc.servicer import ServedModel, TextGenerationServicer
 from .models import LoadedModel, load_model
 from .observability.metrics import Metrics
@@ -46,6 +48,13 @@ class Replica:
     server: object
     health: object
     grpc_port: int
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop taking work (health NOT_SERVING, new requests UNAVAILABLE) and wait up
+        to `timeout` seconds for the requests in flight; False if some were cut."""
+        self.servicer.draining = True
+        await set_serving(self.health, False)
+        return await self.servicer.admission.wait_idle(timeout)
 
     async def stop(self, grace: float | None = 5.0) -> None:
         await set_serving(self.health, False)
@@ -103,6 +112,38 @@ def build_core(settings: Settings, loaded: LoadedModel, capacity: int):
     )
 
 
+# Methods that need no API key unless --auth-health-and-metrics.
+OPEN_METHODS = (
+    f"/{SERVICE_NAME}/Health",
+    f"/{SERVICE_NAME}/Metrics",
+    "/grpc.health.v1.Health/Check",
+    "/grpc.health.v1.Health/Watch",
+)
+
+
+def api_keys(settings: Settings) -> list[str]:
+    keys = [settings.api_key] if settings.api_key else []
+    if settings.api_key_file:
+        with open(settings.api_key_file, encoding="utf-8") as f:
+            keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    return keys
+
+
+def request_interceptors(settings: Settings, metrics: Metrics) -> list:
+    """API keys (when configured), then lenient decoding of hostile bytes."""
+    interceptors = []
+    keys = api_keys(settings)
+    if keys:
+        open_methods = () if settings.auth_health_and_metrics else OPEN_METHODS
+
+        def rejected() -> None:
+            metrics.request_failure.inc("unauthenticated")
+
+        interceptors.append(ApiKeyInterceptor(keys, open_methods, on_reject=rejected))
+    interceptors.append(DecodingInterceptor())
+    return interceptors
+
+
 def served_model(settings: Settings, loaded: LoadedModel, limits: Limits, capacity: int, core) -> ServedModel:
     stats = core.stats()
     info = svc_pb.InfoResponse(
@@ -147,6 +188,7 @@ async def start_replica(
         max_best_of=settings.max_best_of,
         max_stop_sequences=settings.max_stop_sequences,
         max_top_n_tokens=settings.max_top_n_tokens,
+        max_stop_sequence_length=settings.max_stop_sequence_length,
         vocab_size=loaded.model.config.get_text_config().vocab_size,
     )
     capacity = kv_capacity_tokens(settings, loaded, max_total)
@@ -162,11 +204,13 @@ async def start_replica(
         engine,
         Validator(loaded.tokenizer, limits),
         served_model(settings, loaded, limits, capacity, core),
-        settings.max_concurrent_requests,
+        Admission(settings.max_concurrent_requests, settings.max_queued_requests, settings.max_queued_tokens),
         RequestRecorder(metrics, tracer),
     )
     server, health, port = build_server(
-        servicer, f"{settings.hostname}:{settings.grpc_port}", interceptors=server_interceptors(tracer_provider)
+        servicer,
+        f"{settings.hostname}:{settings.grpc_port}",
+        interceptors=[*server_interceptors(tracer_provider), *request_interceptors(settings, metrics)],
     )
     await server.start()
     await set_serving(health, True)
@@ -215,6 +259,14 @@ async def serve(settings: Settings) -> None:
         log.error(
             "envoy (pid %d) exited with code %s; shutting down", envoy.pid, envoy.process.returncode
         )
+    if not envoy_died:
+        log.info(
+            "draining: health NOT_SERVING, new requests refused, %d in flight get up to %.0fs",
+            replica.servicer.admission.in_flight,
+            settings.graceful_termination_timeout,
+        )
+        if not await replica.drain(settings.graceful_termination_timeout):
+            log.warning("graceful termination timeout: cutting the requests still running")
     log.info("shutting down (pid %d)", os.getpid())
     await replica.stop()
     if envoy:

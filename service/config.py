@@ -23,8 +23,12 @@ class Settings:
     dtype: str = "auto"
     device: str = "auto"
     max_concurrent_requests: int = 128
+    max_queued_requests: int = 0  # requests that may wait for a permit; 0: refuse at once
+    max_queued_tokens: int = 0  # prompt tokens those may hold; 0: no token bound
+    graceful_termination_timeout: float = 90.0  # seconds in-flight streams get on SIGTERM
     max_best_of: int = 2
     max_stop_sequences: int = 4
+    max_stop_sequence_length: int = 256  # characters
     max_top_n_tokens: int = 5
     max_client_batch_size: int = 4  # prompts in one /v1/completions request
     max_input_tokens: int | None = None  # None: max_total_tokens - 1
@@ -34,6 +38,8 @@ class Settings:
     max_batch_size: int = 256
     waiting_served_ratio: float = 1.2
     api_key: str | None = None
+    api_key_file: str | None = None  # one key per line
+    auth_health_and_metrics: bool = False  # True: health and metrics need a key too
     hostname: str = "127.0.0.1"
     port: int = 8080  # HTTP (Envoy)
     grpc_port: int = 50051
@@ -81,8 +87,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     flag("dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16")
     flag("device", default=d.device, help="auto | cpu | cuda | cuda:N")
     flag("max-concurrent-requests", type=_positive_int, default=d.max_concurrent_requests, help="requests admitted at once; more get `overloaded`")
+    flag("max-queued-requests", type=int, default=d.max_queued_requests, help="requests that may wait for a permit instead of failing with `overloaded` (0: none)")
+    flag("max-queued-tokens", type=int, default=d.max_queued_tokens, help="prompt tokens the waiting requests may hold (0: no bound)")
+    flag("graceful-termination-timeout", type=float, default=d.graceful_termination_timeout, help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
     flag("max-best-of", type=_positive_int, default=d.max_best_of, help="largest best_of")
     flag("max-stop-sequences", type=int, default=d.max_stop_sequences, help="most stop sequences per request")
+    flag("max-stop-sequence-length", type=_positive_int, default=d.max_stop_sequence_length, help="longest stop sequence, in characters")
     flag("max-top-n-tokens", type=int, default=d.max_top_n_tokens, help="largest top_n_tokens")
     flag("max-client-batch-size", type=_positive_int, default=d.max_client_batch_size, help="most prompts in one /v1/completions request")
     flag("max-input-tokens", type=_positive_int, default=d.max_input_tokens, help="longest prompt (default: max-total-tokens - 1)")
@@ -92,6 +102,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     flag("max-batch-size", type=_positive_int, default=d.max_batch_size, help="most sequences per step")
     flag("waiting-served-ratio", type=float, default=d.waiting_served_ratio, help="scheduling ratio of waiting to running requests (TGI)")
     flag("api-key", default=d.api_key, help="require `authorization: Bearer KEY` on every call")
+    flag("api-key-file", default=d.api_key_file, help="file of accepted API keys, one per line")
+    parser.add_argument("--auth-health-and-metrics", action="store_true", default=_env("auth-health-and-metrics", "") not in ("", "0", "false"), help="require the API key on health and metrics too")
     flag("hostname", default=d.hostname, help="address to listen on")
     flag("port", type=int, default=d.port, help="HTTP port (Envoy)")
     flag("grpc-port", type=int, default=d.grpc_port, help="gRPC port")

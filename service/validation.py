@@ -32,6 +32,7 @@ class Limits:
     max_stop_sequences: int
     max_top_n_tokens: int
     vocab_size: int
+    max_stop_sequence_length: int = 256
 
 
 @dataclass(frozen=True)
@@ -72,10 +73,18 @@ class Validator:
             )
         if any(s == "" for s in stops):
             raise ValidationError("`stop` sequences must not be empty")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > self.limits.max_stop_sequence_length:
+            raise ValidationError(
+                f"`stop` sequences must be at most {self.limits.max_stop_sequence_length} characters. Given: {longest}"
+            )
         if stream and p.decoder_input_details:
             raise ValidationError(
                 "`decoder_input_details` == true is not supported when streaming tokens"
             )
+        max_time = _opt(p, "max_time")
+        if max_time is not None and not max_time > 0:
+            raise ValidationError("`max_time` must be strictly positive")
         if p.watermark:
             raise ValidationError("`watermark` is not supported")
         if p.HasField("grammar"):
@@ -90,7 +99,10 @@ class Validator:
             prompt_ids=tuple(prompt_ids),
             sampling=sampling,
             stopping=StoppingParams(
-                max_new_tokens=max_new_tokens, stop_sequences=stops, ignore_eos=p.ignore_eos
+                max_new_tokens=max_new_tokens,
+                stop_sequences=stops,
+                ignore_eos=p.ignore_eos,
+                deadline=arrival + max_time if max_time is not None else None,
             ),
             decoder_input_details=p.decoder_input_details,
             arrival_time=arrival,

@@ -9,12 +9,15 @@ matches stop strings, and hands every stream's new events to the event loop in o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+
+import torch
 
 from .core import EngineCore, StepOutput
 from .detokenizer import IncrementalDetokenizer
@@ -62,7 +65,8 @@ class EngineLoop:
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="textgen-engine", daemon=True)
-        self.last_error: BaseException | None = None
+        self.last_error: BaseException | None = None  # what killed the loop, if anything
+        self._fault: BaseException | None = None  # test hook: raised by the next step
 
     # lifecycle -----------------------------------------------------------------
 
@@ -76,7 +80,12 @@ class EngineLoop:
 
     @property
     def healthy(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return self._thread.is_alive() and not self._stopping and self.last_error is None
+
+    def inject_fault(self, error: BaseException | None = None) -> None:
+        """Test hook: make the next engine step raise `error`."""
+        self._fault = error or RuntimeError("injected engine fault")
+        self._wake.set()
 
     def stats(self) -> EngineStats:
         return self.core.stats()
@@ -120,29 +129,53 @@ class EngineLoop:
     # engine thread --------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stopping:
-            self._drain_inbox()
-            if not self.core.has_work():
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            try:
-                outputs = self.core.step()
-            except Exception as exc:
-                log.exception("engine step failed")
-                self.last_error = exc
-                self._fail_all(EngineError(f"generation failed: {exc}", "generation"))
-                continue
-            self._process(outputs)
+        """Steps until shutdown, or until a step fails for good: then every request in
+        flight ends with a typed error, health turns unhealthy and nothing waits."""
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not self.core.has_work():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                started = time.perf_counter()
+                outputs = self._step()
+                if self.metrics is not None and outputs:
+                    self._observe_step(outputs, time.perf_counter() - started)
+                self._process(outputs)
+        except Exception as exc:
+            log.exception("engine step failed; the engine stops")
+            self.last_error = exc
+            self._fail_all(EngineError(f"generation failed: {exc}", "generation"))
+            return
         self._fail_all(EngineError("the engine is shutting down", "unavailable"))
+
+    def _step(self) -> list[StepOutput]:
+        """One core step; out of device memory, the core sheds half its batch (the shed
+        sequences are recomputed later) and the step is retried before anyone fails."""
+        while True:
+            if self._fault is not None:
+                fault, self._fault = self._fault, None
+                raise fault
+            try:
+                return self.core.step()
+            except torch.OutOfMemoryError:
+                shrink = getattr(self.core, "shrink_after_oom", None)
+                if shrink is None or not shrink():
+                    raise
+                log.warning("out of memory: batch shrunk, step retried")
 
     def _drain_inbox(self) -> None:
         while self._inbox:
             kind, payload = self._inbox.popleft()
             if kind == "add":
                 stream = payload
+                try:
+                    self.core.add(stream.seq)
+                except EngineError as exc:  # e.g. it can never fit in the KV pool
+                    _send(stream, exc)
+                    continue
                 self._streams[stream.seq.request_id] = stream
-                self.core.add(stream.seq)
             else:
                 stream = self._streams.pop(payload, None)
                 if stream is not None:
@@ -183,6 +216,10 @@ class EngineLoop:
         visible = text.replace(self.tokenizer.decode([out.token_id]), "", 1) if special else text
         if not seq.is_finished and stream.stops.feed(visible) is not None:
             seq.finish(FinishReason.STOP_SEQUENCE)
+            self.core.abort(seq)
+        deadline = seq.request.stopping.deadline
+        if not seq.is_finished and deadline is not None and time.monotonic() >= deadline:
+            seq.finish(FinishReason.TIME_LIMIT)
             self.core.abort(seq)
         finish = None
         if seq.is_finished:
@@ -247,14 +284,24 @@ class EngineLoop:
                 pass
 
     def _fail_all(self, error: EngineError) -> None:
+        """End every request the engine holds or has yet to pick up with `error`."""
         streams = list(self._streams.values())
         self._streams.clear()
+        while self._inbox:
+            kind, payload = self._inbox.popleft()
+            if kind == "add":
+                streams.append(payload)
         for s in streams:
-            self.core.abort(s.seq)
-            try:
-                s.event_loop.call_soon_threadsafe(s.queue.put_nowait, error)
-            except RuntimeError:
-                pass
+            with contextlib.suppress(Exception):
+                self.core.abort(s.seq)
+            _send(s, error)
+
+
+def _send(stream: _Stream, item) -> None:
+    try:
+        stream.event_loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, list, bool]]) -> None:

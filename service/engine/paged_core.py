@@ -99,6 +99,18 @@ class PagedCore:
             return []
         return self._append_sampled(result)
 
+    def shrink_after_oom(self) -> bool:
+        """After an out-of-memory step: halve the batch size and preempt every running
+        sequence (recomputed later, nothing lost). False when already at one sequence."""
+        sched = self.scheduler
+        if sched.max_batch_size <= 1 and len(sched.running) <= 1:
+            return False
+        sched.max_batch_size = max(1, min(sched.max_batch_size, max(len(sched.running), 1)) // 2)
+        sched.preempt_all()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return True
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(

@@ -82,6 +82,12 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def preempt_all(self) -> None:
+        """Preempt every running sequence (recompute), keeping their order."""
+        out = SchedulerOutput()
+        for seq in reversed(list(self.running)):
+            self._preempt(seq, out)
+
     # scheduling --------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

@@ -13,6 +13,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     EOS_TOKEN = "eos_token"
     STOP_SEQUENCE = "stop_sequence"
+    TIME_LIMIT = "time_limit"  # the request's max_time ran out
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,7 @@ class StoppingParams:
     max_new_tokens: int
     stop_sequences: tuple[str, ...] = ()
     ignore_eos: bool = False
+    deadline: float | None = None  # monotonic time after which generation ends (max_time)
 
 
 @dataclass(frozen=True, slots=True)

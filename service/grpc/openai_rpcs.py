@@ -30,10 +30,11 @@ class OpenAIRpcs:
                 await abort(context, exc.message, "validation")
             record.validated(valid)
             renderer = ChatRenderer(self.served.info.model_id, f"textgen-{self.served.info.version}", chat)
-            if chat.stream:
-                async for body in self._chat_stream(renderer, valid, context, record):
-                    yield body
-            else:
+            async with self.admitted(context, valid):
+                if chat.stream:
+                    async for body in self._chat_stream(renderer, valid, context, record):
+                        yield body
+                    return
                 try:
                     events = [e async for e in self.engine.generate(valid.engine_request)]
                 except EngineError as exc:
@@ -69,18 +70,19 @@ class OpenAIRpcs:
             record.validated(valid[0])
             renderer = CompletionRenderer(info.model_id, f"textgen-{info.version}", req)
             streams = [self.engine.generate(v.engine_request) for v in valid]
-            if req.stream:
-                async for body in self._completion_stream(renderer, streams, context, record):
-                    yield body
-                return
-            runs = [[] for _ in valid]
-            try:
-                async for index, event in _merged(streams):
-                    runs[index].append(event)
-            except EngineError as exc:
-                await abort(context, exc.message, exc.error_type)
-            record.finished(*(run[-1].finish for run in runs))
-            yield httpbody_pb2.HttpBody(content_type=JSON, data=renderer.completion(runs))
+            async with self.admitted(context, *valid):
+                if req.stream:
+                    async for body in self._completion_stream(renderer, streams, context, record):
+                        yield body
+                    return
+                runs = [[] for _ in valid]
+                try:
+                    async for index, event in _merged(streams):
+                        runs[index].append(event)
+                except EngineError as exc:
+                    await abort(context, exc.message, exc.error_type)
+                record.finished(*(run[-1].finish for run in runs))
+                yield httpbody_pb2.HttpBody(content_type=JSON, data=renderer.completion(runs))
 
     async def _completion_stream(self, renderer: CompletionRenderer, streams, context, record):
         req = renderer.request

@@ -9,6 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+from ..admission import Admission, Overloaded
 from ..engine.loop import EngineLoop
 from ..engine.types import EngineError, TokenEvent
 from ..observability.requests import RequestRecorder
@@ -35,46 +36,41 @@ class ServedModel:
     created: int  # unix time the model was loaded
 
 
-class Admission:
-    """A non-blocking limit on concurrent requests (TGI's max_concurrent_requests):
-    when full, fail at once with `overloaded`. The permit lives as long as the stream."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.in_flight = 0
-
-    @contextlib.asynccontextmanager
-    async def permit(self, context):
-        """Hold a permit for the body of the block, or end the RPC with `overloaded`."""
-        if self.in_flight >= self.limit:
-            await abort(context, "Model is overloaded", "overloaded")
-        self.in_flight += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-
-
 class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServiceServicer):
     def __init__(
         self,
         engine: EngineLoop,
         validator: Validator,
         served: ServedModel,
-        max_concurrent_requests: int,
+        admission: Admission,
         recorder: RequestRecorder,
     ) -> None:
         self.engine = engine
         self.validator = validator
         self.served = served
-        self.admission = Admission(max_concurrent_requests)
+        self.admission = admission
         self.recorder = recorder
+        self.draining = False  # set on SIGTERM: new requests are refused
 
     @contextlib.asynccontextmanager
     async def request(self, context, method: str):
-        """Record the request (metrics, spans, log line) and hold its admission permit."""
-        async with self.recorder.track(method) as record, self.admission.permit(context):
+        """Record the request (metrics, spans, log line); refuse it while draining."""
+        async with self.recorder.track(method) as record:
+            if self.draining:
+                await abort(context, "the server is shutting down", "unavailable")
             yield record
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, context, *valid: ValidRequest):
+        """Hold an admission permit for the block, or end the RPC with `overloaded`."""
+        try:
+            await self.admission.acquire(sum(len(v.engine_request.prompt_ids) for v in valid))
+        except Overloaded as exc:
+            await abort(context, str(exc), "overloaded")
+        try:
+            yield
+        finally:
+            self.admission.release()
 
     # generation -------------------------------------------------------------------
 
@@ -86,18 +82,19 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
             prefix = valid.inputs if valid.return_full_text else ""
             sent_any = False
             try:
-                async for event in self.engine.generate(valid.engine_request):
-                    yield convert.stream_response(
-                        event,
-                        prefix=prefix,
-                        seed_reported=valid.engine_request.sampling.do_sample,
-                        validation_time=valid.validation_time,
-                        total_time=time.monotonic() - arrival,
-                    )
-                    sent_any = True
-                    if event.finish is not None:
-                        record.finished(event.finish)
-                        context.set_trailing_metadata(_timing_metadata(valid, event.finish, arrival))
+                async with self.admitted(context, valid):
+                    async for event in self.engine.generate(valid.engine_request):
+                        yield convert.stream_response(
+                            event,
+                            prefix=prefix,
+                            seed_reported=valid.engine_request.sampling.do_sample,
+                            validation_time=valid.validation_time,
+                            total_time=time.monotonic() - arrival,
+                        )
+                        sent_any = True
+                        if event.finish is not None:
+                            record.finished(event.finish)
+                            context.set_trailing_metadata(_timing_metadata(valid, event.finish, arrival))
             except EngineError as exc:
                 if sent_any:
                     # an HTTP/1.1 client can't see a status after the first frame
@@ -111,7 +108,8 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
             valid = await self._validate(request, context, stream=False, arrival=arrival)
             record.validated(valid)
             try:
-                runs = await self._generate_best_of(valid)
+                async with self.admitted(context, valid):
+                    runs = await self._generate_best_of(valid)
             except EngineError as exc:
                 await abort(context, exc.message, exc.error_type)
             record.finished(*(run[-1].finish for run in runs))
@@ -195,7 +193,7 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
         )
 
     async def Health(self, request, context):
-        if not self.engine.healthy:
+        if not self.engine.healthy or self.draining:
             await abort(context, "unhealthy", "healthcheck")
         return svc_pb.HealthResponse()
 

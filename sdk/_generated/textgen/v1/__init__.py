@@ -93,7 +93,8 @@ class Details(betterproto2.Message):
 
     finish_reason: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
     """
-    "length", "eos_token" or "stop_sequence" (a string, as TGI prints it).
+    "length", "eos_token" or "stop_sequence" (a string, as TGI prints it), or
+    "time_limit" when the request's max_time ran out.
     """
 
     generated_tokens: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
@@ -267,6 +268,11 @@ class GenerateParameters(betterproto2.Message):
     ignore_eos: "bool" = betterproto2.field(21, betterproto2.TYPE_BOOL)
     """
     Keep generating past EOS until max_new_tokens (vLLM's ignore_eos; for benchmarks).
+    """
+
+    max_time: "float | None" = betterproto2.field(22, betterproto2.TYPE_FLOAT, optional=True)
+    """
+    Stop generating after this many seconds from arrival (finish_reason "time_limit").
     """
 
 
