@@ -1,0 +1,275 @@
+"""What happens when things go wrong, against real servers (tiny model) and a real
+Envoy: bursts past the admission limit, clients that walk away, SIGTERM with live
+streams, an engine that dies, callers without the key, requests that queue.
+Nothing lost, nothing hung: every call has a timeout."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import requests
+from conftest import ServerThread, tiny_settings
+from http_client import Http, sse_events
+
+from textgen.sdk import (
+    Client,
+    IncompleteGenerationError,
+    OverloadedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+LONG = {"max_new_tokens": 300, "ignore_eos": True}
+
+
+@contextlib.contextmanager
+def server(tiny_model_dir, *, http=True, **overrides):
+    s = ServerThread(tiny_settings(tiny_model_dir, **overrides), http=http).start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def idle(s) -> bool:
+    stats = s.engine.stats()
+    return (stats.running, stats.waiting, stats.kv_blocks_used, s.replica.servicer.admission.in_flight) == (0, 0, 0, 0)
+
+
+# bursts ----------------------------------------------------------------------------
+
+
+def test_burst_past_the_limit(tiny_model_dir):
+    """4 x max_concurrent_requests at once, half gRPC, half HTTP: the excess gets
+    `overloaded` quickly, every admitted stream completes correctly."""
+    limit = 4
+    with server(tiny_model_dir, max_concurrent_requests=limit) as s:
+        with Client(s.target, timeout=60) as c:
+            expected = c.generate("hello", max_new_tokens=60, ignore_eos=True).generated_text
+        barrier = threading.Barrier(4 * limit)
+        web = Http(s.http_url)
+
+        def grpc_stream():
+            with Client(s.target, timeout=60) as c:
+                barrier.wait()
+                start = time.monotonic()
+                try:
+                    messages = list(c.generate_stream("hello", max_new_tokens=60, ignore_eos=True))
+                except OverloadedError:
+                    return "overloaded", time.monotonic() - start, None
+                return "ok", time.monotonic() - start, messages[-1].generated_text
+
+        def http_stream():
+            barrier.wait()
+            start = time.monotonic()
+            body = {"inputs": "hello", "parameters": {"max_new_tokens": 60, "ignore_eos": True}}
+            resp = web.open("POST", "/generate_stream", body)
+            with resp:
+                if resp.status == 429:
+                    error = json.loads(resp.read())
+                    assert error == {"error": "Model is overloaded", "error_type": "overloaded"}
+                    return "overloaded", time.monotonic() - start, None
+                assert resp.status == 200
+                events = [e for _, e in sse_events(resp)]
+            return "ok", time.monotonic() - start, events[-1]["generated_text"]
+
+        with cf.ThreadPoolExecutor(4 * limit) as pool:
+            futures = [pool.submit(grpc_stream if i % 2 else http_stream) for i in range(4 * limit)]
+            results = [f.result(timeout=90) for f in futures]
+        ok = [r for r in results if r[0] == "ok"]
+        refused = [r for r in results if r[0] == "overloaded"]
+        assert len(ok) + len(refused) == 4 * limit  # nothing else failed
+        assert len(ok) >= limit and len(refused) >= limit
+        assert all(text == expected for _, _, text in ok)
+        assert max(seconds for _, seconds, _ in refused) < 5  # refused at once, not queued
+        assert wait_until(lambda: idle(s), 5)
+
+
+def test_bounded_queue_waits_instead_of_refusing(tiny_model_dir):
+    with server(tiny_model_dir, http=False, max_concurrent_requests=1, max_queued_requests=1) as s:
+        with Client(s.target, timeout=60) as holder, Client(s.target, timeout=60) as queued, Client(s.target, timeout=60) as third:
+            stream = holder.generate_stream("hello", **LONG)
+            next(stream)
+            with cf.ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(queued.generate, "hello", max_new_tokens=5)
+                assert wait_until(lambda: s.replica.servicer.admission.queued == 1, 5)
+                with pytest.raises(OverloadedError):
+                    third.generate("hello", max_new_tokens=5)
+                stream.close()  # frees the permit: the queued request runs
+                assert waiting.result(timeout=30).details.generated_tokens == 5
+
+
+# clients that walk away --------------------------------------------------------------
+
+
+def test_fifty_disconnects_return_everything(tiny_model_dir):
+    """25 gRPC cancels and 25 HTTP clients that close the socket mid-stream: blocks and
+    permits are back to idle within a second, and the server keeps serving."""
+    with server(tiny_model_dir, max_concurrent_requests=64) as s:
+        web = Http(s.http_url)
+
+        def grpc_walk_away():
+            with Client(s.target, timeout=30) as c:
+                stream = c.generate_stream("hello", **LONG)
+                next(stream)
+                stream.close()
+
+        def http_walk_away():
+            resp = web.open("POST", "/generate_stream", {"inputs": "hello", "parameters": LONG})
+            assert resp.status == 200
+            next(sse_events(resp))
+            resp.close()  # closes the socket under Envoy's feet
+
+        with cf.ThreadPoolExecutor(10) as pool:
+            for f in [pool.submit(grpc_walk_away if i % 2 else http_walk_away) for i in range(50)]:
+                f.result(timeout=60)
+        assert wait_until(lambda: idle(s), 1.0), s.engine.stats()
+        with Client(s.target, timeout=30) as c:
+            assert c.generate("hello", max_new_tokens=3).details.generated_tokens == 3
+        cancelled = s.replica.servicer.recorder.metrics.cancelled._value.get()
+        assert cancelled >= 50
+
+
+# SIGTERM -----------------------------------------------------------------------------
+
+
+def test_sigterm_drains_live_streams_and_exits_zero(tiny_model_dir):
+    textgen = Path(sys.executable).with_name("textgen")
+    cmd = [str(textgen), "serve", "--model-id", str(tiny_model_dir), "--dtype", "float32",
+           "--grpc-port", "0", "--port", "0", "--max-batch-total-tokens", "8192"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    envoy_pid = None
+    try:
+        log = ""
+        for line in proc.stderr:
+            log += line
+            if m := re.search(r"envoy \(pid (\d+)\)", line):
+                envoy_pid = int(m.group(1))
+            if "textgen ready" in line:
+                break
+        assert "textgen ready" in log, log
+        grpc_target = re.search(r"grpc=(\S+:\d+)", log).group(1)
+        http_url = re.search(r"http=(http://\S+)", log).group(1)
+        threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+
+        started = threading.Barrier(9)
+
+        def live_stream():
+            with Client(grpc_target, timeout=90) as c:
+                stream = c.generate_stream("hello", max_new_tokens=400, ignore_eos=True)
+                first = next(stream)
+                started.wait()
+                return 1 + sum(1 for _ in stream), first
+
+        with cf.ThreadPoolExecutor(8) as pool:
+            streams = [pool.submit(live_stream) for _ in range(8)]
+            started.wait(timeout=60)
+            proc.send_signal(signal.SIGTERM)
+            assert wait_until(lambda: requests.get(f"{http_url}/health", timeout=5).status_code == 503, 10)
+            with Client(grpc_target, timeout=10) as c, pytest.raises(UnavailableError):
+                c.generate("hello", max_new_tokens=2)
+            assert requests.post(f"{http_url}/generate", json={"inputs": "hi"}, timeout=10).status_code == 503
+            counts = [f.result(timeout=90)[0] for f in streams]
+        assert counts == [400] * 8  # every live stream completed
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if envoy_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(envoy_pid, signal.SIGKILL)
+
+
+# engine failure ----------------------------------------------------------------------
+
+
+def test_engine_fault_ends_streams_typed_and_flips_health(tiny_model_dir):
+    with server(tiny_model_dir) as s:
+        web = Http(s.http_url)
+        with Client(s.target, timeout=30) as c:
+            stream = c.generate_stream("hello", **LONG)
+            next(stream)
+            resp = web.open("POST", "/generate_stream", {"inputs": "hello", "parameters": LONG})
+            frames = sse_events(resp)
+            next(frames)
+            s.engine.inject_fault()
+            with pytest.raises(IncompleteGenerationError):
+                for _ in stream:
+                    pass
+            last = [e for _, e in frames][-1]
+            resp.close()
+            assert last["error_type"] == "incomplete_generation" and last["error"]
+            assert not c.health()
+            with pytest.raises(UnavailableError):
+                c.generate("hello", max_new_tokens=2)
+        status, _, body = web.call("GET", "/health")
+        assert (status, json.loads(body)) == (503, {"error": "unhealthy", "error_type": "healthcheck"})
+
+
+# API keys ----------------------------------------------------------------------------
+
+
+def test_api_key_on_every_face(tiny_model_dir, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# one per line\nsecond-key\n")
+    with server(tiny_model_dir, api_key="sekret", api_key_file=str(keys)) as s:
+        with Client(s.target, timeout=30) as c:
+            with pytest.raises(UnauthenticatedError):
+                c.generate("hello", max_new_tokens=2)
+            assert c.health()  # health stays open
+        for key in ("sekret", "second-key"):
+            with Client(s.target, timeout=30, api_key=key) as c:
+                assert c.generate("hello", max_new_tokens=2).details.generated_tokens == 2
+        with Client(s.target, timeout=30, api_key="wrong") as c, pytest.raises(UnauthenticatedError):
+            list(c.generate_stream("hello", max_new_tokens=2))
+
+        body = {"inputs": "hello", "parameters": {"max_new_tokens": 2}}
+        denied = requests.post(f"{s.http_url}/generate", json=body, timeout=30)
+        assert denied.status_code == 401 and denied.json()["error_type"] == "unauthenticated"
+        allowed = requests.post(f"{s.http_url}/generate", json=body, headers={"Authorization": "Bearer sekret"}, timeout=30)
+        assert allowed.status_code == 200
+        assert requests.get(f"{s.http_url}/health", timeout=10).status_code == 200
+        assert requests.get(f"{s.http_url}/metrics", timeout=10).status_code == 200
+
+        messages = [{"role": "user", "content": "hi"}]
+        bad = openai.OpenAI(base_url=f"{s.http_url}/v1", api_key="wrong", max_retries=0, timeout=30)
+        with pytest.raises(openai.AuthenticationError) as info:
+            bad.chat.completions.create(model="m", messages=messages, max_tokens=2)
+        assert info.value.status_code == 401
+        good = openai.OpenAI(base_url=f"{s.http_url}/v1", api_key="sekret", max_retries=0, timeout=30)
+        assert good.chat.completions.create(model="m", messages=messages, max_tokens=2).usage.completion_tokens >= 1
+        assert s.replica.servicer.recorder.metrics.request_failure.value("unauthenticated") >= 4
+
+
+# per-request time limit --------------------------------------------------------------
+
+
+def test_max_time_ends_with_time_limit(tiny_server):
+    with Client(tiny_server.target, timeout=30) as c:
+        out = c.generate("hello", max_new_tokens=500, ignore_eos=True, max_time=0.05)
+    assert out.details.finish_reason == "time_limit"
+    assert 0 < out.details.generated_tokens < 500
