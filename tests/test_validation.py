@@ -62,6 +62,8 @@ CASES = [
     ("truncate 0", "hi", {"truncate": 0}, f"`truncate` must be strictly positive and less than {MAX_INPUT}. Given: 0"),
     ("truncate too large", "hi", {"truncate": MAX_INPUT + 1}, f"`truncate` must be strictly positive and less than {MAX_INPUT}. Given: {MAX_INPUT + 1}"),
     ("watermark", "hi", {"watermark": True}, "`watermark` is not supported"),
+    ("stop too long", "hi", {"stop": ["x" * 300]}, "`stop` sequences must be at most 256 characters. Given: 300"),
+    ("max_time 0", "hi", {"max_time": 0.0}, "`max_time` must be strictly positive"),
     ("logit_bias outside the vocabulary", "hi", {"logit_bias": {10**6: 1.0}}, "`logit_bias` token id 1000000 is outside the vocabulary (size 400)"),
 ]
 
