@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_model import build_tiny_model  # noqa: E402
+from tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -56,7 +56,7 @@ class ServerThread:
         self._ready.set()
         self.loop.run_forever()
 
-    def start(self, timeout: float = 300) -> "ServerThread":
+    def start(self, timeout: float = 300) -> ServerThread:
         self._thread.start()
         if not self._ready.wait(timeout):
             raise TimeoutError("server did not start")

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 
 import pytest
-
 from textgen.service.bench import add_bench_arguments, format_table, run_load
 
 pytestmark = pytest.mark.timeout(120)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from textgen.sdk import Client, ValidationError
 from textgen.service.openai.common import StopHoldback
 

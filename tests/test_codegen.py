@@ -4,7 +4,6 @@ the contract must pass `buf lint`."""
 from __future__ import annotations
 
 import filecmp
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,5 +43,5 @@ def test_generated_code_is_up_to_date(tmp_path):
 def test_buf_lint_passes():
     if not BUF.exists():
         pytest.fail("buf is not installed in .tools/ (`make tools` installs it from the npm registry)")
-    result = subprocess.run([str(BUF), "lint"], cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run([str(BUF), "lint"], cwd=REPO, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr

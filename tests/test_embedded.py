@@ -3,64 +3,29 @@ then the SDK and `textgen generate` against it."""
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
 import pytest
-
+from serve_process import TEXTGEN, textgen_serve
 from textgen.sdk import Client
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-TEXTGEN = str(Path(sys.executable).parent / "textgen")
 QUESTION = "What is the capital of France?"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def embedded_server():
-    """`textgen serve --no-envoy` in a subprocess; waits for its ready line."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [TEXTGEN, "serve", "--no-envoy", "--grpc-port", str(port), "--max-batch-total-tokens", "16384"],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in proc.stderr:
-            lines.append(line)
-            if "textgen ready" in line:
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + 540
-    while not ready.is_set() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    try:
-        if not ready.is_set():
-            pytest.fail("textgen serve did not become ready:\n" + "".join(lines[-30:]))
-        yield f"127.0.0.1:{port}", lines
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    """`textgen serve --no-envoy` on the embedded default model, as a user starts it."""
+    args = ["--no-envoy", "--grpc-port", "0", "--max-batch-total-tokens", "16384"]
+    with textgen_serve(*args) as served:
+        if not served.grpc_target:
+            pytest.fail("textgen serve did not become ready:\n" + served.log[-3000:])
+        served.drain_log()
+        yield served.grpc_target, served.log.splitlines()
+        served.proc.send_signal(signal.SIGTERM)
+        served.proc.wait(60)
 
 
 def test_chat_answer_contains_paris(embedded_server):
@@ -97,6 +62,7 @@ def test_cli_generate_streams_the_answer(embedded_server):
         capture_output=True,
         text=True,
         timeout=120,
+        check=False,
     )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout

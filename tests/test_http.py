@@ -5,15 +5,10 @@ its Envoy. Errors: test_http_errors.py."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import grpc
@@ -25,6 +20,7 @@ from conftest import ServerThread
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from http_client import PROMPT, Http, no_eos, openapi_validator, sse_events
+from serve_process import textgen_serve
 from textgen.service.config import Settings
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
@@ -294,36 +290,15 @@ def test_embedded_model_over_http():
 def test_textgen_serve_starts_and_supervises_envoy(tiny_model_dir):
     """The CLI starts the replica and Envoy, logs the HTTP URL and a curl line;
     when Envoy dies the whole service stops (exit 1), not half up."""
-    textgen = Path(sys.executable).with_name("textgen")
-    cmd = [str(textgen), "serve", "--model-id", str(tiny_model_dir), "--dtype", "float32",
-           "--grpc-port", "0", "--port", "0", "--max-batch-total-tokens", "4096"]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
-    envoy_pid = None
-    try:
-        lines = []
-        for line in proc.stderr:
-            lines.append(line)
-            if m := re.search(r"envoy \(pid (\d+)\)", line):
-                envoy_pid = int(m.group(1))
-            if "curl -N" in line:
-                break
-        log = "".join(lines)
-        ready = re.search(r"textgen ready: .* http=(http://\S+)", log)
-        assert ready, log
-        assert f"curl -N {ready.group(1)}/generate_stream" in log
-        assert Http(ready.group(1)).call("GET", "/health")[0] == 200
+    args = ["--model-id", str(tiny_model_dir), "--dtype", "float32", "--grpc-port", "0", "--port", "0",
+            "--max-batch-total-tokens", "4096"]  # fmt: skip
+    with textgen_serve(*args, until="curl -N") as served:
+        assert served.http_url and served.envoy_pid, served.log
+        assert f"curl -N {served.http_url}/generate_stream" in served.log
+        assert Http(served.http_url).call("GET", "/health")[0] == 200
 
-        os.kill(envoy_pid, signal.SIGKILL)
-        assert proc.wait(timeout=30) == 1
-        assert "exited" in proc.stderr.read()
+        os.kill(served.envoy_pid, signal.SIGKILL)
+        assert served.proc.wait(timeout=30) == 1
+        assert "exited" in served.proc.stderr.read()
         with pytest.raises(ProcessLookupError):  # reaped by textgen, not left a zombie
-            os.kill(envoy_pid, 0)
-    finally:  # on failure, leave nothing running: both by PID
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        if envoy_pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(envoy_pid, signal.SIGKILL)
+            os.kill(served.envoy_pid, 0)

@@ -8,21 +8,16 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import json
-import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import openai
 import pytest
 import requests
 from conftest import ServerThread, tiny_settings
 from http_client import Http, sse_events
-
+from serve_process import textgen_serve
 from textgen.sdk import (
     Client,
     IncompleteGenerationError,
@@ -109,17 +104,17 @@ def test_burst_past_the_limit(tiny_model_dir):
 
 
 def test_bounded_queue_waits_instead_of_refusing(tiny_model_dir):
-    with server(tiny_model_dir, http=False, max_concurrent_requests=1, max_queued_requests=1) as s:
-        with Client(s.target, timeout=60) as holder, Client(s.target, timeout=60) as queued, Client(s.target, timeout=60) as third:
-            stream = holder.generate_stream("hello", **LONG)
-            next(stream)
-            with cf.ThreadPoolExecutor(1) as pool:
-                waiting = pool.submit(queued.generate, "hello", max_new_tokens=5)
-                assert wait_until(lambda: s.replica.servicer.admission.queued == 1, 5)
-                with pytest.raises(OverloadedError):
-                    third.generate("hello", max_new_tokens=5)
-                stream.close()  # frees the permit: the queued request runs
-                assert waiting.result(timeout=30).details.generated_tokens == 5
+    settings = {"http": False, "max_concurrent_requests": 1, "max_queued_requests": 1}
+    with server(tiny_model_dir, **settings) as s, Client(s.target, timeout=60) as client:
+        stream = client.generate_stream("hello", **LONG)
+        next(stream)
+        with cf.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(client.generate, "hello", max_new_tokens=5)
+            assert wait_until(lambda: s.replica.servicer.admission.queued == 1, 5)
+            with pytest.raises(OverloadedError):
+                client.generate("hello", max_new_tokens=5)
+            stream.close()  # frees the permit: the queued request runs
+            assert waiting.result(timeout=30).details.generated_tokens == 5
 
 
 # clients that walk away --------------------------------------------------------------
@@ -157,51 +152,33 @@ def test_fifty_disconnects_return_everything(tiny_model_dir):
 
 
 def test_sigterm_drains_live_streams_and_exits_zero(tiny_model_dir):
-    textgen = Path(sys.executable).with_name("textgen")
-    cmd = [str(textgen), "serve", "--model-id", str(tiny_model_dir), "--dtype", "float32",
-           "--grpc-port", "0", "--port", "0", "--max-batch-total-tokens", "8192"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    envoy_pid = None
-    try:
-        log = ""
-        for line in proc.stderr:
-            log += line
-            if m := re.search(r"envoy \(pid (\d+)\)", line):
-                envoy_pid = int(m.group(1))
-            if "textgen ready" in line:
-                break
-        assert "textgen ready" in log, log
-        grpc_target = re.search(r"grpc=(\S+:\d+)", log).group(1)
-        http_url = re.search(r"http=(http://\S+)", log).group(1)
-        threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-
+    args = ["--model-id", str(tiny_model_dir), "--dtype", "float32", "--grpc-port", "0", "--port", "0",
+            "--max-batch-total-tokens", "8192"]  # fmt: skip
+    with textgen_serve(*args) as served:
+        assert served.grpc_target and served.http_url, served.log
+        served.drain_log()
         started = threading.Barrier(9)
 
         def live_stream():
-            with Client(grpc_target, timeout=90) as c:
+            with Client(served.grpc_target, timeout=90) as c:
                 stream = c.generate_stream("hello", max_new_tokens=400, ignore_eos=True)
-                first = next(stream)
+                next(stream)
                 started.wait()
-                return 1 + sum(1 for _ in stream), first
+                return 1 + sum(1 for _ in stream)
 
         with cf.ThreadPoolExecutor(8) as pool:
             streams = [pool.submit(live_stream) for _ in range(8)]
             started.wait(timeout=60)
-            proc.send_signal(signal.SIGTERM)
-            assert wait_until(lambda: requests.get(f"{http_url}/health", timeout=5).status_code == 503, 10)
-            with Client(grpc_target, timeout=10) as c, pytest.raises(UnavailableError):
+            served.proc.send_signal(signal.SIGTERM)
+            health = f"{served.http_url}/health"
+            assert wait_until(lambda: requests.get(health, timeout=5).status_code == 503, 10)
+            with Client(served.grpc_target, timeout=10) as c, pytest.raises(UnavailableError):
                 c.generate("hello", max_new_tokens=2)
-            assert requests.post(f"{http_url}/generate", json={"inputs": "hi"}, timeout=10).status_code == 503
-            counts = [f.result(timeout=90)[0] for f in streams]
+            refused = requests.post(f"{served.http_url}/generate", json={"inputs": "hi"}, timeout=10)
+            assert refused.status_code == 503
+            counts = [f.result(timeout=90) for f in streams]
         assert counts == [400] * 8  # every live stream completed
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        if envoy_pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(envoy_pid, signal.SIGKILL)
+        assert served.proc.wait(timeout=60) == 0
 
 
 # engine failure ----------------------------------------------------------------------

@@ -8,11 +8,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2 as svc
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -109,7 +108,7 @@ def test_stop_sequence_across_tokens(stub):
 
 
 def test_seeded_sampling_is_reproducible(stub):
-    params = dict(max_new_tokens=8, do_sample=True, temperature=1.5, seed=1234, details=True)
+    params = {"max_new_tokens": 8, "do_sample": True, "temperature": 1.5, "seed": 1234, "details": True}
     a = stub.Generate(request("Hello", **params), timeout=60)
     b = stub.Generate(request("Hello", **params), timeout=60)
     assert [t.id for t in a.details.tokens] == [t.id for t in b.details.tokens]

@@ -7,7 +7,6 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
 
@@ -52,7 +51,7 @@ CASES = [
         "max_new_tokens beyond max_total_tokens",
         "hi",
         {"max_new_tokens": MAX_TOTAL},
-        "`inputs` tokens + `max_new_tokens` must be <= %d. Given: {n} `inputs` tokens and %d `max_new_tokens`" % (MAX_TOTAL, MAX_TOTAL),
+        f"`inputs` tokens + `max_new_tokens` must be <= {MAX_TOTAL}. Given: {{n}} `inputs` tokens and {MAX_TOTAL} `max_new_tokens`",
     ),
     ("too many stops", "hi", {"stop": ["a", "b", "c", "d", "e"]}, "`stop` supports up to 4 stop sequences. Given: 5"),
     ("top_n_tokens too large", "hi", {"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
@@ -82,8 +81,8 @@ def test_input_longer_than_max_input_tokens(stub):
     req = pb.GenerateRequest(inputs=long_text, parameters=pb.GenerateParameters(max_new_tokens=1))
     code, details, reason = error_of(lambda: stub.Generate(req, timeout=30))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and reason == "validation"
-    assert details.startswith(f"`inputs` tokens + `max_new_tokens` must be <= {MAX_TOTAL}") or details.startswith(
-        f"`inputs` must have less than {MAX_INPUT} tokens"
+    assert details.startswith(
+        (f"`inputs` tokens + `max_new_tokens` must be <= {MAX_TOTAL}", f"`inputs` must have less than {MAX_INPUT} tokens")
     )
 
 

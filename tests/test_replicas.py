@@ -1,0 +1,465 @@
+"""Several replicas behind `textgen proxy` (a real Envoy, rendered front=True), all
+real processes on this machine with the tiny model: load balancing, the retry of a
+refused request onto another replica before its first byte (HTTP and native gRPC),
+a replica killed under load, and a replica draining on SIGTERM.
+
+One `stable` replica and the proxy live for the module; each test starts a fresh
+`victim` replica on the same port (the proxy knows both addresses from the start,
+as it would know a pod's), waits until Envoy has it in the rotation, and does
+something to it. Every process is stopped by PID in a fixture's teardown.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import ctypes
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from textgen.service.proto import generate_pb2 as pb
+from textgen.service.proto import text_generation_service_pb2 as svc_pb
+from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
+
+pytestmark = pytest.mark.timeout(60)
+
+TEXTGEN = Path(sys.executable).with_name("textgen")
+START_TIMEOUT = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _die_with_pytest() -> None:
+    _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: nothing outlives a killed test run
+
+
+class Proc:
+    """A `textgen` subprocess, its output in a file, stopped by PID."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log = log
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TEXTGEN_")}
+        # two replicas, a proxy and the test share 2 cores: one torch thread each
+        env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        with open(log, "w") as out:
+            self.popen = subprocess.Popen(
+                [str(TEXTGEN), *args],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_die_with_pytest,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 10) -> None:
+        """SIGTERM, then SIGKILL; by PID."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+        self.popen.wait(10)
+
+
+class Replica(Proc):
+    """`textgen serve --no-envoy` on 127.0.0.1:port."""
+
+    def __init__(self, model_dir: Path, port: int, log: Path, *flags: str) -> None:
+        self.port = port
+        super().__init__(
+            ["serve", "--no-envoy", "--model-id", str(model_dir), "--dtype", "float32",
+             "--hostname", "127.0.0.1", "--grpc-port", str(port),
+             "--max-total-tokens", "1024", "--max-batch-total-tokens", "16384", *flags],
+            log,
+        )  # fmt: skip
+        self.channel = grpc.insecure_channel(self.target)
+        self.stub = svc_grpc.TextGenerationServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def serving_status(self, timeout: float = 2.0):
+        return self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout).status
+
+    def wait_serving(self) -> None:
+        def serving() -> bool:
+            assert self.alive(), self.output()
+            with contextlib.suppress(grpc.RpcError):
+                return self.serving_status() == health_pb2.HealthCheckResponse.SERVING
+            return False
+
+        assert wait_until(serving, START_TIMEOUT, 0.2), self.output()
+
+    def metrics(self) -> dict[str, float]:
+        """The replica's own Prometheus counters, `name{labels}` -> value."""
+        body = self.stub.Metrics(svc_pb.MetricsRequest(), timeout=5).data.decode()
+        out = {}
+        for line in body.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def counter(self, name: str) -> float:
+        return self.metrics().get(name, 0.0)
+
+    def in_flight(self) -> float:
+        m = self.metrics()
+        failures = sum(v for k, v in m.items() if k.startswith("tgi_request_failure"))
+        return m.get("tgi_request_count", 0) - m.get("tgi_request_success", 0) - failures
+
+    def stop(self, timeout: float = 10) -> None:
+        self.channel.close()
+        super().stop(timeout)
+
+
+class Proxy(Proc):
+    """`textgen proxy` over the given replicas' addresses."""
+
+    def __init__(self, ports: list[int], log: Path) -> None:
+        self.http_port, self.admin_port = free_port(), free_port()
+        upstreams = [a for p in ports for a in ("--upstream", f"127.0.0.1:{p}")]
+        super().__init__(
+            ["proxy", *upstreams, "--port", str(self.http_port), "--admin-port", str(self.admin_port)],
+            log,
+        )
+        ready = wait_until(lambda: "textgen proxy ready" in self.output() or not self.alive(), 30)
+        assert ready and self.alive(), self.output()
+        self.envoy_pid = int(re.search(r"envoy \(pid (\d+)\)", self.output()).group(1))
+
+    def health_flags(self, port: int) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/clusters", timeout=5) as r:
+            body = r.read().decode()
+        m = re.search(rf"::127\.0\.0\.1:{port}::health_flags::(\S+)", body)
+        return m.group(1) if m else "absent"
+
+    def stop(self, timeout: float = 10) -> None:
+        super().stop(timeout)
+        with contextlib.suppress(ProcessLookupError):  # textgen stops it; make sure
+            os.kill(self.envoy_pid, signal.SIGKILL)
+
+
+# clients ------------------------------------------------------------------------------
+
+
+def http_call(port: int, path: str, body: dict, timeout: float = 30) -> tuple[int, dict, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def http_stream(port: int, tokens: int, started: threading.Event | None = None) -> str:
+    """One /generate_stream of `tokens` tokens: 'ok' when every frame and the final
+    details arrived, else what went wrong (never hangs: socket timeout)."""
+    body = {"inputs": "The quick brown fox", "parameters": {"max_new_tokens": tokens, "ignore_eos": True}}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", "/generate_stream", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            return f"status {resp.status}: {resp.read()[:200]!r}"
+        frames = []
+        while line := resp.readline():
+            if line.startswith(b"data:"):
+                frames.append(json.loads(line[5:]))
+                if started is not None:
+                    started.set()
+        if len(frames) == tokens and frames[-1].get("details"):
+            return "ok"
+        return f"cut after {len(frames)} frames"
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        return f"cut: {type(exc).__name__}"
+    finally:
+        conn.close()
+
+
+def grpc_stream(target: str, tokens: int, started: threading.Event | None = None) -> str:
+    request = pb.GenerateRequest(
+        inputs="The quick brown fox",
+        parameters=pb.GenerateParameters(max_new_tokens=tokens, ignore_eos=True),
+    )
+    with grpc.insecure_channel(target) as channel:
+        stub = svc_grpc.TextGenerationServiceStub(channel)
+        try:
+            messages = []
+            for m in stub.GenerateStream(request, timeout=30):
+                messages.append(m)
+                if started is not None:
+                    started.set()
+        except grpc.RpcError as exc:
+            return f"cut: {exc.code().name}"
+    ok = len(messages) == tokens and messages[-1].HasField("details")
+    return "ok" if ok else f"cut after {len(messages)} messages"
+
+
+class Watch:
+    """When (monotonic) a replica first leaves the proxy's rotation, polled from a thread."""
+
+    def __init__(self, proxy: Proxy, port: int) -> None:
+        self.at: float | None = None
+        self.flags = ""
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(proxy, port), daemon=True)
+        self._thread.start()
+
+    def _run(self, proxy: Proxy, port: int) -> None:
+        while not self._done.is_set():
+            self.flags = proxy.health_flags(port)
+            if "failed_active_hc" in self.flags:
+                self.at = time.monotonic()
+                return
+            time.sleep(0.05)
+
+    def wait(self, timeout: float) -> float | None:
+        self._thread.join(timeout)
+        self._done.set()
+        return self.at
+
+
+def short_request(port: int, i: int) -> tuple[str, str | None]:
+    """A short generation through the proxy, by turns HTTP unary, HTTP stream, gRPC
+    unary, gRPC stream: ('ok' or the failure, x-envoy-attempt-count)."""
+    params = {"max_new_tokens": 4, "ignore_eos": True}
+    kind = i % 4
+    if kind in (0, 1):
+        path = "/generate" if kind == 0 else "/generate_stream"
+        status, headers, body = http_call(port, path, {"inputs": "hi", "parameters": params})
+        ok = status == 200 and (kind == 0 or body.count(b"data:") == 4)
+        return ("ok" if ok else f"{path} {status}: {body[:200]!r}"), headers.get("x-envoy-attempt-count")
+    request = pb.GenerateRequest(inputs="hi", parameters=pb.GenerateParameters(**params))
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = svc_grpc.TextGenerationServiceStub(channel)
+        try:
+            if kind == 2:
+                _, call = stub.Generate.with_call(request, timeout=30)
+                ok = True
+            else:
+                call = stub.GenerateStream(request, timeout=30)
+                ok = len(list(call)) == 4
+            attempts = dict(call.initial_metadata()).get("x-envoy-attempt-count")
+        except grpc.RpcError as exc:
+            return f"grpc {exc.code().name}: {exc.details()}", None
+    return ("ok" if ok else "grpc stream cut"), attempts
+
+
+# fixtures -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stable(tiny_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("replicas") / "stable.log"
+    replica = Replica(tiny_model_dir, free_port(), log)
+    yield replica
+    replica.stop()
+
+
+@pytest.fixture(scope="module")
+def victim_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def proxy(stable, victim_port, tmp_path_factory):
+    log = tmp_path_factory.mktemp("proxy") / "proxy.log"
+    front = Proxy([stable.port, victim_port], log)
+    yield front
+    front.stop()
+
+
+@pytest.fixture
+def victim(request, tiny_model_dir, stable, proxy, victim_port, tmp_path):
+    """A second replica on victim_port (flags: the test's indirect parameter), in
+    Envoy's rotation once it is returned. Stopped (SIGKILL if need be) afterwards."""
+    flags = getattr(request, "param", ())
+    replica = Replica(tiny_model_dir, victim_port, tmp_path / "victim.log", *flags)
+    try:
+        stable.wait_serving()
+        replica.wait_serving()
+        in_rotation = lambda: proxy.health_flags(victim_port) == "healthy"
+        assert wait_until(in_rotation, 10), proxy.health_flags(victim_port)
+        assert proxy.health_flags(stable.port) == "healthy"
+        yield replica
+    finally:
+        replica.stop(timeout=5)
+
+
+# tests --------------------------------------------------------------------------------
+
+
+def test_two_replicas_share_sixteen_streams(stable, victim, proxy):
+    """16 concurrent HTTP streams through the proxy all complete, and least-request
+    balancing gives both replicas a share (each replica's own tgi_request_success)."""
+    before = [r.counter("tgi_request_success") for r in (stable, victim)]
+    with cf.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda _: http_stream(proxy.http_port, 32), range(16)))
+    assert results == ["ok"] * 16
+    served = [r.counter("tgi_request_success") - b for r, b in zip((stable, victim), before)]
+    assert sum(served) == 16, served
+    assert min(served) >= 2, f"one replica got almost nothing: {served}"
+
+
+@pytest.mark.parametrize(
+    "victim", [("--max-concurrent-requests", "1")], indirect=True, ids=["victim-admits-1"]
+)
+def test_overloaded_replica_is_retried_on_the_other(stable, victim, proxy):
+    """The victim admits one request, held here by a long stream straight to it. What
+    the proxy sends it is refused (RESOURCE_EXHAUSTED = 429 `overloaded`, before any
+    byte) and Envoy resends it to the stable replica: no client sees the 429, on the
+    transcoded HTTP face as on native gRPC, unary and streaming."""
+    started, held = threading.Event(), []
+    holder = threading.Thread(target=lambda: held.append(grpc_stream(victim.target, 1000, started)))
+    holder.start()
+    try:
+        assert started.wait(10)
+        refused_before = victim.counter('tgi_request_failure{err="overloaded"}')
+        results = []
+        for face in ("http", "grpc"):
+            face_start = victim.counter('tgi_request_failure{err="overloaded"}')
+            for i in range(24):  # least-request picks the victim about every other time
+                kind = i % 2 + (0 if face == "http" else 2)
+                results.append((face, *short_request(proxy.http_port, kind)))
+                retried = [r for r in results if r[0] == face and r[2] == "2"]
+                if len(retried) >= 2 and i >= 3:
+                    break
+            moved = victim.counter('tgi_request_failure{err="overloaded"}') - face_start
+            assert moved >= 2, f"{face}: the victim refused nothing, no retry shown: {results}"
+        assert holder.is_alive(), "the held stream ended too early: the test proved nothing"
+    finally:
+        holder.join(30)
+    assert [r[1] for r in results] == ["ok"] * len(results), results
+    refused = victim.counter('tgi_request_failure{err="overloaded"}') - refused_before
+    retried = sum(r[2] == "2" for r in results)
+    assert retried == refused, (retried, refused, results)  # each refusal retried once
+    assert held == ["ok"]
+
+
+def test_killed_replica_under_load(stable, victim, proxy):
+    """kill -9 of the victim with streams running on both replicas: the victim's
+    in-flight streams end with an error (none hangs), the stable replica's complete,
+    every request sent after the kill succeeds, and Envoy's health check takes the
+    victim out within ~2 s."""
+    streams, firsts = [], []
+    with cf.ThreadPoolExecutor(10) as pool:
+        for i in range(10):
+            first = threading.Event()
+            firsts.append(first)
+            if i % 5 == 4:
+                streams.append(pool.submit(grpc_stream, f"127.0.0.1:{proxy.http_port}", 400, first))
+            else:
+                streams.append(pool.submit(http_stream, proxy.http_port, 400, first))
+        assert all(f.wait(20) for f in firsts)
+        on_victim = victim.in_flight()
+        assert on_victim >= 1, "no stream landed on the victim"
+
+        victim.popen.kill()  # SIGKILL, by PID
+        killed = time.monotonic()
+        watch = Watch(proxy, victim.port)
+        after = [short_request(proxy.http_port, i) for i in range(16)]
+        out_at = watch.wait(6)
+        results = [f.result(timeout=40) for f in streams]  # none hangs
+
+    assert [a[0] for a in after] == ["ok"] * len(after), after
+    assert out_at, watch.flags
+    left_after = out_at - killed
+    assert left_after < 4.0, left_after
+    cut = [r for r in results if r != "ok"]
+    assert all(r.startswith("cut") for r in cut), results
+    # the victim's streams, and only those, were cut (a stream still waiting for its
+    # first token could be retried instead; all had one here)
+    assert len(cut) == on_victim, (on_victim, results)
+    print(f"killed replica out of rotation after {left_after:.2f}s; streams: {results}")
+
+
+def test_sigterm_drains_without_a_failure(stable, victim, proxy):
+    """SIGTERM to the victim mid-load (the drain contract: health NOT_SERVING, new
+    requests UNAVAILABLE, in-flight finish, exit 0): Envoy takes it out of the
+    rotation while it still runs its streams, they finish, and no request through
+    the proxy fails meanwhile (the few Envoy sent it before are retried)."""
+    firsts = [threading.Event() for _ in range(7)]
+    with cf.ThreadPoolExecutor(8) as pool:
+        # straight to the victim, and long: it is surely there and keeps it draining
+        direct = pool.submit(grpc_stream, victim.target, 1000, firsts[0])
+        streams = [pool.submit(http_stream, proxy.http_port, 300, e) for e in firsts[1:]]
+        assert all(f.wait(20) for f in firsts)
+        assert victim.in_flight() >= 1
+
+        victim.popen.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        watch = Watch(proxy, victim.port)
+        # the drain contract, seen on the victim itself
+        assert wait_until(
+            lambda: victim.serving_status() == health_pb2.HealthCheckResponse.NOT_SERVING, 2
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            victim.stub.Generate(
+                pb.GenerateRequest(inputs="hi", parameters=pb.GenerateParameters(max_new_tokens=2)),
+                timeout=10,
+            )
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # meanwhile, through the proxy: nothing fails
+        during, refused_by_victim = [], None
+        while time.monotonic() - signalled < 3.0:
+            during.append(short_request(proxy.http_port, len(during)))
+            with contextlib.suppress(grpc.RpcError):
+                refused_by_victim = victim.counter('tgi_request_failure{err="unavailable"}')
+        out_at = watch.wait(3)
+        still_draining = victim.alive()
+        results = [direct.result(timeout=40)] + [f.result(timeout=40) for f in streams]
+
+    assert [d[0] for d in during] == ["ok"] * len(during), during
+    assert out_at, watch.flags
+    assert still_draining, "the victim exited before Envoy took it out: nothing was shown"
+    assert results == ["ok"] * len(results), results
+    assert victim.popen.wait(30) == 0, victim.output()[-2000:]
+    exited = time.monotonic()
+    print(
+        f"drain: out of rotation {out_at - signalled:.2f}s after SIGTERM, exit 0 after "
+        f"{exited - signalled:.2f}s; {len(during)} requests through the proxy meanwhile, "
+        f"{refused_by_victim} refused by the victim (UNAVAILABLE, incl. 1 direct) and retried"
+    )
