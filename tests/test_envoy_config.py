@@ -3,7 +3,9 @@ renders, and the tables the Lua filter is rendered from agree with the server's.
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
 
 import grpc
 import pytest
@@ -126,3 +128,82 @@ def test_streaming_routes_disable_the_route_timeout():
     assert headers == {"x-accel-buffering": "no", "cache-control": "no-cache"}
     assert by_path["/generate"]["route"]["timeout"] == "0s"
     assert by_path["/info"]["route"]["timeout"] == config.QUICK_ROUTE_TIMEOUT
+
+
+# the front proxy of several replicas (textgen proxy) ----------------------------------
+
+
+def _routes(bootstrap: dict) -> list[dict]:
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    return [
+        r for r in hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"] if "route" in r
+    ]
+
+
+@pytest.mark.parametrize(
+    "upstreams",
+    [
+        [config.Upstream("127.0.0.1", p) for p in (50051, 50052, 50053)],
+        [config.Upstream("textgen-replicas", 50051)],
+    ],
+    ids=["static-3", "dns"],
+)
+def test_front_proxy_validates(tmp_path, upstreams):
+    bootstrap = config.render(upstreams, listen_host="0.0.0.0", admin_port=9901, front=True)
+    result = validate(config.write(bootstrap, tmp_path / "front.json"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    cluster = bootstrap["static_resources"]["clusters"][0]
+    assert cluster["type"] == ("STATIC" if upstreams[0].is_ip else "STRICT_DNS")
+    assert cluster["lb_policy"] == "LEAST_REQUEST"
+    assert cluster["common_lb_config"]["healthy_panic_threshold"]["value"] == 0
+    (check,) = cluster["health_checks"]
+    assert check["grpc_health_check"] == {"service_name": ""}
+    assert (check["interval"], check["unhealthy_threshold"]) == ("1s", 2)  # out in ~2 s
+    outlier = cluster["outlier_detection"]
+    assert outlier["successful_active_health_check_uneject_host"] is False
+    assert outlier["split_external_local_origin_errors"] is True
+    (limits,) = cluster["circuit_breakers"]["thresholds"]
+    assert limits["retry_budget"]["min_retry_concurrency"] >= 16
+
+
+def test_front_proxy_retries_before_the_first_byte_only():
+    routes = _routes(config.render([config.Upstream("127.0.0.1", 1)], front=True))
+    assert len(routes) == len(config.ROUTES) + 1  # every HTTP route and native gRPC
+    for route in routes:
+        policy = route["route"]["retry_policy"]
+        conditions = set(policy["retry_on"].split(","))
+        # gRPC statuses: the router sees the upstream's grpc-status, before the
+        # transcoder makes a 429 of it; HTTP status codes would never match
+        assert {"resource-exhausted", "unavailable", "connect-failure", "reset"} <= conditions
+        assert "retriable-status-codes" not in conditions
+        assert (
+            policy["retry_host_predicate"][0]["name"]
+            == "envoy.retry_host_predicates.previous_hosts"
+        )
+        assert policy["host_selection_retry_max_attempts"] >= 3
+        generation = route["route"]["timeout"] == "0s"
+        # a per-try timeout would cut a long unary generation and run it again
+        assert ("per_try_timeout" in policy) is not generation
+
+
+def test_single_replica_envoy_does_not_retry():
+    """`textgen serve`'s own Envoy has no other replica: no retries, no ejection."""
+    bootstrap = config.render([config.Upstream("127.0.0.1", 1)])
+    assert not any("retry_policy" in r["route"] for r in _routes(bootstrap))
+    cluster = bootstrap["static_resources"]["clusters"][0]
+    assert "outlier_detection" not in cluster and "circuit_breakers" not in cluster
+
+
+def test_textgen_proxy_prints_the_front_config():
+    out = subprocess.run(
+        [sys.executable, "-m", "textgen.service.cli", "proxy", "--upstream", "localhost:50051",
+         "--dns", "textgen-replicas:50051", "--print-config"],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    cluster = json.loads(out)["static_resources"]["clusters"][0]
+    hosts = [
+        e["endpoint"]["address"]["socket_address"]["address"]
+        for e in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    assert hosts[1] == "textgen-replicas" and hosts[0] in ("127.0.0.1", "::1")
+    assert cluster["type"] == "STRICT_DNS" and "outlier_detection" in cluster

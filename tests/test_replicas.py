@@ -3,10 +3,11 @@ real processes on this machine with the tiny model: load balancing, the retry of
 refused request onto another replica before its first byte (HTTP and native gRPC),
 a replica killed under load, and a replica draining on SIGTERM.
 
-One `stable` replica and the proxy live for the module; each test starts a fresh
-`victim` replica on the same port (the proxy knows both addresses from the start,
-as it would know a pod's), waits until Envoy has it in the rotation, and does
-something to it. Every process is stopped by PID in a fixture's teardown.
+One `stable` replica and the proxy live for the module; each test gets a `victim`
+replica on one fixed port (the proxy knows both addresses from the start, as it
+would a pod's), in Envoy's rotation, and does something to it: a fresh process
+unless the previous test left one running, idle, with the same flags. Every
+process is stopped by PID in a fixture's teardown.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class Proc:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
-                preexec_fn=_die_with_pytest,
+                preexec_fn=_die_with_pytest,  # noqa: PLW1509 - one prctl call, no locks
             )
 
     @property
@@ -162,7 +163,14 @@ class Proxy(Proc):
         self.http_port, self.admin_port = free_port(), free_port()
         upstreams = [a for p in ports for a in ("--upstream", f"127.0.0.1:{p}")]
         super().__init__(
-            ["proxy", *upstreams, "--port", str(self.http_port), "--admin-port", str(self.admin_port)],
+            [
+                "proxy",
+                *upstreams,
+                "--port",
+                str(self.http_port),
+                "--admin-port",
+                str(self.admin_port),
+            ],
             log,
         )
         ready = wait_until(lambda: "textgen proxy ready" in self.output() or not self.alive(), 30)
@@ -197,10 +205,15 @@ def http_call(port: int, path: str, body: dict, timeout: float = 30) -> tuple[in
 def http_stream(port: int, tokens: int, started: threading.Event | None = None) -> str:
     """One /generate_stream of `tokens` tokens: 'ok' when every frame and the final
     details arrived, else what went wrong (never hangs: socket timeout)."""
-    body = {"inputs": "The quick brown fox", "parameters": {"max_new_tokens": tokens, "ignore_eos": True}}
+    body = {
+        "inputs": "The quick brown fox",
+        "parameters": {"max_new_tokens": tokens, "ignore_eos": True},
+    }
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        conn.request("POST", "/generate_stream", json.dumps(body), {"Content-Type": "application/json"})
+        conn.request(
+            "POST", "/generate_stream", json.dumps(body), {"Content-Type": "application/json"}
+        )
         resp = conn.getresponse()
         if resp.status != 200:
             return f"status {resp.status}: {resp.read()[:200]!r}"
@@ -271,7 +284,9 @@ def short_request(port: int, i: int) -> tuple[str, str | None]:
         path = "/generate" if kind == 0 else "/generate_stream"
         status, headers, body = http_call(port, path, {"inputs": "hi", "parameters": params})
         ok = status == 200 and (kind == 0 or body.count(b"data:") == 4)
-        return ("ok" if ok else f"{path} {status}: {body[:200]!r}"), headers.get("x-envoy-attempt-count")
+        return ("ok" if ok else f"{path} {status}: {body[:200]!r}"), headers.get(
+            "x-envoy-attempt-count"
+        )
     request = pb.GenerateRequest(inputs="hi", parameters=pb.GenerateParameters(**params))
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = svc_grpc.TextGenerationServiceStub(channel)
@@ -312,21 +327,56 @@ def proxy(stable, victim_port, tmp_path_factory):
     front.stop()
 
 
+class Victims:
+    """The victim replica on victim_port. One that a test left running (same flags)
+    serves the next test too: starting a replica is most of this file's time."""
+
+    def __init__(self, model_dir: Path, port: int, log_dir: Path) -> None:
+        self.model_dir, self.port, self.log_dir = model_dir, port, log_dir
+        self.current: Replica | None = None
+        self.flags: tuple[str, ...] = ()
+        self.started = 0
+
+    def get(self, flags: tuple[str, ...]) -> Replica:
+        if self.current is not None and self.current.alive() and self.flags == flags:
+            with contextlib.suppress(grpc.RpcError):
+                if self.current.in_flight() == 0:  # left idle, as a new one would be
+                    return self.current
+        self.close()
+        self.started += 1
+        log = self.log_dir / f"victim-{self.started}.log"
+        self.current, self.flags = Replica(self.model_dir, self.port, log, *flags), flags
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.stop(timeout=5)  # SIGTERM, then SIGKILL; by PID
+            self.current = None
+
+
+@pytest.fixture(scope="module")
+def victims(tiny_model_dir, victim_port, tmp_path_factory):
+    pool = Victims(tiny_model_dir, victim_port, tmp_path_factory.mktemp("victims"))
+    yield pool
+    pool.close()
+
+
 @pytest.fixture
-def victim(request, tiny_model_dir, stable, proxy, victim_port, tmp_path):
-    """A second replica on victim_port (flags: the test's indirect parameter), in
-    Envoy's rotation once it is returned. Stopped (SIGKILL if need be) afterwards."""
-    flags = getattr(request, "param", ())
-    replica = Replica(tiny_model_dir, victim_port, tmp_path / "victim.log", *flags)
+def victim(request, victims, stable, proxy):
+    """The second replica (flags: the test's indirect parameter), in Envoy's rotation.
+    Killed or drained by the test, it is reaped at once; left running and idle, it
+    may serve the next test."""
+    replica = victims.get(getattr(request, "param", ()))
     try:
         stable.wait_serving()
         replica.wait_serving()
-        in_rotation = lambda: proxy.health_flags(victim_port) == "healthy"
-        assert wait_until(in_rotation, 10), proxy.health_flags(victim_port)
+        in_rotation = lambda: proxy.health_flags(replica.port) == "healthy"
+        assert wait_until(in_rotation, 10), proxy.health_flags(replica.port)
         assert proxy.health_flags(stable.port) == "healthy"
         yield replica
     finally:
-        replica.stop(timeout=5)
+        if not replica.alive():
+            victims.close()
 
 
 # tests --------------------------------------------------------------------------------
@@ -342,41 +392,6 @@ def test_two_replicas_share_sixteen_streams(stable, victim, proxy):
     served = [r.counter("tgi_request_success") - b for r, b in zip((stable, victim), before)]
     assert sum(served) == 16, served
     assert min(served) >= 2, f"one replica got almost nothing: {served}"
-
-
-@pytest.mark.parametrize(
-    "victim", [("--max-concurrent-requests", "1")], indirect=True, ids=["victim-admits-1"]
-)
-def test_overloaded_replica_is_retried_on_the_other(stable, victim, proxy):
-    """The victim admits one request, held here by a long stream straight to it. What
-    the proxy sends it is refused (RESOURCE_EXHAUSTED = 429 `overloaded`, before any
-    byte) and Envoy resends it to the stable replica: no client sees the 429, on the
-    transcoded HTTP face as on native gRPC, unary and streaming."""
-    started, held = threading.Event(), []
-    holder = threading.Thread(target=lambda: held.append(grpc_stream(victim.target, 1000, started)))
-    holder.start()
-    try:
-        assert started.wait(10)
-        refused_before = victim.counter('tgi_request_failure{err="overloaded"}')
-        results = []
-        for face in ("http", "grpc"):
-            face_start = victim.counter('tgi_request_failure{err="overloaded"}')
-            for i in range(24):  # least-request picks the victim about every other time
-                kind = i % 2 + (0 if face == "http" else 2)
-                results.append((face, *short_request(proxy.http_port, kind)))
-                retried = [r for r in results if r[0] == face and r[2] == "2"]
-                if len(retried) >= 2 and i >= 3:
-                    break
-            moved = victim.counter('tgi_request_failure{err="overloaded"}') - face_start
-            assert moved >= 2, f"{face}: the victim refused nothing, no retry shown: {results}"
-        assert holder.is_alive(), "the held stream ended too early: the test proved nothing"
-    finally:
-        holder.join(30)
-    assert [r[1] for r in results] == ["ok"] * len(results), results
-    refused = victim.counter('tgi_request_failure{err="overloaded"}') - refused_before
-    retried = sum(r[2] == "2" for r in results)
-    assert retried == refused, (retried, refused, results)  # each refusal retried once
-    assert held == ["ok"]
 
 
 def test_killed_replica_under_load(stable, victim, proxy):
@@ -414,6 +429,41 @@ def test_killed_replica_under_load(stable, victim, proxy):
     # first token could be retried instead; all had one here)
     assert len(cut) == on_victim, (on_victim, results)
     print(f"killed replica out of rotation after {left_after:.2f}s; streams: {results}")
+
+
+@pytest.mark.parametrize(
+    "victim", [("--max-concurrent-requests", "1")], indirect=True, ids=["victim-admits-1"]
+)
+def test_overloaded_replica_is_retried_on_the_other(stable, victim, proxy):
+    """The victim admits one request, held here by a long stream straight to it. What
+    the proxy sends it is refused (RESOURCE_EXHAUSTED = 429 `overloaded`, before any
+    byte) and Envoy resends it to the stable replica: no client sees the 429, on the
+    transcoded HTTP face as on native gRPC, unary and streaming."""
+    started, held = threading.Event(), []
+    holder = threading.Thread(target=lambda: held.append(grpc_stream(victim.target, 1000, started)))
+    holder.start()
+    try:
+        assert started.wait(10)
+        refused_before = victim.counter('tgi_request_failure{err="overloaded"}')
+        results = []
+        for face in ("http", "grpc"):
+            face_start = victim.counter('tgi_request_failure{err="overloaded"}')
+            for i in range(24):  # least-request picks the victim about every other time
+                kind = i % 2 + (0 if face == "http" else 2)
+                results.append((face, *short_request(proxy.http_port, kind)))
+                retried = [r for r in results if r[0] == face and r[2] == "2"]
+                if len(retried) >= 2 and i >= 3:
+                    break
+            moved = victim.counter('tgi_request_failure{err="overloaded"}') - face_start
+            assert moved >= 2, f"{face}: the victim refused nothing, no retry shown: {results}"
+        assert holder.is_alive(), "the held stream ended too early: the test proved nothing"
+    finally:
+        holder.join(30)
+    assert [r[1] for r in results] == ["ok"] * len(results), results
+    refused = victim.counter('tgi_request_failure{err="overloaded"}') - refused_before
+    retried = sum(r[2] == "2" for r in results)
+    assert retried == refused, (retried, refused, results)  # each refusal retried once
+    assert held == ["ok"]
 
 
 def test_sigterm_drains_without_a_failure(stable, victim, proxy):

@@ -6,7 +6,9 @@ attach to the previous token. So each step decodes a short window that starts a
 few tokens back (`prefix_offset`), and emits only what the new tokens add beyond
 the window's already-emitted part (`read_offset`); text that ends in an incomplete
 character (U+FFFD) is held until the character is complete. The concatenated
-deltas equal `tokenizer.decode(output_ids)`.
+deltas equal `decode_output`: the generated text as it reads after the prompt
+(sentencepiece tokenizers strip a leading space when decoding a sequence on its own,
+which a continuation must keep).
 """
 
 from __future__ import annotations
@@ -16,6 +18,16 @@ from dataclasses import dataclass
 # Tokens of the prompt kept as left context for the first window.
 _PROMPT_CONTEXT = 5
 _REPLACEMENT = "\ufffd"
+
+
+def decode_output(tokenizer, token_ids: list[int], num_prompt_tokens: int, skip_special_tokens: bool = True) -> str:
+    """The text of token_ids[num_prompt_tokens:] in the context of the prompt's tail."""
+    start = max(num_prompt_tokens - _PROMPT_CONTEXT, 0)
+    prefix = tokenizer.decode(token_ids[start:num_prompt_tokens], skip_special_tokens=skip_special_tokens)
+    full = tokenizer.decode(token_ids[start:], skip_special_tokens=skip_special_tokens)
+    if full.startswith(prefix):
+        return full[len(prefix) :]
+    return tokenizer.decode(token_ids[num_prompt_tokens:], skip_special_tokens=skip_special_tokens)
 
 
 @dataclass(slots=True)

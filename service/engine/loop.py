@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .core import EngineCore, StepOutput
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, decode_output
 from .sequence import Sequence
 from .stopping import StopSequenceMatcher
 from .types import (
@@ -223,7 +223,7 @@ class EngineLoop:
             self.core.abort(seq)
         finish = None
         if seq.is_finished:
-            generated = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            generated = decode_output(self.tokenizer, seq.token_ids, seq.num_prompt_tokens)
             visible = self._last_text(stream, generated, visible)
             text = text if special else visible
             finish = self._finish_info(seq, generated)

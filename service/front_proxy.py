@@ -1,0 +1,123 @@
+"""`textgen proxy`: Envoy in front of several replicas (DESIGN.md §8).
+
+The same HTTP faces and native gRPC as `textgen serve`'s Envoy, over N gRPC
+replicas (`textgen serve --no-envoy`): least-request balancing, gRPC health
+checks, outlier detection, and a retry onto another replica of a request refused
+before its first byte (overloaded, draining, dead). The config is
+textgen.envoy.config's `render(front=True)`; the process is supervised by
+service/proxy.py, as `textgen serve` supervises its own Envoy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+
+from textgen.envoy import config as envoy_config
+
+from .config import ENV_PREFIX
+from .proxy import ip_literal, start_front_proxy
+
+log = logging.getLogger("textgen.proxy")
+
+
+def _address(text: str) -> envoy_config.Upstream:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return envoy_config.Upstream(host.strip("[]"), int(port))
+
+
+def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `textgen proxy` flags. --hostname and --port read TEXTGEN_HOSTNAME and
+    TEXTGEN_PORT as `textgen serve` does (the Docker image sets the hostname)."""
+    parser.add_argument(
+        "--upstream",
+        type=_address,
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a replica's gRPC address (repeat for each); a name is resolved once, at start",
+    )
+    parser.add_argument(
+        "--dns",
+        type=_address,
+        action="append",
+        default=[],
+        metavar="NAME:PORT",
+        help="a DNS name whose every address is a replica, re-resolved every 5 s "
+        "(a Kubernetes headless service, a compose service with several replicas)",
+    )
+    parser.add_argument(
+        "--hostname",
+        default=os.environ.get(ENV_PREFIX + "HOSTNAME", "127.0.0.1"),
+        help=f"address to listen on [env {ENV_PREFIX}HOSTNAME]",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get(ENV_PREFIX + "PORT", "8080")),
+        help=f"HTTP port (TGI/OpenAI routes and native gRPC) [env {ENV_PREFIX}PORT]",
+    )
+    parser.add_argument(
+        "--admin-port", type=int, default=0, help="Envoy's admin port, on 127.0.0.1 (0: any free)"
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print Envoy's bootstrap (JSON) and exit"
+    )
+
+
+def upstreams_from_args(args: argparse.Namespace) -> list[envoy_config.Upstream]:
+    upstreams = [envoy_config.Upstream(ip_literal(u.host), u.port) for u in args.upstream]
+    upstreams += args.dns
+    if not upstreams:
+        raise SystemExit("textgen proxy: give at least one --upstream HOST:PORT or --dns NAME:PORT")
+    return upstreams
+
+
+def run(args: argparse.Namespace) -> int:
+    upstreams = upstreams_from_args(args)
+    if args.print_config:
+        bootstrap = envoy_config.render(
+            upstreams,
+            listen_host=ip_literal(args.hostname),
+            listen_port=args.port,
+            admin_port=args.admin_port,
+            front=True,
+        )
+        print(json.dumps(bootstrap, indent=1))
+        return 0
+    return asyncio.run(serve_proxy(upstreams, args.hostname, args.port, args.admin_port))
+
+
+async def serve_proxy(
+    upstreams: list[envoy_config.Upstream], hostname: str, port: int, admin_port: int
+) -> int:
+    """Run the front proxy until SIGINT/SIGTERM (0) or until Envoy dies (1)."""
+    envoy = await start_front_proxy(
+        upstreams, listen_host=hostname, listen_port=port, admin_port=admin_port
+    )
+    log.info(
+        "textgen proxy ready: http=%s admin=%s upstreams=%s",
+        envoy.http_url,
+        envoy.admin_url,
+        ",".join(f"{u.host}:{u.port}" for u in upstreams),
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([stopped, envoy.exited], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not stop.is_set():
+        log.error("envoy (pid %d) exited with code %s", envoy.pid, envoy.process.returncode)
+        await envoy.stop()
+        return 1
+    log.info("shutting down the proxy (pid %d)", os.getpid())
+    await envoy.stop()
+    return 0

@@ -1,0 +1,217 @@
+"""deploy/: what can be checked without Docker or a cluster. The YAML parses, the
+front's Envoy config is the renderer's (and Envoy validates it), every flag the
+manifests pass exists in the CLI, and probes, ports and grace periods agree with
+the Dockerfile and the drain timeout."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from textgen.service.cli import build_parser
+from textgen.service.config import Settings
+from textgen.service.proxy import envoy_binary
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "kubernetes"
+
+
+def load_all(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def k8s_objects() -> dict[tuple[str, str], dict]:
+    return {
+        (d["kind"], d["metadata"]["name"]): d
+        for path in sorted(K8S.glob("*.yaml"))
+        if path.name != "kustomization.yaml"
+        for d in load_all(path)
+    }
+
+
+def dockerfile() -> tuple[list[str], set[int]]:
+    """The image's ENTRYPOINT and EXPOSEd ports."""
+    text = (ROOT / "Dockerfile").read_text()
+    entrypoint = json.loads(re.search(r"^ENTRYPOINT (.+)$", text, re.MULTILINE).group(1))
+    exposed = {
+        int(p) for line in re.findall(r"^EXPOSE (.+)$", text, re.MULTILINE) for p in line.split()
+    }
+    return entrypoint, exposed
+
+
+def parse(command: list[str]):
+    """`textgen <command>` through the real CLI parser: unknown flags fail here."""
+    try:
+        return build_parser().parse_args(command)
+    except SystemExit as exc:  # argparse's way of refusing
+        raise AssertionError(f"textgen {shlex.join(command)} is refused by the CLI") from exc
+
+
+def serve_help() -> str:
+    textgen = Path(sys.executable).with_name("textgen")
+    return subprocess.run(
+        [str(textgen), "serve", "--help"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_every_manifest_parses():
+    paths = sorted(DEPLOY.rglob("*.yaml"))
+    assert {p.name for p in paths} >= {
+        "compose.yaml", "replicas.yaml", "front.yaml", "envoy-configmap.yaml", "kustomization.yaml",
+    }  # fmt: skip
+    for path in paths:
+        assert load_all(path), path
+    kustomization = load_all(K8S / "kustomization.yaml")[0]
+    listed = set(kustomization["resources"])
+    assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+
+
+def test_configmap_is_the_rendered_front_config_and_envoy_validates_it(tmp_path):
+    spec = importlib.util.spec_from_file_location("render_configmap", K8S / "render_configmap.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    committed = (K8S / "envoy-configmap.yaml").read_text()
+    assert committed == render.configmap(), (
+        "deploy/kubernetes/envoy-configmap.yaml is stale: "
+        "run .venv/bin/python deploy/kubernetes/render_configmap.py"
+    )
+    config = json.loads(load_all(K8S / "envoy-configmap.yaml")[0]["data"][render.KEY])
+    path = tmp_path / render.KEY
+    path.write_text(json.dumps(config))
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    cluster = config["static_resources"]["clusters"][0]
+    assert cluster["type"] == "STRICT_DNS"
+    assert "outlier_detection" in cluster
+
+
+def test_replica_deployment_matches_the_image_and_the_cli():
+    objects = k8s_objects()
+    deployment = objects[("Deployment", "textgen")]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    entrypoint, exposed = dockerfile()
+    assert entrypoint == ["textgen", "serve"]
+    args = container["args"]
+    # the image's entrypoint takes them: every flag is one of `textgen serve`'s
+    parse([*entrypoint[1:], *args])
+    help_text = serve_help()
+    for flag in (a for a in args if a.startswith("--")):
+        assert flag in help_text, flag
+    for env in container.get("env", []):
+        flag = "--" + env["name"].removeprefix("TEXTGEN_").lower().replace("_", "-")
+        assert not env["name"].startswith("TEXTGEN_") or flag in help_text, env["name"]
+
+    grpc_port = int(flag_value(args, "--grpc-port"))
+    assert grpc_port in exposed
+    assert "--no-envoy" in args  # HTTP is the front's
+    (port,) = container["ports"]
+    assert (port["name"], port["containerPort"]) == ("grpc", grpc_port)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == grpc_port, probe
+        assert container[probe]["grpc"].get("service", "") == ""  # what the server sets
+
+    drain = float(
+        flag_value(args, "--graceful-termination-timeout")
+        or Settings().graceful_termination_timeout
+    )
+    assert drain >= 90
+    assert pod["terminationGracePeriodSeconds"] >= drain + 10
+    for kind in ("requests", "limits"):
+        assert container["resources"][kind]["nvidia.com/gpu"] == 1
+
+    service = objects[("Service", "textgen-replicas")]
+    assert service["spec"]["clusterIP"] == "None"  # headless: DNS lists every replica
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    (service_port,) = service["spec"]["ports"]
+    assert service_port["port"] == grpc_port and service_port["targetPort"] == "grpc"
+
+
+def test_front_reads_the_configmap_over_the_headless_service():
+    objects = k8s_objects()
+    front = objects[("Deployment", "textgen-front")]
+    pod = front["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    config_path = Path(flag_value(container["args"], "-c"))
+    (mount,) = container["volumeMounts"]
+    assert config_path.parent == Path(mount["mountPath"])
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    configmap = objects[("ConfigMap", volume["configMap"]["name"])]
+    config = json.loads(configmap["data"][config_path.name])
+    assert container["image"].endswith(":v1.40.0")  # the Envoy the config is validated with
+
+    listener = config["static_resources"]["listeners"][0]["address"]["socket_address"]
+    assert listener["address"] == "0.0.0.0"
+    assert container["ports"][0]["containerPort"] == listener["port_value"]
+    service = objects[("Service", "textgen")]
+    assert service["spec"]["ports"][0]["targetPort"] == container["ports"][0]["name"]
+    assert service["spec"]["selector"] == front["spec"]["selector"]["matchLabels"]
+
+    cluster = config["static_resources"]["clusters"][0]
+    (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    address = endpoint["endpoint"]["address"]["socket_address"]
+    replicas = objects[("Service", "textgen-replicas")]
+    assert address["address"] == replicas["metadata"]["name"]
+    assert address["port_value"] == replicas["spec"]["ports"][0]["port"]
+
+
+def test_compose_replicas_and_front_use_real_flags():
+    compose = load_all(DEPLOY / "compose.yaml")[0]
+    services = compose["services"]
+    entrypoint, exposed = dockerfile()
+    replicas = {n: s for n, s in services.items() if n.startswith("textgen-")}
+    assert len(replicas) >= 2
+    for service in replicas.values():
+        assert (
+            service["build"]["context"] == ".." and service["build"]["dockerfile"] == "Dockerfile"
+        )
+        args = parse([*entrypoint[1:], *service["command"]])
+        assert args.no_envoy and args.grpc_port in exposed
+        assert (
+            float(service["stop_grace_period"].removesuffix("s"))
+            >= args.graceful_termination_timeout + 10
+        )
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"] and len(device["device_ids"]) == 1
+    gpus = [
+        s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"][0]
+        for s in replicas.values()
+    ]
+    assert len(set(gpus)) == len(gpus), "two replicas on one GPU"
+
+    front = services["front"]
+    assert front["entrypoint"] == ["textgen", "proxy"]
+    args = parse(["proxy", *front["command"]])
+    assert {f"{u.host}:{u.port}" for u in args.dns} == {f"{n}:{r.grpc_port}" for n, r in (
+        (n, parse([*entrypoint[1:], *s["command"]])) for n, s in replicas.items()
+    )}  # fmt: skip
+    assert front["ports"] == [f"{args.port}:{args.port}"]
+
+
+def test_readme_commands_are_real():
+    """Every `textgen ...` line of deploy/README.md parses with the CLI."""
+    commands = [
+        line.strip().rstrip("&").strip()
+        for line in (DEPLOY / "README.md").read_text().splitlines()
+        if line.strip().startswith("textgen ")
+    ]
+    assert any(c.startswith("textgen proxy") for c in commands)
+    for command in commands:
+        parse(shlex.split(command)[1:])
