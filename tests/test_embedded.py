@@ -72,3 +72,43 @@ def test_ready_line_logged(embedded_server):
     _, lines = embedded_server
     ready = [line for line in lines if "textgen ready" in line]
     assert ready and "grpc=127.0.0.1:" in ready[0]
+
+
+def test_32_concurrent_prompts_equal_generate_alone(embedded_server):
+    """The continuous-batching engine, on the embedded model, under 32 concurrent
+    requests of mixed lengths: each greedy answer equals transformers' own
+    `generate` on that prompt alone, token for token."""
+    import concurrent.futures as cf
+
+    import torch
+
+    from textgen.service.models import load_model
+
+    target, _ = embedded_server
+    with Client(target, timeout=300) as client:
+        dtype = client.info().model_dtype
+    topics = ["the sea", "Paris", "a robot", "autumn", "Python", "the moon", "bread", "music"]
+    prompts = [
+        ("Tell me about " + topics[i % 8] + ". ") * (1 + (i * 5) % 7) + f"Question {i}: why?"
+        for i in range(32)
+    ]
+    max_new = [2 + (i * 3) % 7 for i in range(32)]
+
+    def ask(i: int) -> list[int]:
+        with Client(target, timeout=300) as c:
+            out = c.generate(prompts[i], max_new_tokens=max_new[i], details=True)
+        return [t.id for t in out.details.tokens]
+
+    with cf.ThreadPoolExecutor(32) as pool:
+        served = list(pool.map(ask, range(32)))
+
+    reference = load_model(None, dtype=dtype, device="cpu")
+    with torch.inference_mode():
+        for i, prompt in enumerate(prompts):
+            ids = reference.tokenizer(prompt, return_tensors="pt")["input_ids"]
+            out = reference.model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new[i], do_sample=False
+            )
+            expected = out[0, ids.shape[1] :].tolist()
+            assert served[i] == expected[: len(served[i])], f"prompt {i}"
+            assert len(served[i]) == len(expected) or served[i][-1] in reference.eos_token_ids
