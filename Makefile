@@ -30,6 +30,7 @@ test: $(VENV)/.installed-test $(BUF)
 
 proto: $(VENV)/.installed-test
 	$(BIN)/python scripts/codegen.py
+	$(BIN)/python deploy/kubernetes/render_configmap.py  # embeds the descriptor set
 
 lint-proto: $(BUF)
 	$(BUF) lint
