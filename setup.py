@@ -18,7 +18,7 @@ setup(
     packages=[p for prefix, folder in FOLDERS.items() for p in packages(prefix, folder)],
     package_dir=FOLDERS,
     package_data={
-        "textgen.envoy": ["*.binpb", "*.yaml"],
+        "textgen.envoy": ["*.binpb", "*.yaml", "*.json"],
         "textgen.service.proto": ["*.pyi"],
         "textgen.sdk": ["py.typed"],
         "textgen.sdk._generated": ["py.typed"],

@@ -5,12 +5,22 @@ first error reported is the one TGI would report.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 import uuid
 from dataclasses import dataclass
 
 from .engine.types import EngineRequest, SamplingParams, StoppingParams
+
+# Below these, logits / temperature (or / penalty) overflow float32 to inf: the
+# distribution is no longer a distribution.
+MIN_TEMPERATURE = 1e-4
+MIN_REPETITION_PENALTY = 1e-4
+_FLOAT_FIELDS = (
+    "temperature", "repetition_penalty", "frequency_penalty", "presence_penalty",
+    "top_p", "typical_p", "max_time",
+)  # fmt: skip
 
 # Random seeds stay below 2^53 so the JSON face (a double) prints them exactly.
 _MAX_RANDOM_SEED = 2**53 - 1
@@ -134,6 +144,10 @@ class Validator:
         return best_of
 
     def _sampling(self, p, best_of: int) -> SamplingParams:
+        for name in _FLOAT_FIELDS:
+            value = _opt(p, name)
+            if value is not None and not math.isfinite(value):
+                raise ValidationError(f"`{name}` must be a finite number")
         temperature = _opt(p, "temperature")
         top_k = _opt(p, "top_k")
         top_p = _opt(p, "top_p")
@@ -144,9 +158,15 @@ class Validator:
         temperature = 1.0 if temperature is None else temperature
         if temperature <= 0.0:
             raise ValidationError("`temperature` must be strictly positive")
+        if temperature < MIN_TEMPERATURE:
+            raise ValidationError(f"`temperature` must be >= {MIN_TEMPERATURE} (use greedy decoding instead)")
         repetition_penalty = _default(_opt(p, "repetition_penalty"), 1.0)
         if repetition_penalty <= 0.0:
             raise ValidationError("`repetition_penalty` must be strictly positive")
+        if not MIN_REPETITION_PENALTY <= repetition_penalty <= 1 / MIN_REPETITION_PENALTY:
+            raise ValidationError(
+                f"`repetition_penalty` must be >= {MIN_REPETITION_PENALTY} and <= {1 / MIN_REPETITION_PENALTY:g}"
+            )
         frequency_penalty = _default(_opt(p, "frequency_penalty"), 0.0)
         if not -2.0 <= frequency_penalty <= 2.0:
             raise ValidationError("`frequency_penalty` must be >= -2.0 and <= 2.0")
@@ -184,6 +204,8 @@ class Validator:
 
     def _logit_bias(self, p) -> tuple[tuple[int, float], ...]:
         for token_id, bias in p.logit_bias.items():
+            if not math.isfinite(bias):
+                raise ValidationError("`logit_bias` values must be finite numbers")
             if token_id >= self.limits.vocab_size:
                 raise ValidationError(
                     f"`logit_bias` token id {token_id} is outside the vocabulary (size {self.limits.vocab_size})"

@@ -88,6 +88,15 @@ class Sampler:
         sub_params = [params[i] for i in rows]
         logprobs = _truncate(logprobs, sub_params)
         probs = torch.softmax(logprobs, dim=-1)
+        # Validation keeps the parameters finite and sane; should a row still come out
+        # as no distribution, it falls back to its most likely token rather than failing
+        # the whole batch inside multinomial.
+        probs = probs.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        broken = probs.sum(-1) <= 0
+        if broken.any():
+            probs[broken] = torch.nn.functional.one_hot(
+                logprobs[broken].nan_to_num(nan=float("-inf")).argmax(-1), probs.shape[-1]
+            ).to(probs.dtype)
         draws = [
             torch.multinomial(probs[j], 1, generator=_generator(seqs[i], probs.device))
             for j, i in enumerate(rows)

@@ -5,6 +5,7 @@ JSON/SSE byte writers."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from ..engine.types import FinishInfo
@@ -46,16 +47,16 @@ def sampling_parameters(data: dict) -> tuple[pb.GenerateParameters, tuple[str, .
         value = optional_field(data, name, float)
         if value is not None:
             setattr(params, name, value)
-    seed = optional_field(data, "seed", int)
+    seed = optional_field(data, "seed", int, bounds=(0, 2**64 - 1))
     if seed is not None:
-        if seed < 0:
-            raise OpenAIRequestError("`seed` must be >= 0", "seed")
         params.seed = seed
     stop = _stop(data)
     params.stop.extend(stop)
     for token, bias in (optional_field(data, "logit_bias", dict) or {}).items():
-        if not str(token).isdigit() or not isinstance(bias, (int, float)) or isinstance(bias, bool):
-            raise OpenAIRequestError("`logit_bias` maps token ids to numbers", "logit_bias")
+        token = str(token)
+        number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+        if not (token.isascii() and token.isdigit() and int(token) < 2**32 and number and math.isfinite(bias)):
+            raise OpenAIRequestError("`logit_bias` maps token ids to finite numbers", "logit_bias")
         params.logit_bias[int(token)] = float(bias)
     return params, stop
 
@@ -84,15 +85,25 @@ def json_object(body: bytes) -> dict:
 _TYPE_NAMES = {list: "an array", dict: "an object", int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
 
 
-def optional_field(data: dict, key: str, kind: type):
+# Integers land in int32 proto fields unless a field says otherwise.
+INT32 = (-(2**31), 2**31 - 1)
+
+
+def optional_field(data: dict, key: str, kind: type, bounds: tuple[int, int] = INT32):
+    """data[key] checked against OpenAI's type (None when absent); integers must fit
+    `bounds` and numbers must be finite, so nothing overflows a proto field."""
     value = data.get(key)
     if value is None:
         return None
     ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value, ok = float(value), True
     if not ok:
         raise OpenAIRequestError(f"`{key}` must be {_TYPE_NAMES[kind]}", key)
+    if kind is int and not bounds[0] <= value <= bounds[1]:
+        raise OpenAIRequestError(f"`{key}` must be between {bounds[0]} and {bounds[1]}", key)
+    if kind is float and not math.isfinite(value):
+        raise OpenAIRequestError(f"`{key}` must be a finite number", key)
     return value
 
 

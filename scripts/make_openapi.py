@@ -1,0 +1,1034 @@
+"""Write envoy/openapi.json: the OpenAPI 3.1 description of textgen's HTTP face.
+
+Derived from TGI's published spec (tests/data/tgi-openapi.json), restricted to the
+routes Envoy serves (textgen.envoy.config.ROUTES; tests/test_fuzz.py checks that they
+match), with TGI's request and response schemas kept and adjusted where textgen differs:
+
+- TGI routes: `GenerateParameters` gains presence_penalty, logit_bias, ignore_eos and
+  max_time, loses adapter_id, and states the bounds validation enforces; `grammar` is
+  described but refused (422) until it is implemented; responses carry
+  `details.input_length` and `details.timings`; a seed is a JSON number (it is echoed
+  as a double); `finish_reason` may be `time_limit`; a stream may end with an in-band
+  `{"error", "error_type"}` event.
+- OpenAI routes (/v1/*): the request fields service/openai parses, with OpenAI's types
+  (`stop` a string or a list, `logit_bias` a map, content a string or text parts);
+  OpenAI's response and chunk shapes; OpenAI's error object.
+- Errors: every non-2xx answer is typed, `{"error", "error_type"}` on TGI routes and
+  `{"error": {"message", "type", "param", "code"}}` under /v1/, with the statuses of
+  textgen.envoy.config.HTTP_STATUS_BY_ERROR_TYPE.
+
+Usage: python scripts/make_openapi.py [--out FILE]   (default: envoy/openapi.json;
+tests/test_fuzz.py checks the committed file is this script's output).
+TGI publishes OpenAPI 3.0.3; the schemas are written here in that dialect (TGI's,
+`nullable`) and converted at the end to OpenAPI 3.1 (JSON Schema 2020-12), which can
+say what an SSE event carries: each event's `data` is JSON (`contentMediaType`) of a
+given schema (`contentSchema`); OpenAI streams end with the literal `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TGI_SPEC = REPO / "tests" / "data" / "tgi-openapi.json"
+OUT = REPO / "envoy" / "openapi.json"
+
+UINT64_MAX = 2**64 - 1
+# A token id as a JSON object key (3.1's propertyNames; uint32 on the wire).
+TOKEN_ID = {"type": "string", "pattern": "^[0-9]{1,10}$"}
+INT32_MAX = 2**31 - 1
+
+# The error_types a typed error may carry (service/grpc/errors.py for the server's,
+# envoy/config.py's local replies for Envoy's own). Envoy's fallbacks for an
+# unexpected failure (`internal`, `proxy`, `unimplemented`) are not part of the
+# contract: they mean a bug.
+ERROR_TYPES = [
+    "validation",
+    "overloaded",
+    "generation",
+    "incomplete_generation",
+    "unauthenticated",
+    "healthcheck",
+    "unavailable",
+    "not_found",
+    "method_not_allowed",
+    "timeout",
+]
+
+# TGI schemas kept as they are (after cleaning), by name.
+KEEP_AS_IS = ["PrefillToken", "Token", "SimpleToken", "TokenizeResponse", "JsonSchemaConfig"]
+
+
+def ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def nullable(schema: dict) -> dict:
+    """`schema` or null (OpenAPI 3.0); a $ref is wrapped as TGI does (allOf)."""
+    if "$ref" in schema:
+        return {"allOf": [schema], "nullable": True}
+    return {**schema, "nullable": True}
+
+
+# cleaning TGI's schemas -------------------------------------------------------------
+
+
+def _typed_example(value, kind: str | None):
+    """TGI writes many examples as strings ("20", "true"); give them their type."""
+    if not isinstance(value, str) or kind in (None, "string"):
+        return value
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return None
+    if kind == "integer" and isinstance(parsed, int) and not isinstance(parsed, bool):
+        return parsed
+    if kind == "number" and isinstance(parsed, (int, float)) and not isinstance(parsed, bool):
+        return parsed
+    if kind == "boolean" and isinstance(parsed, bool):
+        return parsed
+    if kind == "array" and isinstance(parsed, list):
+        return parsed
+    return None
+
+
+def clean(node):
+    """TGI's spec, made valid OpenAPI 3.0: `exclusiveMinimum: <number>` (3.1 style)
+    becomes `minimum` + `exclusiveMinimum: true`; `default: "null"` and mistyped
+    examples are dropped or typed."""
+    if isinstance(node, list):
+        return [clean(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: clean(v) for k, v in node.items()}
+    kind = out.get("type")
+    for key, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        value = out.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[bound] = value
+            out[key] = True
+    if out.get("default") == "null":
+        del out["default"]
+    elif "default" in out:
+        typed = _typed_example(out["default"], kind)
+        if typed is None:
+            del out["default"]
+        else:
+            out["default"] = typed
+    if "example" in out:
+        typed = _typed_example(out["example"], kind)
+        if typed is None:
+            del out["example"]
+        else:
+            out["example"] = typed
+    return out
+
+
+# TGI's face ------------------------------------------------------------------------
+
+
+def _bounded(kind: str, description: str, *, fmt: str | None = None, **bounds) -> dict:
+    schema = {"type": kind, "description": description, "nullable": True}
+    if fmt:
+        schema["format"] = fmt
+    schema.update(bounds)
+    return schema
+
+
+def generate_parameters(tgi: dict) -> dict:
+    params = copy.deepcopy(tgi["GenerateParameters"])
+    props = params["properties"]
+    del props["adapter_id"]  # no LoRA adapters
+    desc = {k: v.get("description", "") for k, v in props.items()}
+    props["best_of"] = _bounded(
+        "integer",
+        desc["best_of"] + " At most the server's max_best_of (GET /info); needs sampling;"
+        " not with streaming, nor with `seed`.",
+        fmt="int32",
+        minimum=0,
+        exclusiveMinimum=True,
+        example=1,
+    )
+    props["details"]["default"] = False
+    props["frequency_penalty"] = _bounded(
+        "number",
+        "Penalize tokens by how often they already occurred in the output (OpenAI"
+        " semantics); 0 means none.",
+        fmt="float",
+        minimum=-2,
+        maximum=2,
+        example=0.1,
+    )
+    props["presence_penalty"] = _bounded(
+        "number",
+        "Penalize tokens that already occurred in the output (OpenAI semantics); 0 means none.",
+        fmt="float",
+        minimum=-2,
+        maximum=2,
+        example=0.1,
+    )
+    props["grammar"] = {
+        "allOf": [ref("GrammarType")],
+        "nullable": True,
+        "description": "Constrained decoding. Not supported yet: any grammar is refused"
+        " with 422 `validation`.",
+    }
+    props["max_new_tokens"] = _bounded(
+        "integer",
+        "Maximum number of tokens to generate. Unset: up to max_total_tokens minus the"
+        " prompt's tokens. The prompt's tokens plus max_new_tokens must not exceed"
+        " max_total_tokens (GET /info).",
+        fmt="int32",
+        minimum=0,
+        exclusiveMinimum=True,
+        example=20,
+    )
+    props["seed"] = _bounded(
+        "integer",
+        "Random sampling seed (unsigned 64 bits). Not with best_of > 1.",
+        minimum=0,
+        maximum=UINT64_MAX,
+        example=42,
+    )
+    props["stop"].update(
+        description="Stop generating when one of these strings is generated. At most the"
+        " server's max_stop_sequences (GET /info), each 1 to 256 characters.",
+        items={"type": "string", "minLength": 1, "maxLength": 256},
+    )
+    props["top_k"]["minimum"] = 0
+    props["top_k"]["exclusiveMinimum"] = True
+    props["top_n_tokens"].update(
+        description="Also return the top_n_tokens most probable alternatives at each"
+        " position. At most 5 (the server's max_top_n_tokens).",
+        minimum=0,
+        maximum=5,
+    )
+    props["top_n_tokens"].pop("exclusiveMinimum", None)
+    for name in ("top_p", "typical_p"):
+        props[name].update(minimum=0, exclusiveMinimum=True, maximum=1, exclusiveMaximum=True)
+    props["truncate"].update(
+        description="Keep only the last `truncate` prompt tokens. At most max_input_tokens.",
+        format="int32",
+        minimum=0,
+        exclusiveMinimum=True,
+    )
+    props["watermark"].update(
+        description="Accepted for TGI compatibility; watermarking is not implemented and"
+        " `true` is refused with 422.",
+        enum=[False],
+        default=False,
+        example=False,
+    )
+    props["logit_bias"] = {
+        "type": "object",
+        "description": "Bias added to the logits of token ids before sampling: keys are"
+        " token ids (decimal strings, inside the vocabulary), values in [-100, 100].",
+        "propertyNames": TOKEN_ID,
+        "additionalProperties": {
+            "type": "number",
+            "format": "float",
+            "minimum": -100,
+            "maximum": 100,
+        },
+        "example": {"2": -100},
+    }
+    props["ignore_eos"] = {
+        "type": "boolean",
+        "description": "Keep generating past EOS until max_new_tokens (vLLM's ignore_eos;"
+        " for benchmarks).",
+        "default": False,
+    }
+    props["max_time"] = _bounded(
+        "number",
+        "Stop after this many seconds from arrival; finish_reason is then `time_limit`.",
+        fmt="float",
+        minimum=0,
+        exclusiveMinimum=True,
+        example=10.0,
+    )
+    params["properties"] = dict(sorted(props.items()))
+    params["description"] = (
+        "TGI's generation parameters. Unset (or null) fields take TGI's defaults;"
+        " unknown fields are ignored."
+    )
+    return params
+
+
+def generate_request(tgi: dict, name: str) -> dict:
+    schema = copy.deepcopy(tgi[name])
+    schema["properties"]["inputs"].update(minLength=1, description="The prompt; must not be empty.")
+    if name == "CompatGenerateRequest":
+        schema["properties"]["stream"].update(
+            description="Answer as /generate_stream (true) or as /generate, wrapped in a"
+            " one-element array (false).",
+            default=False,
+        )
+    return schema
+
+
+def seed_number() -> dict:
+    return {
+        "type": "number",
+        "description": "Seed used for sampling (only when sampling). A JSON number: exact"
+        " below 2^53.",
+        "nullable": True,
+        "minimum": 0,
+        "example": 42,
+    }
+
+
+def tgi_schemas(tgi: dict) -> dict:
+    s = {name: copy.deepcopy(tgi[name]) for name in KEEP_AS_IS}
+    s["GenerateParameters"] = generate_parameters(tgi)
+    s["GenerateRequest"] = generate_request(tgi, "GenerateRequest")
+    s["CompatGenerateRequest"] = generate_request(tgi, "CompatGenerateRequest")
+    s["GrammarType"] = copy.deepcopy(tgi["GrammarType"])
+    s["GrammarType"]["description"] = "Not supported yet: refused with 422 `validation`."
+
+    s["FinishReason"] = {
+        "type": "string",
+        "enum": ["length", "eos_token", "stop_sequence", "time_limit"],
+        "description": "`time_limit`: the request's max_time ran out.",
+        "example": "length",
+    }
+    s["Timings"] = {
+        "type": "object",
+        "description": "Where a request's time went, in seconds.",
+        "required": [
+            "total_time",
+            "validation_time",
+            "queue_time",
+            "inference_time",
+            "time_per_token",
+        ],
+        "properties": {
+            "total_time": {"type": "number", "description": "From arrival to the last token."},
+            "validation_time": {"type": "number", "description": "Validation and tokenization."},
+            "queue_time": {"type": "number", "description": "Waiting before the first forward."},
+            "inference_time": {"type": "number", "description": "First forward to last token."},
+            "time_per_token": {
+                "type": "number",
+                "description": "inference_time / generated_tokens.",
+            },
+        },
+    }
+    details = copy.deepcopy(tgi["Details"])
+    details["properties"]["seed"] = seed_number()
+    details["properties"]["input_length"] = {
+        "type": "integer",
+        "format": "int32",
+        "minimum": 0,
+        "description": "Number of prompt tokens.",
+    }
+    details["properties"]["timings"] = ref("Timings")
+    details["properties"]["best_of_sequences"].pop("nullable", None)
+    s["Details"] = details
+    best_of = copy.deepcopy(tgi["BestOfSequence"])
+    best_of["properties"]["seed"] = seed_number()
+    s["BestOfSequence"] = best_of
+    s["GenerateResponse"] = copy.deepcopy(tgi["GenerateResponse"])
+
+    stream_details = copy.deepcopy(tgi["StreamDetails"])
+    stream_details["properties"]["seed"] = seed_number()
+    stream_details["properties"]["timings"] = ref("Timings")
+    s["StreamDetails"] = stream_details
+    stream = copy.deepcopy(tgi["StreamResponse"])
+    stream["description"] = (
+        "One SSE event of a stream: a token; the last one also carries generated_text and details."
+    )
+    s["StreamResponse"] = stream
+    s["StreamError"] = {
+        "type": "object",
+        "description": "The last SSE event of a stream that failed after it started (TGI's in-band error).",
+        "required": ["error", "error_type"],
+        "properties": {
+            "error": {"type": "string"},
+            "error_type": {"type": "string", "enum": ERROR_TYPES},
+        },
+    }
+    s["StreamEvent"] = {"oneOf": [ref("StreamResponse"), ref("StreamError")]}
+
+    s["ErrorResponse"] = {
+        "type": "object",
+        "description": "Every error of a TGI route.",
+        "required": ["error", "error_type"],
+        "properties": {
+            "error": {"type": "string", "description": "What went wrong, for people."},
+            "error_type": {"type": "string", "enum": ERROR_TYPES, "description": "For programs."},
+        },
+        "example": {"error": "Input validation error", "error_type": "validation"},
+    }
+
+    info = copy.deepcopy(tgi["Info"])
+    ours = {
+        "model_dtype": ("string", "Weights dtype in use: float32, bfloat16 or float16."),
+        "model_device_type": ("string", "cpu or cuda."),
+        "max_batch_prefill_tokens": ("integer", "Token budget of one batch's prefill."),
+        "max_batch_total_tokens": (
+            "integer",
+            "Token budget of a whole batch (the KV cache's capacity).",
+        ),
+        "max_batch_size": ("integer", "Most sequences in one batch."),
+        "kv_cache_block_size": ("integer", "Tokens per KV-cache block."),
+        "kv_cache_blocks": ("integer", "Blocks in the KV-cache pool."),
+        "max_position_embeddings": ("integer", "The model's own context length."),
+    }
+    for name, (kind, description) in ours.items():
+        info["properties"][name] = {"type": kind, "description": description}
+        if kind == "integer":
+            info["properties"][name]["minimum"] = 0
+        info["required"].append(name)
+    info["properties"]["router"]["example"] = "textgen"
+    s["Info"] = info
+    return s
+
+
+def sse_event(name: str, *, done: bool = False) -> dict:
+    """One server-sent event whose `data` is JSON of schema `name` (or, with `done`,
+    OpenAI's final `[DONE]`). Before OpenAPI 3.2's itemSchema, a text/event-stream
+    `schema` describes each event."""
+    data = {"type": "string", "contentMediaType": "application/json", "contentSchema": ref(name)}
+    if done:
+        data = {"type": "string", "anyOf": [{"const": "[DONE]"}, data]}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"event": {"type": "string"}, "data": data},
+    }
+
+
+# OpenAPI 3.0 -> 3.1 ------------------------------------------------------------------
+
+DATA_KEYWORDS = {"example", "examples", "enum", "default", "const"}
+
+
+def schema31(node):
+    """An OpenAPI 3.0 schema (TGI's dialect) as a 3.1 one: `nullable` becomes a null
+    type, boolean exclusive bounds become numeric, `example` becomes `examples`."""
+    if isinstance(node, list):
+        return [schema31(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in DATA_KEYWORDS:
+            out[key] = value
+        elif key == "properties":  # names to schemas: a name is not a keyword
+            out[key] = {name: schema31(sub) for name, sub in value.items()}
+        else:
+            out[key] = schema31(value)
+    for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if out.get(flag) is True:
+            out[flag] = out.pop(bound)
+        elif out.get(flag) is False:
+            del out[flag]
+    if "example" in out:
+        out["examples"] = [out.pop("example")]
+    if out.pop("nullable", False):
+        if "type" in out:
+            out["type"] = [out["type"], "null"]
+            if "enum" in out:
+                out["enum"] = [*out["enum"], None]
+        elif "oneOf" in out:
+            out["oneOf"] = [*out["oneOf"], {"type": "null"}]
+        else:
+            combined = {k: out.pop(k) for k in ("allOf", "$ref", "anyOf") if k in out}
+            if list(combined) == ["allOf"] and len(combined["allOf"]) == 1:
+                combined = combined["allOf"][0]
+            out["anyOf"] = [combined, {"type": "null"}]
+    return out
+
+
+def paths31(paths_: dict) -> dict:
+    out = copy.deepcopy(paths_)
+    for item in out.values():
+        for op in item.values():
+            bodies = [op.get("requestBody", {}), *op["responses"].values()]
+            for body in bodies:
+                for media in body.get("content", {}).values():
+                    media["schema"] = schema31(media["schema"])
+    return out
+
+
+# OpenAI's face ---------------------------------------------------------------------
+
+
+def _openai_sampling() -> dict:
+    """The sampling fields chat and completions share (service/openai/common.py)."""
+    return {
+        "model": {
+            "type": "string",
+            "nullable": True,
+            "description": "Ignored: one model is served.",
+        },
+        "max_tokens": _bounded(
+            "integer",
+            "Most tokens to generate. Prompt plus max_tokens must fit max_total_tokens.",
+            fmt="int32",
+            minimum=0,
+            exclusiveMinimum=True,
+            maximum=INT32_MAX,
+            example=32,
+        ),
+        "n": _bounded("integer", "Only 1 is supported.", minimum=1, maximum=1),
+        "temperature": _bounded(
+            "number",
+            "0 means greedy decoding; otherwise sampled at this temperature.",
+            minimum=0,
+            example=1.0,
+        ),
+        "top_p": _bounded(
+            "number",
+            "Nucleus sampling mass (when sampling); 1 or more means none.",
+            minimum=0,
+            exclusiveMinimum=True,
+            example=0.95,
+        ),
+        "frequency_penalty": _bounded("number", "In [-2, 2].", minimum=-2, maximum=2),
+        "presence_penalty": _bounded("number", "In [-2, 2].", minimum=-2, maximum=2),
+        "seed": _bounded(
+            "integer", "Sampling seed (unsigned 64 bits).", minimum=0, maximum=UINT64_MAX
+        ),
+        "stop": {
+            "oneOf": [
+                {"type": "string", "minLength": 1, "maxLength": 256},
+                {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1, "maxLength": 256},
+                    "maxItems": 4,
+                },
+            ],
+            "nullable": True,
+            "description": "Up to max_stop_sequences (4) sequences; they are left out of the text.",
+        },
+        "logit_bias": {
+            "type": "object",
+            "nullable": True,
+            "description": "Token id (a decimal string, inside the vocabulary) to a bias in [-100, 100].",
+            "propertyNames": TOKEN_ID,
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        },
+        "stream": {"type": "boolean", "nullable": True, "default": False},
+        "stream_options": nullable(ref("StreamOptions")),
+    }
+
+
+def openai_schemas(tgi: dict) -> dict:
+    s: dict = {}
+    s["StreamOptions"] = copy.deepcopy(tgi["StreamOptions"])
+    s["Usage"] = copy.deepcopy(tgi["Usage"])
+    s["ModelInfo"] = copy.deepcopy(tgi["ModelInfo"])
+    s["ModelList"] = {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {
+            "object": {"type": "string", "enum": ["list"]},
+            "data": {"type": "array", "items": ref("ModelInfo")},
+        },
+    }
+    s["OpenAIErrorResponse"] = {
+        "type": "object",
+        "description": "Every error of an OpenAI route, in OpenAI's shape.",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type", "param", "code"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {
+                        "type": "string",
+                        "enum": ERROR_TYPES,
+                        "description": "textgen's error_type.",
+                    },
+                    "param": {"type": "string", "nullable": True},
+                    "code": {"type": "string", "nullable": True},
+                },
+            }
+        },
+    }
+
+    # chat requests
+    s["ChatContentPart"] = {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
+        "description": "Only text parts are supported.",
+    }
+    s["ChatMessage"] = {
+        "type": "object",
+        "required": ["role"],
+        "properties": {
+            "role": {
+                "type": "string",
+                "enum": ["system", "developer", "user", "assistant", "tool"],
+            },
+            "content": {
+                "oneOf": [{"type": "string"}, {"type": "array", "items": ref("ChatContentPart")}],
+                "nullable": True,
+            },
+            "name": {"type": "string"},
+            "tool_call_id": {"type": "string"},
+            "tool_calls": {"type": "array", "items": ref("ToolCall")},
+        },
+    }
+    s["ToolCall"] = copy.deepcopy(tgi["ToolCall"])
+    s["FunctionDefinition"] = copy.deepcopy(tgi["FunctionDefinition"])
+    chat_props = {
+        "messages": {
+            "type": "array",
+            "items": ref("ChatMessage"),
+            "minItems": 1,
+            "description": "The conversation, rendered with the model's chat template.",
+        },
+        **_openai_sampling(),
+        "max_completion_tokens": _bounded(
+            "integer",
+            "Preferred over max_tokens.",
+            fmt="int32",
+            minimum=0,
+            exclusiveMinimum=True,
+            maximum=INT32_MAX,
+        ),
+        "logprobs": {"type": "boolean", "nullable": True, "default": False},
+        "top_logprobs": _bounded(
+            "integer", "Alternatives per token, 0 to 5; needs logprobs: true.", minimum=0, maximum=5
+        ),
+    }
+    s["ChatRequest"] = {
+        "type": "object",
+        "required": ["messages"],
+        "description": "OpenAI's chat request. tools, tool_choice and response_format are not"
+        " supported (ignored); other unknown fields are ignored.",
+        "properties": dict(sorted(chat_props.items())),
+    }
+
+    # chat responses
+    logprob_entry = {
+        "type": "object",
+        "required": ["token", "logprob", "bytes"],
+        "properties": {
+            "token": {"type": "string"},
+            "logprob": {"type": "number"},
+            "bytes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}},
+        },
+    }
+    s["ChatCompletionTopLogprob"] = logprob_entry
+    s["ChatCompletionLogprob"] = {
+        **copy.deepcopy(logprob_entry),
+        "required": ["token", "logprob", "bytes", "top_logprobs"],
+    }
+    s["ChatCompletionLogprob"]["properties"]["top_logprobs"] = {
+        "type": "array",
+        "items": ref("ChatCompletionTopLogprob"),
+    }
+    s["ChatCompletionLogprobs"] = copy.deepcopy(tgi["ChatCompletionLogprobs"])
+    finish = {"type": "string", "enum": ["stop", "length"]}
+    envelope = {
+        "id": {"type": "string"},
+        "created": {"type": "integer", "format": "int64", "minimum": 0},
+        "model": {"type": "string"},
+        "system_fingerprint": {"type": "string"},
+    }
+    s["ChatCompletion"] = {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "system_fingerprint", "choices", "usage"],
+        "properties": {
+            **envelope,
+            "object": {"type": "string", "enum": ["chat.completion"]},
+            "choices": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["index", "message", "logprobs", "finish_reason"],
+                    "properties": {
+                        "index": {"type": "integer", "minimum": 0},
+                        "message": {
+                            "type": "object",
+                            "required": ["role", "content"],
+                            "properties": {
+                                "role": {"type": "string", "enum": ["assistant"]},
+                                "content": {"type": "string"},
+                            },
+                        },
+                        "logprobs": nullable(ref("ChatCompletionLogprobs")),
+                        "finish_reason": finish,
+                    },
+                },
+            },
+            "usage": ref("Usage"),
+        },
+    }
+    s["ChatCompletionChunk"] = {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "system_fingerprint", "choices"],
+        "description": "One SSE event of a chat stream. With stream_options.include_usage every"
+        " chunk has `usage` (null) and one last chunk, with no choices, the totals.",
+        "properties": {
+            **envelope,
+            "object": {"type": "string", "enum": ["chat.completion.chunk"]},
+            "choices": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["index", "delta", "logprobs", "finish_reason"],
+                    "properties": {
+                        "index": {"type": "integer", "minimum": 0},
+                        "delta": {
+                            "type": "object",
+                            "properties": {
+                                "role": {"type": "string", "enum": ["assistant"]},
+                                "content": {"type": "string"},
+                            },
+                        },
+                        "logprobs": nullable(ref("ChatCompletionLogprobs")),
+                        "finish_reason": nullable(finish),
+                    },
+                },
+            },
+            "usage": nullable(ref("Usage")),
+        },
+    }
+    s["ChatStreamEvent"] = {
+        "oneOf": [ref("ChatCompletionChunk"), ref("OpenAIErrorResponse")],
+        "description": "`data: {json}` events, then `data: [DONE]`; a stream that fails"
+        " after it started ends with an error event instead.",
+    }
+
+    # completions
+    completion_props = {
+        "prompt": {
+            "oneOf": [
+                {"type": "string", "minLength": 1},
+                {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1},
+                    "minItems": 1,
+                    "maxItems": 4,
+                },
+            ],
+            "description": "A prompt, or up to max_client_batch_size (4) prompts: one choice each.",
+        },
+        **_openai_sampling(),
+        "echo": {"type": "boolean", "nullable": True, "default": False},
+        "logprobs": _bounded(
+            "integer",
+            "Alternatives per token (0 to 5) in the legacy logprobs object.",
+            minimum=0,
+            maximum=5,
+        ),
+        "suffix": {
+            "type": "string",
+            "nullable": True,
+            "maxLength": 0,
+            "description": "Fill-in-the-middle is not supported: a non-empty suffix is refused (422).",
+        },
+    }
+    s["CompletionRequest"] = {
+        "type": "object",
+        "required": ["prompt"],
+        "description": "OpenAI's (legacy) completions request; unknown fields are ignored.",
+        "properties": dict(sorted(completion_props.items())),
+    }
+    s["CompletionLogprobs"] = {
+        "type": "object",
+        "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+        "properties": {
+            "tokens": {"type": "array", "items": {"type": "string"}},
+            "token_logprobs": {"type": "array", "items": {"type": "number"}},
+            "top_logprobs": {
+                "type": "array",
+                "items": {"type": "object", "additionalProperties": {"type": "number"}},
+            },
+            "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        },
+    }
+
+    def completion_choice(final: bool) -> dict:
+        return {
+            "type": "object",
+            "required": ["index", "text", "logprobs", "finish_reason"],
+            "properties": {
+                "index": {"type": "integer", "minimum": 0},
+                "text": {"type": "string"},
+                "logprobs": nullable(ref("CompletionLogprobs")),
+                "finish_reason": finish if final else nullable(finish),
+            },
+        }
+
+    s["CompletionFinal"] = {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "system_fingerprint", "choices", "usage"],
+        "properties": {
+            **envelope,
+            "object": {"type": "string", "enum": ["text_completion"]},
+            "choices": {"type": "array", "items": completion_choice(True)},
+            "usage": ref("Usage"),
+        },
+    }
+    s["Chunk"] = {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "system_fingerprint", "choices"],
+        "description": "One SSE event of a completions stream (see ChatCompletionChunk for usage).",
+        "properties": {
+            **envelope,
+            "object": {"type": "string", "enum": ["text_completion"]},
+            "choices": {"type": "array", "items": completion_choice(False)},
+            "usage": nullable(ref("Usage")),
+        },
+    }
+    s["CompletionStreamEvent"] = {
+        "oneOf": [ref("Chunk"), ref("OpenAIErrorResponse")],
+        "description": "`data: {json}` events, then `data: [DONE]`; a stream that fails"
+        " after it started ends with an error event instead.",
+    }
+    return s
+
+
+# paths ------------------------------------------------------------------------------
+
+# (status, error_type, description) of the errors each kind of route can answer.
+ERRORS = {
+    401: ("unauthenticated", "A valid API key is required (servers started with --api-key)"),
+    413: ("validation", "Payload too large: the request body is limited to 2 MB"),
+    422: ("validation", "Input validation error (also malformed JSON or a wrong field type)"),
+    424: ("generation", "Generation error"),
+    429: ("overloaded", "Model is overloaded"),
+    500: ("incomplete_generation", "Incomplete generation"),
+    503: ("unavailable", "No replica is ready (starting, draining or down)"),
+    504: ("timeout", "The upstream did not answer in time"),
+}
+GENERATION_ERRORS = (401, 413, 422, 424, 429, 500, 503)
+BODY_ERRORS = (401, 413, 422, 503, 504)
+QUICK_ERRORS = (401, 503, 504)
+
+
+def error_responses(statuses, openai: bool) -> dict:
+    out = {}
+    for status in statuses:
+        error_type, description = ERRORS[status]
+        if openai:
+            example = {
+                "error": {"message": description, "type": error_type, "param": None, "code": None}
+            }
+        else:
+            example = {"error": description, "error_type": error_type}
+        schema = ref("OpenAIErrorResponse" if openai else "ErrorResponse")
+        out[str(status)] = {
+            "description": description,
+            "content": {"application/json": {"schema": schema, "example": example}},
+        }
+    return out
+
+
+def operation(
+    tgi_paths: dict, path: str, method: str, *, summary=None, request=None, ok=None, errors=()
+) -> dict:
+    base = tgi_paths.get(path, {}).get(method, {})
+    op = {
+        "tags": ["openai" if path.startswith("/v1/") else "tgi"],
+        "summary": summary or base.get("summary", ""),
+        "operationId": base.get("operationId") or path.strip("/").replace("/", "_"),
+    }
+    if request:
+        op["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": ref(request)}},
+        }
+    op["responses"] = {"200": ok, **error_responses(errors, path.startswith("/v1/"))}
+    return op
+
+
+def paths(tgi_paths: dict) -> dict:
+    json_ = "application/json"
+    sse = "text/event-stream"
+
+    def ok(description: str, media: dict) -> dict:
+        return {"description": description, "content": {m: {"schema": s} for m, s in media.items()}}
+
+    health = operation(
+        tgi_paths,
+        "/health",
+        "get",
+        ok=ok("The engine is running", {json_: {"type": "object", "maxProperties": 0}}),
+        errors=(401,),
+    )
+    health["responses"]["503"] = {
+        "description": "The engine is down, or the replica is draining or unreachable",
+        "content": {
+            json_: {
+                "schema": ref("ErrorResponse"),
+                "example": {"error": "unhealthy", "error_type": "healthcheck"},
+            }
+        },
+    }
+    return {
+        "/": {
+            "post": operation(
+                tgi_paths,
+                "/",
+                "post",
+                request="CompatGenerateRequest",
+                ok=ok(
+                    "Generated text: a one-element array, or an SSE stream when `stream` is true",
+                    {
+                        json_: {"type": "array", "items": ref("GenerateResponse")},
+                        sse: sse_event("StreamEvent"),
+                    },
+                ),
+                errors=GENERATION_ERRORS,
+            )
+        },
+        "/generate": {
+            "post": operation(
+                tgi_paths,
+                "/generate",
+                "post",
+                request="GenerateRequest",
+                ok=ok("Generated text", {json_: ref("GenerateResponse")}),
+                errors=GENERATION_ERRORS,
+            )
+        },
+        "/generate_stream": {
+            "post": operation(
+                tgi_paths,
+                "/generate_stream",
+                "post",
+                request="GenerateRequest",
+                ok=ok(
+                    "Server-sent events, one per token (`data: {json}`); best_of > 1 and"
+                    " decoder_input_details are refused",
+                    {sse: sse_event("StreamEvent")},
+                ),
+                errors=GENERATION_ERRORS,
+            )
+        },
+        "/health": {"get": health},
+        "/info": {
+            "get": operation(
+                tgi_paths,
+                "/info",
+                "get",
+                ok=ok("Served model info", {json_: ref("Info")}),
+                errors=QUICK_ERRORS,
+            )
+        },
+        "/metrics": {
+            "get": operation(
+                tgi_paths,
+                "/metrics",
+                "get",
+                ok=ok("Prometheus text exposition format", {"text/plain": {"type": "string"}}),
+                errors=QUICK_ERRORS,
+            )
+        },
+        "/tokenize": {
+            "post": operation(
+                tgi_paths,
+                "/tokenize",
+                "post",
+                summary="Tokenize inputs (only `inputs` and `parameters.truncate` are read)",
+                request="GenerateRequest",
+                ok=ok("The tokens, as a bare array", {json_: ref("TokenizeResponse")}),
+                errors=BODY_ERRORS,
+            )
+        },
+        "/v1/chat/completions": {
+            "post": operation(
+                tgi_paths,
+                "/v1/chat/completions",
+                "post",
+                summary="OpenAI chat completions",
+                request="ChatRequest",
+                ok=ok(
+                    "A chat completion, or an SSE stream of chunks ending `data: [DONE]` when `stream` is true",
+                    {json_: ref("ChatCompletion"), sse: sse_event("ChatStreamEvent", done=True)},
+                ),
+                errors=GENERATION_ERRORS,
+            )
+        },
+        "/v1/completions": {
+            "post": operation(
+                tgi_paths,
+                "/v1/completions",
+                "post",
+                summary="OpenAI (legacy) completions",
+                request="CompletionRequest",
+                ok=ok(
+                    "A completion, or an SSE stream of chunks ending `data: [DONE]` when `stream` is true",
+                    {
+                        json_: ref("CompletionFinal"),
+                        sse: sse_event("CompletionStreamEvent", done=True),
+                    },
+                ),
+                errors=GENERATION_ERRORS,
+            )
+        },
+        "/v1/models": {
+            "get": operation(
+                tgi_paths,
+                "/v1/models",
+                "get",
+                summary="The served models (OpenAI's list)",
+                ok=ok("The served model", {json_: ref("ModelList")}),
+                errors=QUICK_ERRORS,
+            )
+        },
+    }
+
+
+def version() -> str:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+
+
+def build(tgi_spec: Path = TGI_SPEC) -> dict:
+    tgi = clean(json.loads(tgi_spec.read_text()))
+    tgi_components = tgi["components"]["schemas"]
+    schemas = {**tgi_schemas(tgi_components), **openai_schemas(tgi_components)}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "textgen",
+            "description": "textgen's HTTP face, served by Envoy from the gRPC contract"
+            " (api/textgen/v1): TGI's routes and OpenAI's under /v1/. Derived from Text"
+            f" Generation Inference {tgi['info']['version']}'s published API"
+            " (scripts/make_openapi.py). The same port also serves native gRPC.",
+            "license": {"name": "Apache 2.0", "identifier": "Apache-2.0"},
+            "version": version(),
+        },
+        "tags": [
+            {"name": "tgi", "description": "Text Generation Inference's routes"},
+            {"name": "openai", "description": "OpenAI's routes"},
+        ],
+        "paths": paths31(paths(tgi["paths"])),
+        "components": {
+            "schemas": {name: schema31(schemas[name]) for name in sorted(schemas)},
+            "securitySchemes": {
+                "api_key": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "Needed only when the server runs with --api-key.",
+                }
+            },
+        },
+        "security": [{}, {"api_key": []}],
+    }
+
+
+def render(spec: dict) -> str:
+    return json.dumps(spec, indent=1, ensure_ascii=False) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=OUT)
+    out = parser.parse_args().out
+    out.write_text(render(build()))
+
+
+if __name__ == "__main__":
+    main()
