@@ -53,7 +53,7 @@ def gen_server(out: Path) -> None:
             text = src.read_text()
             # protoc writes absolute imports of the proto package (`from textgen.v1 import
             # x_pb2`), which would collide with our own `textgen` package.
-            text = re.sub(r"^from textgen\.v1 import", "from . import", text, flags=re.M)
+            text = re.sub(r"^from textgen\.v1 import", "from . import", text, flags=re.MULTILINE)
             (target / src.name).write_text(HEADER + text)
     (target / "__init__.py").write_text(HEADER)
 
