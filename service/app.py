@@ -17,6 +17,7 @@ from . import __version__
 from .admission import Admission
 from .config import Settings
 from .engine.loop import EngineLoop
+from .engine.paged_core import PagedCore
 from .grpc.interceptors import ApiKeyInterceptor, DecodingInterceptor
 from .grpc.server import SERVICE_NAME, build_server, set_serving
 from .grpc.servicer import ServedModel, TextGenerationServicer
@@ -89,20 +90,7 @@ def kv_capacity_tokens(settings: Settings, loaded: LoadedModel, max_total_tokens
     return max(max_total_tokens, min(fits, 1 << 20))
 
 
-def build_core(settings: Settings, loaded: LoadedModel, capacity: int):
-    if settings.engine == "simple":
-        from .engine.simple_core import SimpleCore
-
-        return SimpleCore(loaded.model, max_batch_size=settings.max_batch_size)
-    try:
-        from .engine.paged_core import PagedCore
-    except ImportError:
-        if settings.engine == "paged":
-            raise
-        from .engine.simple_core import SimpleCore
-
-        log.warning("paged core unavailable; serving with the reference core")
-        return SimpleCore(loaded.model, max_batch_size=settings.max_batch_size)
+def build_core(settings: Settings, loaded: LoadedModel, capacity: int) -> PagedCore:
     return PagedCore(
         loaded.model,
         max_batch_total_tokens=capacity,

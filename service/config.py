@@ -44,7 +44,6 @@ class Settings:
     port: int = 8080  # HTTP (Envoy)
     grpc_port: int = 50051
     no_envoy: bool = False
-    engine: str = "auto"  # "paged", "simple" (reference core), or "auto"
     otlp_endpoint: str | None = None  # OTLP/gRPC collector for traces; None: tracing off
 
     def resolved_limits(self, max_position_embeddings: int) -> tuple[int, int]:
@@ -107,7 +106,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     flag("hostname", default=d.hostname, help="address to listen on")
     flag("port", type=int, default=d.port, help="HTTP port (Envoy)")
     flag("grpc-port", type=int, default=d.grpc_port, help="gRPC port")
-    flag("engine", default=d.engine, help="engine core: auto | paged | simple")
     flag("otlp-endpoint", default=d.otlp_endpoint, help="send OpenTelemetry traces to this OTLP/gRPC collector (e.g. http://127.0.0.1:4317)")
     parser.add_argument("--no-envoy", action="store_true", default=_env("no-envoy", "") not in ("", "0", "false"), help="serve gRPC only")
 

@@ -144,8 +144,9 @@ def test_fifty_disconnects_return_everything(tiny_model_dir):
         assert wait_until(lambda: idle(s), 1.0), s.engine.stats()
         with Client(s.target, timeout=30) as c:
             assert c.generate("hello", max_new_tokens=3).details.generated_tokens == 3
-        cancelled = s.replica.servicer.recorder.metrics.cancelled._value.get()
-        assert cancelled >= 50
+        cancelled = s.replica.servicer.recorder.metrics.cancelled
+        # the permit is released a moment before the request's record is closed
+        assert wait_until(lambda: cancelled._value.get() >= 50, 1.0), cancelled._value.get()
 
 
 # SIGTERM -----------------------------------------------------------------------------

@@ -64,7 +64,8 @@ class RequestRecorder:
         status = "ok"
         try:
             yield record
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # the client left (a streaming
+            # handler is closed at its yield when its RPC is cancelled)
             status = "cancelled"
             self.metrics.cancelled.inc()
             raise
