@@ -5,8 +5,8 @@ routes Envoy serves (textgen.envoy.config.ROUTES; tests/test_fuzz.py checks that
 match), with TGI's request and response schemas kept and adjusted where textgen differs:
 
 - TGI routes: `GenerateParameters` gains presence_penalty, logit_bias, ignore_eos and
-  max_time, loses adapter_id, and states the bounds validation enforces; `grammar` is
-  described but refused (422) until it is implemented; responses carry
+  max_time, loses adapter_id, and states the bounds validation enforces; `grammar`
+  (json / json_schema / regex) constrains the output; responses carry
   `details.input_length` and `details.timings`; a seed is a JSON number (it is echoed
   as a double); `finish_reason` may be `time_limit`; a stream may end with an in-band
   `{"error", "error_type"}` event.
@@ -174,8 +174,8 @@ def generate_parameters(tgi: dict) -> dict:
     props["grammar"] = {
         "allOf": [ref("GrammarType")],
         "nullable": True,
-        "description": "Constrained decoding. Not supported yet: any grammar is refused"
-        " with 422 `validation`.",
+        "description": "Constrained decoding: the output follows the JSON schema or the"
+        " regex. A schema or regex that can't be compiled is refused with 422 `validation`.",
     }
     props["max_new_tokens"] = _bounded(
         "integer",
@@ -287,7 +287,10 @@ def tgi_schemas(tgi: dict) -> dict:
     s["GenerateRequest"] = generate_request(tgi, "GenerateRequest")
     s["CompatGenerateRequest"] = generate_request(tgi, "CompatGenerateRequest")
     s["GrammarType"] = copy.deepcopy(tgi["GrammarType"])
-    s["GrammarType"]["description"] = "Not supported yet: refused with 422 `validation`."
+    s["GrammarType"]["description"] = (
+        "`json`: value is a JSON schema (an object, or a string holding one); `json_schema`:"
+        " value is {\"schema\": ...}; `regex`: value is the regular expression."
+    )
 
     s["FinishReason"] = {
         "type": "string",
@@ -576,8 +579,76 @@ def openai_schemas(tgi: dict) -> dict:
             "tool_calls": {"type": "array", "items": ref("ToolCall")},
         },
     }
-    s["ToolCall"] = copy.deepcopy(tgi["ToolCall"])
-    s["FunctionDefinition"] = copy.deepcopy(tgi["FunctionDefinition"])
+    s["ToolCall"] = {
+        "type": "object",
+        "required": ["id", "type", "function"],
+        "properties": {
+            "id": {"type": "string"},
+            "type": {"type": "string", "enum": ["function"]},
+            "function": ref("FunctionCall"),
+        },
+    }
+    s["FunctionCall"] = {
+        "type": "object",
+        "required": ["name", "arguments"],
+        "properties": {
+            "name": {"type": "string"},
+            "arguments": {"type": "string", "description": "The arguments, a JSON object as text."},
+        },
+    }
+    s["Tool"] = {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {"type": {"type": "string", "enum": ["function"]}, "function": ref("FunctionDefinition")},
+    }
+    s["FunctionDefinition"] = {
+        "type": "object",
+        "required": ["name"],
+        "properties": {
+            "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+            "description": {"type": "string"},
+            "parameters": {
+                "type": "object",
+                "description": "A JSON schema of the arguments; the generated arguments follow it.",
+            },
+            "strict": {"type": "boolean", "description": "Accepted; arguments always follow the schema."},
+        },
+    }
+    s["ToolChoice"] = {
+        "oneOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {
+                "type": "object",
+                "required": ["type", "function"],
+                "properties": {
+                    "type": {"type": "string", "enum": ["function"]},
+                    "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+                },
+            },
+        ],
+        "description": "auto (default with tools): a text answer or calls; required: one or more"
+        " calls; a named function: one call to it; none: a text answer.",
+    }
+    s["ResponseFormat"] = {
+        "type": "object",
+        "required": ["type"],
+        "description": "OpenAI's text / json_object / json_schema, or TGI's grammar"
+        " ({\"type\": \"json\" | \"regex\", \"value\": ...}).",
+        "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema", "json", "regex"]},
+            "json_schema": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "description": {"type": "string"},
+                    "schema": {"type": "object"},
+                    "strict": {"type": "boolean", "nullable": True},
+                },
+            },
+            "value": {},
+        },
+    }
     chat_props = {
         "messages": {
             "type": "array",
@@ -598,12 +669,15 @@ def openai_schemas(tgi: dict) -> dict:
         "top_logprobs": _bounded(
             "integer", "Alternatives per token, 0 to 5; needs logprobs: true.", minimum=0, maximum=5
         ),
+        "tools": {"type": "array", "items": ref("Tool"), "minItems": 1, "nullable": True},
+        "tool_choice": nullable(ref("ToolChoice")),
+        "parallel_tool_calls": {"type": "boolean", "nullable": True, "default": True},
+        "response_format": nullable(ref("ResponseFormat")),
     }
     s["ChatRequest"] = {
         "type": "object",
         "required": ["messages"],
-        "description": "OpenAI's chat request. tools, tool_choice and response_format are not"
-        " supported (ignored); other unknown fields are ignored.",
+        "description": "OpenAI's chat request; unknown fields are ignored.",
         "properties": dict(sorted(chat_props.items())),
     }
 
@@ -628,6 +702,7 @@ def openai_schemas(tgi: dict) -> dict:
     }
     s["ChatCompletionLogprobs"] = copy.deepcopy(tgi["ChatCompletionLogprobs"])
     finish = {"type": "string", "enum": ["stop", "length"]}
+    chat_finish = {"type": "string", "enum": ["stop", "length", "tool_calls"]}
     envelope = {
         "id": {"type": "string"},
         "created": {"type": "integer", "format": "int64", "minimum": 0},
@@ -650,13 +725,15 @@ def openai_schemas(tgi: dict) -> dict:
                         "message": {
                             "type": "object",
                             "required": ["role", "content"],
+                            "description": "content is null when the answer is tool_calls.",
                             "properties": {
                                 "role": {"type": "string", "enum": ["assistant"]},
-                                "content": {"type": "string"},
+                                "content": {"type": "string", "nullable": True},
+                                "tool_calls": {"type": "array", "items": ref("ToolCall")},
                             },
                         },
                         "logprobs": nullable(ref("ChatCompletionLogprobs")),
-                        "finish_reason": finish,
+                        "finish_reason": chat_finish,
                     },
                 },
             },
@@ -680,17 +757,34 @@ def openai_schemas(tgi: dict) -> dict:
                         "index": {"type": "integer", "minimum": 0},
                         "delta": {
                             "type": "object",
+                            "description": "A call's first delta has its index, id, type and"
+                            " name (arguments \"\"); the next ones add pieces of its arguments.",
                             "properties": {
                                 "role": {"type": "string", "enum": ["assistant"]},
-                                "content": {"type": "string"},
+                                "content": {"type": "string", "nullable": True},
+                                "tool_calls": {"type": "array", "items": ref("ToolCallDelta")},
                             },
                         },
                         "logprobs": nullable(ref("ChatCompletionLogprobs")),
-                        "finish_reason": nullable(finish),
+                        "finish_reason": nullable(chat_finish),
                     },
                 },
             },
             "usage": nullable(ref("Usage")),
+        },
+    }
+    s["ToolCallDelta"] = {
+        "type": "object",
+        "required": ["index", "function"],
+        "properties": {
+            "index": {"type": "integer", "minimum": 0},
+            "id": {"type": "string"},
+            "type": {"type": "string", "enum": ["function"]},
+            "function": {
+                "type": "object",
+                "required": ["arguments"],
+                "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+            },
         },
     }
     s["ChatStreamEvent"] = {

@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from . import __version__
 from .admission import Admission
 from .config import Settings
+from .engine.grammar import GrammarCompiler, GrammarMasks
 from .engine.loop import EngineLoop
 from .engine.paged_core import PagedCore
 from .grpc.interceptors import ApiKeyInterceptor, DecodingInterceptor
@@ -90,13 +91,14 @@ def kv_capacity_tokens(settings: Settings, loaded: LoadedModel, max_total_tokens
     return max(max_total_tokens, min(fits, 1 << 20))
 
 
-def build_core(settings: Settings, loaded: LoadedModel, capacity: int) -> PagedCore:
+def build_core(settings: Settings, loaded: LoadedModel, capacity: int, grammars: GrammarCompiler) -> PagedCore:
     return PagedCore(
         loaded.model,
         max_batch_total_tokens=capacity,
         max_batch_prefill_tokens=settings.max_batch_prefill_tokens,
         max_batch_size=settings.max_batch_size,
         block_size=KV_BLOCK_SIZE,
+        grammars=GrammarMasks(grammars),
     )
 
 
@@ -180,7 +182,10 @@ async def start_replica(
         vocab_size=loaded.model.config.get_text_config().vocab_size,
     )
     capacity = kv_capacity_tokens(settings, loaded, max_total)
-    core = build_core(settings, loaded, capacity)
+    grammars = await asyncio.to_thread(
+        GrammarCompiler, loaded.tokenizer, limits.vocab_size, loaded.eos_token_ids
+    )
+    core = build_core(settings, loaded, capacity, grammars)
     metrics = Metrics()
     engine = EngineLoop(core, loaded.tokenizer, loaded.eos_token_ids, metrics=metrics)
     metrics.watch_engine(engine.stats, capacity)
@@ -190,7 +195,7 @@ async def start_replica(
     tracer = tracer_provider.get_tracer("textgen") if tracer_provider else None
     servicer = TextGenerationServicer(
         engine,
-        Validator(loaded.tokenizer, limits),
+        Validator(loaded.tokenizer, limits, grammars),
         served_model(settings, loaded, limits, capacity, core),
         Admission(settings.max_concurrent_requests, settings.max_queued_requests, settings.max_queued_tokens),
         RequestRecorder(metrics, tracer),

@@ -64,6 +64,7 @@ class Report:
     itl_p95_ms: float
     errors: int
     baseline: dict | None = None
+    constrained: dict | None = None  # --grammar: the same load with the grammar, and the ratio
 
 
 def load_prompts(path: str | None) -> list[str]:
@@ -75,14 +76,14 @@ def load_prompts(path: str | None) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-async def _one(client, prompt: str, args, progress) -> RequestResult:
+async def _one(client, prompt: str, args, progress, grammar: dict | None) -> RequestResult:
     from textgen.sdk import TextGenError
 
     result = RequestResult()
     start = last = time.perf_counter()
     try:
         async for message in client.generate_stream(
-            prompt, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, details=False
+            prompt, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, details=False, grammar=grammar
         ):
             now = time.perf_counter()
             if result.output_tokens == 0:
@@ -100,7 +101,7 @@ async def _one(client, prompt: str, args, progress) -> RequestResult:
     return result
 
 
-async def run_load(args, prompts: list[str]) -> Report:
+async def run_load(args, prompts: list[str], grammar: dict | None = None) -> Report:
     from textgen.sdk import AsyncClient
     from tqdm import tqdm
 
@@ -115,7 +116,7 @@ async def run_load(args, prompts: list[str]) -> Report:
 
             async def worker() -> None:
                 while not work.empty():
-                    results.append(await _one(client, work.get_nowait(), args, progress))
+                    results.append(await _one(client, work.get_nowait(), args, progress, grammar))
 
             start = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
@@ -260,6 +261,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the report here as JSON")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--serve-args", default="", help="extra flags for --serve, e.g. '--dtype bfloat16'")
+    parser.add_argument(
+        "--grammar",
+        default=None,
+        help="a JSON file holding a TGI grammar ({\"type\": \"json\", \"value\": <schema>}): the load runs "
+        "twice, without and with it, and the report gives the constrained/unconstrained ratio",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -267,6 +274,13 @@ def run(args: argparse.Namespace) -> int:
     server = _start_server(args) if args.serve else None
     try:
         report = asyncio.run(run_load(args, prompts))
+        if args.grammar:
+            grammar = json.loads(Path(args.grammar).read_text())
+            constrained = asyncio.run(run_load(args, prompts, grammar))
+            report.constrained = {
+                **asdict(constrained),
+                "over_unconstrained": round(constrained.output_tokens_per_s / report.output_tokens_per_s, 3),
+            }
     finally:
         if server is not None:
             _stop_server(server)
@@ -276,9 +290,16 @@ def run(args: argparse.Namespace) -> int:
         base["engine_over_naive"] = round(report.output_tokens_per_s / base["naive_generate_tokens_per_s"], 3)
         report.baseline = base
     print(format_table(report))
+    if report.constrained:
+        c = report.constrained
+        print(
+            f"constrained ({args.grammar}): {c['output_tokens_per_s']:.1f} tok/s, "
+            f"TTFT p50 {c['ttft_p50_ms']:.0f} ms, ITL p50 {c['itl_p50_ms']:.0f} ms, "
+            f"errors {c['errors']}; constrained / unconstrained = {c['over_unconstrained']}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(asdict(report), indent=2))
-    return 1 if report.errors else 0
+    return 1 if report.errors or (report.constrained or {}).get("errors") else 0
 
 
 def _start_server(args) -> subprocess.Popen:

@@ -5,12 +5,16 @@ first error reported is the one TGI would report.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
 import uuid
 from dataclasses import dataclass
 
+from google.protobuf import json_format
+
+from .engine.grammar import GrammarCompiler, GrammarError
 from .engine.types import EngineRequest, SamplingParams, StoppingParams
 
 # Below these, logits / temperature (or / penalty) overflow float32 to inf: the
@@ -64,12 +68,17 @@ def _opt(params, name: str):
 
 
 class Validator:
-    def __init__(self, tokenizer, limits: Limits) -> None:
+    def __init__(self, tokenizer, limits: Limits, grammars: GrammarCompiler | None = None) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.grammars = grammars  # None: requests with a grammar are refused
 
-    def validate(self, request, *, stream: bool, arrival_time: float | None = None) -> ValidRequest:
-        """request: a textgen.v1 GenerateRequest (protobuf)."""
+    def validate(
+        self, request, *, stream: bool, arrival_time: float | None = None, lark: str | None = None
+    ) -> ValidRequest:
+        """request: a textgen.v1 GenerateRequest (protobuf). lark: an output grammar in
+        llguidance's Lark dialect, from the OpenAI layer (tool calls), in place of
+        request.parameters.grammar."""
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         p = request.parameters
         best_of = self._best_of(p, stream)
@@ -97,8 +106,7 @@ class Validator:
             raise ValidationError("`max_time` must be strictly positive")
         if p.watermark:
             raise ValidationError("`watermark` is not supported")
-        if p.HasField("grammar"):
-            raise ValidationError("grammar is not supported")
+        grammar = self._lark(lark) if lark is not None else self._grammar(p) if p.HasField("grammar") else None
         if not request.inputs:
             raise ValidationError("`inputs` cannot be empty")
         truncate = self._truncate(p)
@@ -116,6 +124,7 @@ class Validator:
             ),
             decoder_input_details=p.decoder_input_details,
             arrival_time=arrival,
+            grammar=grammar,
         )
         return ValidRequest(
             engine_request=engine_request,
@@ -214,6 +223,36 @@ class Validator:
                 raise ValidationError("`logit_bias` values must be >= -100 and <= 100")
         return tuple(sorted(p.logit_bias.items()))
 
+    def _grammar(self, p) -> str:
+        """TGI's grammar ({"type": "json" | "json_schema" | "regex", "value": ...}) -> a
+        compiled grammar; a schema or regex the compiler can't use is a validation error."""
+        if self.grammars is None:
+            raise ValidationError("grammar is not supported")
+        kind = p.grammar.type
+        value = json_value(p.grammar.value) if p.grammar.HasField("value") else None
+        try:
+            if kind == "regex":
+                if not isinstance(value, str):
+                    raise ValidationError("grammar is not valid: a `regex` grammar's value must be a string")
+                return self.grammars.regex(value)
+            if kind == "json":
+                return self.grammars.json_schema(_schema_value(value))
+            if kind == "json_schema":
+                if not isinstance(value, dict) or "schema" not in value:
+                    raise ValidationError("grammar is not valid: a `json_schema` grammar's value must be {\"schema\": ...}")
+                return self.grammars.json_schema(_schema_value(value["schema"]))
+        except GrammarError as exc:
+            raise ValidationError(f"grammar is not valid: {exc}") from exc
+        raise ValidationError(f"grammar is not valid: unknown type {kind!r} (json, json_schema or regex)")
+
+    def _lark(self, source: str) -> str:
+        if self.grammars is None:
+            raise ValidationError("grammar is not supported")
+        try:
+            return self.grammars.lark(source)
+        except GrammarError as exc:
+            raise ValidationError(f"grammar is not valid: {exc}") from exc
+
     def _truncate(self, p) -> int | None:
         truncate = _opt(p, "truncate")
         if truncate is not None and not 0 < truncate <= self.limits.max_input_tokens:
@@ -248,6 +287,34 @@ class Validator:
         if max_new == 0:
             raise ValidationError("`max_new_tokens` must be strictly positive")
         return max_new
+
+
+def json_value(value) -> object:
+    """A google.protobuf.Value as plain JSON. Value keeps every number as a double, so
+    integral ones become ints again: `"maxLength": 24` must not reach a schema as 24.0."""
+    return _integral(json_format.MessageToDict(value))
+
+
+def _integral(value):
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _integral(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
+
+
+def _schema_value(value):
+    """A JSON schema given as an object, a boolean, or a string holding one (as TGI allows)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValidationError(f"grammar is not valid: the schema is not JSON: {exc}") from exc
+    if not isinstance(value, (dict, bool)):
+        raise ValidationError("grammar is not valid: a JSON schema must be an object")
+    return value
 
 
 def _default(value, default):

@@ -25,3 +25,25 @@ def test_bench_report_adds_up(tiny_server):
     assert 0 < report.ttft_p50_ms <= report.ttft_p95_ms
     assert 0 < report.itl_p50_ms <= report.itl_p95_ms
     assert "output tokens/s" in format_table(report)
+
+
+def test_bench_grammar_run_reports_the_constrained_ratio(tiny_server, tmp_path):
+    import json
+
+    from textgen.service.bench import run
+
+    grammar = tmp_path / "grammar.json"
+    grammar.write_text(json.dumps({"type": "regex", "value": "[a-z ]{8,}"}))
+    out = tmp_path / "report.json"
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(
+        ["--target", tiny_server.target, "--concurrency", "3", "--max-new-tokens", "8", "--ignore-eos",
+         "--grammar", str(grammar), "--json", str(out)]
+    )  # fmt: skip
+    assert run(args) == 0
+    report = json.loads(out.read_text())
+    constrained = report["constrained"]
+    assert constrained["errors"] == 0 and constrained["output_tokens"] == 3 * 8
+    expected = constrained["output_tokens_per_s"] / report["output_tokens_per_s"]
+    assert constrained["over_unconstrained"] == pytest.approx(expected, abs=1e-3)

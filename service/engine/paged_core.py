@@ -13,12 +13,13 @@ import time
 import torch
 
 from .core import StepOutput
+from .grammar import GrammarMasks, PendingMasks
 from .kv_cache import BlockManager, KVCachePool, num_blocks_for_tokens
 from .runner import ModelRunner, RunnerOutput
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .types import EngineError, EngineStats
+from .types import EngineError, EngineStats, FinishReason
 
 
 class PagedCore:
@@ -31,6 +32,7 @@ class PagedCore:
         max_batch_size: int,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        grammars: GrammarMasks | None = None,
     ) -> None:
         """
         Args:
@@ -40,6 +42,7 @@ class PagedCore:
             max_batch_prefill_tokens: prompt tokens computed per step (chunked prefill).
             max_batch_size: sequences running at once.
             block_size: tokens per KV block.
+            grammars: token masks for requests with a grammar; None: such requests are refused.
         """
         if max_batch_total_tokens <= 0:
             raise ValueError(
@@ -55,6 +58,7 @@ class PagedCore:
         self.runner = ModelRunner(model, KVCachePool(num_blocks, block_size))
         self.runner.warmup()
         self.sampler = Sampler()
+        self.grammars = grammars
         self._steps = 0
 
     @property
@@ -74,6 +78,8 @@ class PagedCore:
             )
         if seq.num_prompt_tokens == 0:
             raise EngineError("empty prompt", "validation")
+        if seq.request.grammar is not None and self.grammars is None:
+            raise EngineError("this engine has no grammar support", "validation")
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -92,12 +98,14 @@ class PagedCore:
         for seq, _ in batch.scheduled:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+        # grammar masks are computed on a worker thread while the forward runs
+        masks = self.grammars.start(_about_to_sample(batch)) if self.grammars else None
         result = self.runner.execute(batch)
         self.scheduler.commit(batch)
         _store_prompt_logprobs(result)
         if not result.sample_seqs:
             return []
-        return self._append_sampled(result)
+        return self._append_sampled(result, masks)
 
     def shrink_after_oom(self) -> bool:
         """After an out-of-memory step: halve the batch size and preempt every running
@@ -127,8 +135,11 @@ class PagedCore:
 
     # internals ---------------------------------------------------------------
 
-    def _append_sampled(self, result: RunnerOutput) -> list[StepOutput]:
-        sampled = self.sampler.sample(result.sample_logits, result.sample_seqs)
+    def _append_sampled(self, result: RunnerOutput, masks: PendingMasks | None) -> list[StepOutput]:
+        logits = result.sample_logits.float()
+        if masks is not None:
+            self.grammars.apply(logits, result.sample_seqs, masks)
+        sampled = self.sampler.sample(logits, result.sample_seqs)
         outputs = []
         for row, seq in enumerate(result.sample_seqs):
             prefill = None
@@ -136,12 +147,19 @@ class PagedCore:
                 prefill = [None, *seq.prefill_logprobs]
             token_id = sampled.token_ids[row]
             seq.append_token(token_id)
+            if seq.grammar_state is not None and self.grammars.advance(seq, token_id) and not seq.is_finished:
+                seq.finish(FinishReason.EOS_TOKEN)  # the grammar is complete: nothing may follow
             outputs.append(
                 StepOutput(seq, token_id, sampled.logprobs[row], sampled.top_tokens[row], prefill)
             )
             if seq.is_finished:
                 self.scheduler.finish(seq)
         return outputs
+
+
+def _about_to_sample(batch) -> list[Sequence]:
+    """The sequences whose step reaches their last token (the runner samples those)."""
+    return [s for s, n in batch.scheduled if s.num_computed_tokens + n == s.num_tokens]
 
 
 def _store_prompt_logprobs(result: RunnerOutput) -> None:

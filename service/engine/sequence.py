@@ -38,6 +38,7 @@ class Sequence:
     last_token_time: float | None = None
     num_preemptions: int = 0
     sampler_state: object | None = None  # owned by the sampler (e.g. a torch.Generator)
+    grammar_state: object | None = None  # owned by GrammarMasks (the request's matcher)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -55,6 +55,8 @@ class EngineRequest:
     stopping: StoppingParams
     decoder_input_details: bool = False  # return the prompt tokens' logprobs
     arrival_time: float = 0.0  # time.monotonic() when the RPC arrived
+    # an llguidance grammar the output must follow (engine/grammar.py), None: unconstrained
+    grammar: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,8 @@ import asyncio
 
 from google.api import httpbody_pb2
 
-from ..engine.types import EngineError, TokenEvent
-from ..openai.chat import ChatRenderer, parse_chat_request
+from ..engine.types import EngineError
+from ..openai.chat import ChatRenderer, ChatStream, parse_chat_request
 from ..openai.common import DONE, OpenAIRequestError, StopHoldback, finish_reason, sse_error
 from ..openai.completions import CompletionRenderer, parse_completion_request
 from ..validation import ValidationError
@@ -25,7 +25,9 @@ class OpenAIRpcs:
         async with self.request(context, "ChatCompletions") as record:
             try:
                 chat = parse_chat_request(request.data, self.validator.tokenizer)
-                valid = await self.validate(chat.generate, stream=chat.stream, arrival=record.arrival)
+                valid = await self.validate(
+                    chat.generate, stream=chat.stream, arrival=record.arrival, lark=chat.lark
+                )
             except (OpenAIRequestError, ValidationError) as exc:
                 await abort(context, exc.message, "validation")
             record.validated(valid)
@@ -43,17 +45,15 @@ class OpenAIRpcs:
                 yield httpbody_pb2.HttpBody(content_type=JSON, data=renderer.completion(events))
 
     async def _chat_stream(self, renderer: ChatRenderer, valid, context, record):
-        holdback = StopHoldback(renderer.request.stop)
+        stream = ChatStream(renderer)
         sent_any = False
         try:
             async for event in self.engine.generate(valid.engine_request):
-                if not sent_any:
-                    yield _body(renderer.first_chunk())
-                    sent_any = True
                 if event.finish is not None:
                     record.finished(event.finish)
-                for body in self._chat_event(renderer, holdback, event):
-                    yield body
+                for data in stream.chunks(event):
+                    yield _body(data)
+                    sent_any = True
         except EngineError as exc:
             if sent_any:
                 yield _body(sse_error(exc.message, exc.error_type))
@@ -112,17 +112,6 @@ class OpenAIRpcs:
         if req.include_usage:
             yield _body(renderer.usage_chunk(finishes))
         yield _body(DONE)
-
-    def _chat_event(self, renderer: ChatRenderer, holdback: StopHoldback, event: TokenEvent):
-        final = event.finish is not None
-        delta = holdback.feed(event.text, final)
-        if delta or (renderer.request.logprobs and not event.token.special):
-            yield _body(renderer.content_chunk(delta, event if renderer.request.logprobs else None))
-        if final:
-            yield _body(renderer.final_chunk(event.finish))
-            if renderer.request.include_usage:
-                yield _body(renderer.usage_chunk(event.finish))
-            yield _body(DONE)
 
 
 async def _merged(streams):

@@ -123,12 +123,16 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
         except ValidationError as exc:
             await abort(context, exc.message, exc.error_type)
 
-    async def validate(self, request, *, stream: bool, arrival: float) -> ValidRequest:
-        """Validate (and tokenize); long prompts off the event loop, so one 2 MB prompt
-        doesn't stall every other stream while it is tokenized."""
-        if len(request.inputs) < LONG_PROMPT_CHARS:
+    async def validate(self, request, *, stream: bool, arrival: float, lark: str | None = None) -> ValidRequest:
+        """Validate (and tokenize); long prompts and grammars (compiled on first sight)
+        off the event loop, so one 2 MB prompt or large schema doesn't stall every other
+        stream while it is processed."""
+        grammar = lark is not None or request.parameters.HasField("grammar")
+        if len(request.inputs) < LONG_PROMPT_CHARS and not grammar:
             return self.validator.validate(request, stream=stream, arrival_time=arrival)
-        return await asyncio.to_thread(self.validator.validate, request, stream=stream, arrival_time=arrival)
+        return await asyncio.to_thread(
+            self.validator.validate, request, stream=stream, arrival_time=arrival, lark=lark
+        )
 
     async def _generate_best_of(self, valid: ValidRequest) -> list[list[TokenEvent]]:
         """best_of sequences run side by side with their own seeds; the first is the

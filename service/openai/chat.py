@@ -3,14 +3,20 @@ events -> OpenAI's `chat.completion` / `chat.completion.chunk` bytes."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from google.protobuf import json_format
+
 from ..engine.types import FinishInfo, TokenEvent
 from ..proto import generate_pb2 as pb
+from ..validation import json_value
 from .common import (
+    DONE,
     OpenAIRequestError,
+    StopHoldback,
     finish_reason,
     json_bytes,
     json_object,
@@ -21,16 +27,27 @@ from .common import (
     trim_stop,
     usage,
 )
+from .tools import (
+    ToolCallParser,
+    ToolPlan,
+    check_tool_calls,
+    parse_output,
+    parse_tools,
+    prepare_messages,
+    template_knows_tools,
+)
 
 
 @dataclass(frozen=True)
 class ChatRequest:
-    generate: pb.GenerateRequest  # the templated prompt and TGI parameters
+    generate: pb.GenerateRequest  # the templated prompt and TGI parameters (incl. response_format)
     stream: bool
     include_usage: bool
     logprobs: bool
     top_logprobs: int
     stop: tuple[str, ...]
+    tools: ToolPlan | None = None  # tools the model may call
+    lark: str | None = None  # the output grammar when tools are offered (overrides parameters.grammar)
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -41,11 +58,22 @@ def parse_chat_request(body: bytes, tokenizer) -> ChatRequest:
     messages = [_message(m, i) for i, m in enumerate(required_field(data, "messages", list))]
     if not messages:
         raise OpenAIRequestError("`messages` must not be empty", "messages")
+    plan = parse_tools(data)
+    answer_format = response_format(data)
+    native = template_knows_tools(tokenizer)
+    extra = {"tools": [t.openai_dict() for t in plan.tools]} if native and plan is not None else {}
     try:
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(
+            prepare_messages(messages, plan, native), tokenize=False, add_generation_prompt=True, **extra
+        )
     except Exception as exc:
         raise OpenAIRequestError(f"cannot apply the chat template: {exc}", "messages") from exc
     params, stop = sampling_parameters(data)
+    lark = None
+    if plan is not None:
+        lark = plan.lark(_lark_answer(answer_format))
+    elif answer_format is not None:
+        params.grammar.CopyFrom(answer_format)
     logprobs = bool(optional_field(data, "logprobs", bool) or False)
     top_logprobs = optional_field(data, "top_logprobs", int) or 0
     if top_logprobs and not logprobs:
@@ -62,7 +90,57 @@ def parse_chat_request(body: bytes, tokenizer) -> ChatRequest:
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         stop=stop,
+        tools=plan,
+        lark=lark,
     )
+
+
+def response_format(data: dict) -> pb.Grammar | None:
+    """OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema",
+    "json_schema": {"name", "schema", "strict"}}), or TGI's grammar in its place
+    ({"type": "json" | "json_schema" | "regex", "value": ...}), as a TGI grammar."""
+    fmt = data.get("response_format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise OpenAIRequestError("`response_format` must be an object", "response_format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _grammar("json", {"type": "object"})
+    if kind == "json_schema" and "json_schema" in fmt:
+        spec = fmt["json_schema"]
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise OpenAIRequestError("`response_format.json_schema` must have a `name`", "response_format")
+        # strict or not, the output follows the schema: constrained decoding costs nothing extra
+        return _grammar("json", spec.get("schema", {}))
+    if kind in ("json", "json_schema", "regex") and "value" in fmt:  # TGI's shape
+        return _grammar(kind, fmt["value"])
+    raise OpenAIRequestError(
+        '`response_format.type` must be "text", "json_object" or "json_schema"', "response_format"
+    )
+
+
+def _grammar(kind: str, value) -> pb.Grammar:
+    grammar = pb.Grammar(type=kind)
+    try:
+        json_format.ParseDict(value, grammar.value)
+    except (json_format.ParseError, TypeError, ValueError) as exc:
+        raise OpenAIRequestError(f"`response_format` holds no JSON value: {exc}", "response_format") from exc
+    return grammar
+
+
+def _lark_answer(answer_format: pb.Grammar | None) -> str | None:
+    """A response_format as the answer rule of the tool grammar."""
+    if answer_format is None:
+        return None
+    value = json_value(answer_format.value)
+    if answer_format.type == "json_schema" and isinstance(value, dict):
+        value = value.get("schema", {})
+    if answer_format.type == "regex" or not isinstance(value, (dict, bool)):
+        raise OpenAIRequestError("with `tools`, `response_format` must be a JSON schema", "response_format")
+    return "%json " + json.dumps(value, separators=(",", ":"))
 
 
 def _message(m, index: int) -> dict:
@@ -72,9 +150,11 @@ def _message(m, index: int) -> dict:
     if role not in _ROLES:
         raise OpenAIRequestError(f"`messages[{index}].role` must be one of {sorted(_ROLES)}", "messages")
     out = {"role": "system" if role == "developer" else role, "content": _content(m.get("content"), index)}
-    for key in ("name", "tool_call_id", "tool_calls"):
-        if key in m:
+    for key in ("name", "tool_call_id"):
+        if isinstance(m.get(key), str):
             out[key] = m[key]
+    if role == "assistant" and m.get("tool_calls"):
+        out["tool_calls"] = check_tool_calls(m["tool_calls"], index)
     return out
 
 
@@ -123,11 +203,18 @@ class ChatRenderer:
 
     def completion(self, events: list[TokenEvent]) -> bytes:
         finish = events[-1].finish
+        text = trim_stop(finish.generated_text, self.request.stop)
+        message = {"role": "assistant", "content": text}
+        reason = finish_reason(finish)
+        parsed = parse_output(self.request.tools, text) if self.request.tools else None
+        if parsed is not None and parsed.is_calls and parsed.calls:
+            message = {"role": "assistant", "content": None, "tool_calls": [_call_dict(c) for c in parsed.calls]}
+            reason = tool_finish_reason(reason)
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": trim_stop(finish.generated_text, self.request.stop)},
+            "message": message,
             "logprobs": self._logprobs(events),
-            "finish_reason": finish_reason(finish),
+            "finish_reason": reason,
         }
         body = self._envelope("chat.completion", [choice])
         body["usage"] = usage(finish)
@@ -136,12 +223,15 @@ class ChatRenderer:
     def first_chunk(self) -> bytes:
         return self._chunk({"role": "assistant", "content": ""}, None, None)
 
+    def delta_chunk(self, delta: dict) -> bytes:
+        return self._chunk(delta, None, None)
+
     def content_chunk(self, text: str, event: TokenEvent | None) -> bytes:
         logprobs = self._logprobs([event]) if event is not None else None
         return self._chunk({"content": text}, None, logprobs)
 
-    def final_chunk(self, finish: FinishInfo) -> bytes:
-        return self._chunk({}, finish_reason(finish), None)
+    def final_chunk(self, finish: FinishInfo, reason: str | None = None) -> bytes:
+        return self._chunk({}, reason or finish_reason(finish), None)
 
     def usage_chunk(self, finish: FinishInfo) -> bytes:
         body = self._envelope("chat.completion.chunk", [])
@@ -173,3 +263,69 @@ class ChatRenderer:
 
 
 
+
+
+def tool_finish_reason(reason: str) -> str:
+    """A completed answer that calls tools ends with "tool_calls"; a cut one stays "length"."""
+    return reason if reason == "length" else "tool_calls"
+
+
+def _call_dict(call) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+@dataclass
+class ChatStream:
+    """Engine events -> chat.completion.chunk bytes: stop sequences held back, and with
+    tools, text told apart from calls before the first chunk says which it is."""
+
+    renderer: ChatRenderer
+    holdback: StopHoldback = field(init=False)
+    parser: ToolCallParser | None = field(init=False)
+    started: bool = False
+
+    def __post_init__(self) -> None:
+        self.holdback = StopHoldback(self.renderer.request.stop)
+        tools = self.renderer.request.tools
+        self.parser = ToolCallParser(tools) if tools is not None else None
+
+    def chunks(self, event: TokenEvent) -> list[bytes]:
+        request = self.renderer.request
+        final = event.finish is not None
+        text = self.holdback.feed(event.text, final)
+        out = []
+        if self.parser is None:
+            if not self.started:
+                out.append(self.renderer.first_chunk())
+                self.started = True
+            if text or (request.logprobs and not event.token.special):
+                out.append(self.renderer.content_chunk(text, event if request.logprobs else None))
+        else:
+            out.extend(self._tool_aware(text, final))
+        if final:
+            reason = finish_reason(event.finish)
+            if self.parser is not None and self.parser.is_calls and self.parser.calls:
+                reason = tool_finish_reason(reason)
+            out.append(self.renderer.final_chunk(event.finish, reason))
+            if request.include_usage:
+                out.append(self.renderer.usage_chunk(event.finish))
+            out.append(DONE)
+        return out
+
+    def _tool_aware(self, text: str, final: bool) -> list[bytes]:
+        deltas = self.parser.feed(text)
+        if final and not deltas and not self.started:
+            deltas = self.parser.flush()
+        out = []
+        for delta in deltas:
+            if not self.started:
+                self.started = True
+                if "tool_calls" in delta:  # OpenAI's first chunk of a call carries its head
+                    out.append(self.renderer.delta_chunk({"role": "assistant", "content": None, **delta}))
+                    continue
+                out.append(self.renderer.first_chunk())
+            out.append(self.renderer.delta_chunk(delta))
+        if final and not self.started:  # an empty answer still opens with the role
+            self.started = True
+            out.append(self.renderer.first_chunk())
+        return out
