@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import llguidance
 import llguidance.hf
+import numpy as np
 import torch
 
 from .sequence import Sequence
@@ -36,7 +37,6 @@ COMPILED_CACHE_SIZE = 512  # distinct grammars kept compiled (validation is the 
 # bound, so a model can't stall in whitespace until max_new_tokens (a known failure of
 # unbounded JSON grammars). A schema's own "x-guidance" options take precedence.
 JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarError(ValueError):
@@ -119,15 +119,19 @@ class GrammarMasks:
         float) whose sequence has a grammar; `pending` is what start() returned for them."""
         if pending is None:
             return
-        bitmask = pending.future.result()
+        banned = _widen(pending.future.result(), logits.shape[1]).to(
+            logits.device, non_blocking=True
+        )
+        if len(pending.seqs) == len(seqs) and all(a is b for a, b in zip(pending.seqs, seqs)):
+            logits.masked_fill_(banned, float("-inf"))  # every row constrained, in order
+            return
         mask_row = {id(s): i for i, s in enumerate(pending.seqs)}
         pairs = [(row, mask_row[id(s)]) for row, s in enumerate(seqs) if id(s) in mask_row]
         if not pairs:
             return
         rows = torch.tensor([r for r, _ in pairs], device=logits.device)
-        masks = bitmask[[m for _, m in pairs]].to(logits.device, non_blocking=True)
-        allowed = _unpack(masks, logits.shape[1])
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        picked = banned[torch.tensor([m for _, m in pairs], device=logits.device)]
+        logits[rows] = logits[rows].masked_fill(picked, float("-inf"))
 
     def advance(self, seq: Sequence, token_id: int) -> bool:
         """Feed the sampled token to the sequence's matcher; True when the grammar is
@@ -151,6 +155,8 @@ class GrammarMasks:
         return seq.grammar_state
 
     def _fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        """-> [len(matchers), vocab] bool, True where a token is banned; unpacked here, on
+        the worker, so the engine thread has only a masked_fill left to do."""
         bitmask = torch.empty((len(matchers), self._words), dtype=torch.int32)
         self._executor.unsafe_compute_mask_ptr(
             [(m, i) for i, m in enumerate(matchers)],
@@ -158,17 +164,22 @@ class GrammarMasks:
             self._words * 4,
             len(matchers),
         )
-        return bitmask
+        return unpack_banned(bitmask, self.vocab_size)
 
 
-def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, words] int32 bit sets -> [rows, vocab] bool (bit j of word w: token 32w + j)."""
-    shifts = _BIT_SHIFTS.to(bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    allowed = bits.reshape(bitmask.shape[0], -1).bool()
-    if allowed.shape[1] < vocab:  # logits wider than the mask: the extra ids stay banned
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    return allowed[:, :vocab]
+def unpack_banned(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, words] int32 bit sets (bit j of word w set: token 32w + j allowed) -> [rows,
+    vocab] bool, True where banned. numpy's unpackbits: single-threaded, so on the worker
+    it doesn't start an OpenMP team that fights the forward's for the cores."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+    return torch.from_numpy(bits == 0)
+
+
+def _widen(banned: torch.Tensor, width: int) -> torch.Tensor:
+    """Logits wider than the grammar's vocabulary: the extra ids are banned too."""
+    if banned.shape[1] >= width:
+        return banned[:, :width]
+    return torch.nn.functional.pad(banned, (0, width - banned.shape[1]), value=True)
 
 
 def _first_line(message: str) -> str:
