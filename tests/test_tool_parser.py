@@ -105,3 +105,13 @@ def test_history_written_in_tags_for_templates_without_tools():
     }
     native = prepare_messages(messages, plan(), native=True)
     assert native[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+
+
+def test_a_call_cut_short_keeps_the_finish_reason():
+    from textgen.service.openai.chat import tool_finish_reason
+
+    cut = parse_output(plan(), TWO_CALLS[:60])
+    assert cut.is_calls and not cut.calls[-1].complete
+    assert tool_finish_reason("length", cut) == "length"
+    assert tool_finish_reason("stop", cut) == "stop"
+    assert tool_finish_reason("stop", parse_output(plan(), TWO_CALLS)) == "tool_calls"

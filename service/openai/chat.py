@@ -209,7 +209,7 @@ class ChatRenderer:
         parsed = parse_output(self.request.tools, text) if self.request.tools else None
         if parsed is not None and parsed.is_calls and parsed.calls:
             message = {"role": "assistant", "content": None, "tool_calls": [_call_dict(c) for c in parsed.calls]}
-            reason = tool_finish_reason(reason)
+            reason = tool_finish_reason(reason, parsed)
         choice = {
             "index": 0,
             "message": message,
@@ -265,9 +265,10 @@ class ChatRenderer:
 
 
 
-def tool_finish_reason(reason: str) -> str:
-    """A completed answer that calls tools ends with "tool_calls"; a cut one stays "length"."""
-    return reason if reason == "length" else "tool_calls"
+def tool_finish_reason(reason: str, parsed: ToolCallParser) -> str:
+    """An answer whose calls are all complete ends with "tool_calls"; one cut short (by
+    max_tokens or a stop sequence inside the arguments) keeps its own reason."""
+    return "tool_calls" if parsed.calls[-1].complete else reason
 
 
 def _call_dict(call) -> dict:
@@ -305,7 +306,7 @@ class ChatStream:
         if final:
             reason = finish_reason(event.finish)
             if self.parser is not None and self.parser.is_calls and self.parser.calls:
-                reason = tool_finish_reason(reason)
+                reason = tool_finish_reason(reason, self.parser)
             out.append(self.renderer.final_chunk(event.finish, reason))
             if request.include_usage:
                 out.append(self.renderer.usage_chunk(event.finish))
