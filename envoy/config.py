@@ -541,9 +541,18 @@ RETRY_ON = (
     "unavailable",  # gRPC 14: a draining replica refusing new work
 )
 # At most three replicas per request; previous_hosts keeps a retry off the replicas
-# already tried (best effort: after HOST_SELECTION_ATTEMPTS picks, any host goes).
+# already tried. TRAP: the predicate only makes the balancer draw again, up to
+# HOST_SELECTION_ATTEMPTS more times, after which Envoy takes its last draw, tried or
+# not. And least-request favours the replica that just failed: a dead one has no
+# stream left (0 active: it wins every power-of-two draw it is in, 3 in 4 with two
+# replicas); a full one may look no busier than the rest (its load needn't come
+# through this Envoy: 1 in 2). With 5 attempts, 0.75**6 = 18 % of the retries off a
+# dead replica went back to it, and 0.18**2 = 3 % of the requests first sent there
+# failed after all three tries (off a full one, 0.5**6 = 1.6 % went back and were
+# refused again). With 100: 0.75**101 < 1e-12 per retry (three replicas, two tried:
+# (8/9)**101 < 1e-5). A draw costs well under a microsecond; only retries repeat it.
 NUM_RETRIES = 2
-HOST_SELECTION_ATTEMPTS = 5
+HOST_SELECTION_ATTEMPTS = 100
 # A metadata call (info, tokenize, health) stuck this long on one replica is tried on
 # another; generation routes have none (see _retry_policy).
 QUICK_PER_TRY_TIMEOUT = "5s"
@@ -630,6 +639,14 @@ def _front_cluster(upstreams: Sequence[Upstream]) -> dict:
             }
         ]
     }
+    # TRAP: Envoy hands health changes (a health-check transition, an outlier
+    # ejection) to its worker threads at most once per update_merge_window, 1 s by
+    # default: a change less than 1 s after the previous one is held back up to 1 s,
+    # while admin's /clusters (the main thread's view) already shows it. A replica
+    # shown healthy got no request for that long (16 streams all went to the other
+    # one), and a dead or ejected one kept being picked. Merging is meant for clusters
+    # of thousands of hosts; a few replicas need every change at once.
+    cluster["common_lb_config"]["update_merge_window"] = "0s"
     cluster["outlier_detection"] = _outlier_detection()
     return cluster
 
