@@ -111,7 +111,10 @@ async def run_load(args, prompts: list[str], grammar: dict | None = None) -> Rep
         work.put_nowait(prompts[i % len(prompts)])
     results: list[RequestResult] = []
     async with AsyncClient(args.target, timeout=args.timeout) as client:
-        await client.generate("warm up", max_new_tokens=2)
+        # warm up at full width (allocations, grammar compilation), so that the measured
+        # load, and a --grammar run after it, both start from a warm server
+        warm = [prompts[i % len(prompts)] for i in range(args.concurrency)]
+        await asyncio.gather(*(client.generate(p, max_new_tokens=2, grammar=grammar) for p in warm))
         with tqdm(total=n * args.max_new_tokens, unit="tok", desc="bench", file=sys.stderr) as progress:
 
             async def worker() -> None:
