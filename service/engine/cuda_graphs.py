@@ -233,6 +233,7 @@ class DecodeGraphs:
         for seq, _ in batch.scheduled:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+        masks = core.start_masks(batch)
         graph = self.graph_for(batch)
         if graph is None:
             result = core.runner.execute(batch)
@@ -246,7 +247,7 @@ class DecodeGraphs:
         _store_prompt_logprobs(result)
         if not result.sample_seqs:
             return []
-        return core._append_sampled(result)
+        return core._append_sampled(result, masks)
 
 
 def _reserve_block(core: PagedCore) -> Sequence:

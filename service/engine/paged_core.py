@@ -99,7 +99,7 @@ class PagedCore:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
         # grammar masks are computed on a worker thread while the forward runs
-        masks = self.grammars.start(_about_to_sample(batch)) if self.grammars else None
+        masks = self.start_masks(batch)
         result = self.runner.execute(batch)
         self.scheduler.commit(batch)
         _store_prompt_logprobs(result)
@@ -135,7 +135,14 @@ class PagedCore:
 
     # internals ---------------------------------------------------------------
 
-    def _append_sampled(self, result: RunnerOutput, masks: PendingMasks | None) -> list[StepOutput]:
+    def start_masks(self, batch) -> PendingMasks | None:
+        """Begin the grammar masks of the batch's sampling sequences (None: none has a
+        grammar); call before the forward, which they overlap."""
+        return self.grammars.start(_about_to_sample(batch)) if self.grammars else None
+
+    def _append_sampled(
+        self, result: RunnerOutput, masks: PendingMasks | None = None
+    ) -> list[StepOutput]:
         logits = result.sample_logits.float()
         if masks is not None:
             self.grammars.apply(logits, result.sample_seqs, masks)
@@ -147,7 +154,11 @@ class PagedCore:
                 prefill = [None, *seq.prefill_logprobs]
             token_id = sampled.token_ids[row]
             seq.append_token(token_id)
-            if seq.grammar_state is not None and self.grammars.advance(seq, token_id) and not seq.is_finished:
+            if (
+                seq.grammar_state is not None
+                and self.grammars.advance(seq, token_id)
+                and not seq.is_finished
+            ):
                 seq.finish(FinishReason.EOS_TOKEN)  # the grammar is complete: nothing may follow
             outputs.append(
                 StepOutput(seq, token_id, sampled.logprobs[row], sampled.top_tokens[row], prefill)
