@@ -387,3 +387,15 @@ def test_bad_tools_and_formats_are_openai_errors(client, extra):
     with pytest.raises(openai.UnprocessableEntityError) as info:
         client.chat.completions.create(model="tgi", messages=ASK_WEATHER, max_tokens=5, **extra)
     assert info.value.body["type"] == "validation"
+
+
+def test_text_answer_beside_tools_streams_with_its_logprobs(client):
+    kwargs = {
+        "model": "tgi", "messages": [{"role": "user", "content": "Tell me a short joke."}], "tools": TOOLS,
+        "tool_choice": "auto", "max_tokens": 20, "temperature": 0, "logprobs": True,
+    }  # fmt: skip
+    full = client.chat.completions.create(**kwargs).choices[0]
+    chunks = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.message.content
+    streamed = [e.token for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == [e.token for e in full.logprobs.content]

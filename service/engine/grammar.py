@@ -109,8 +109,7 @@ class GrammarMasks:
         constrained = [s for s in seqs if s.request.grammar is not None]
         if not constrained:
             return None
-        matchers = [self._matcher(s) for s in constrained]
-        return PendingMasks(constrained, self._worker.submit(self._fill, matchers))
+        return PendingMasks(constrained, self._worker.submit(self._fill, constrained))
 
     def apply(
         self, logits: torch.Tensor, seqs: list[Sequence], pending: PendingMasks | None
@@ -154,9 +153,12 @@ class GrammarMasks:
             )
         return seq.grammar_state
 
-    def _fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
-        """-> [len(matchers), vocab] bool, True where a token is banned; unpacked here, on
-        the worker, so the engine thread has only a masked_fill left to do."""
+    def _fill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """-> [len(seqs), vocab] bool, True where a token is banned. On the worker: a new
+        sequence's matcher is built here (~1 ms each), and the bits are unpacked here, so the
+        engine thread has only a masked_fill left to do. The engine thread touches
+        seq.grammar_state only after waiting for this result."""
+        matchers = [self._matcher(s) for s in seqs]
         bitmask = torch.empty((len(matchers), self._words), dtype=torch.int32)
         self._executor.unsafe_compute_mask_ptr(
             [(m, i) for i, m in enumerate(matchers)],

@@ -227,8 +227,11 @@ class ChatRenderer:
         return self._chunk(delta, None, None)
 
     def content_chunk(self, text: str, event: TokenEvent | None) -> bytes:
-        logprobs = self._logprobs([event]) if event is not None else None
-        return self._chunk({"content": text}, None, logprobs)
+        return self.content_chunk_of(text, [event] if event is not None else [])
+
+    def content_chunk_of(self, text: str, events: list[TokenEvent]) -> bytes:
+        """Content with the logprobs of the tokens that produced it (may be several)."""
+        return self._chunk({"content": text}, None, self._logprobs(events) if events else None)
 
     def final_chunk(self, finish: FinishInfo, reason: str | None = None) -> bytes:
         return self._chunk({}, reason or finish_reason(finish), None)
@@ -284,6 +287,7 @@ class ChatStream:
     holdback: StopHoldback = field(init=False)
     parser: ToolCallParser | None = field(init=False)
     started: bool = False
+    held_events: list[TokenEvent] = field(default_factory=list)  # logprobs not yet sent
 
     def __post_init__(self) -> None:
         self.holdback = StopHoldback(self.renderer.request.stop)
@@ -302,7 +306,7 @@ class ChatStream:
             if text or (request.logprobs and not event.token.special):
                 out.append(self.renderer.content_chunk(text, event if request.logprobs else None))
         else:
-            out.extend(self._tool_aware(text, final))
+            out.extend(self._tool_aware(text, final, event))
         if final:
             reason = finish_reason(event.finish)
             if self.parser is not None and self.parser.is_calls and self.parser.calls:
@@ -313,7 +317,9 @@ class ChatStream:
             out.append(DONE)
         return out
 
-    def _tool_aware(self, text: str, final: bool) -> list[bytes]:
+    def _tool_aware(self, text: str, final: bool, event: TokenEvent) -> list[bytes]:
+        if self.renderer.request.logprobs and not event.token.special:
+            self.held_events.append(event)  # until the text they made is sent
         deltas = self.parser.feed(text)
         if final and not deltas and not self.started:
             deltas = self.parser.flush()
@@ -325,7 +331,11 @@ class ChatStream:
                     out.append(self.renderer.delta_chunk({"role": "assistant", "content": None, **delta}))
                     continue
                 out.append(self.renderer.first_chunk())
-            out.append(self.renderer.delta_chunk(delta))
+            if "content" in delta:
+                out.append(self.renderer.content_chunk_of(delta["content"], self.held_events))
+                self.held_events = []
+            else:
+                out.append(self.renderer.delta_chunk(delta))
         if final and not self.started:  # an empty answer still opens with the role
             self.started = True
             out.append(self.renderer.first_chunk())
