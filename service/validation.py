@@ -106,7 +106,12 @@ class Validator:
             raise ValidationError("`max_time` must be strictly positive")
         if p.watermark:
             raise ValidationError("`watermark` is not supported")
-        grammar = self._lark(lark) if lark is not None else self._grammar(p) if p.HasField("grammar") else None
+        if lark is not None:
+            grammar = self._compiled("lark", lark)
+        elif p.HasField("grammar"):
+            grammar = self._compiled(*grammar_spec(p.grammar))
+        else:
+            grammar = None
         if not request.inputs:
             raise ValidationError("`inputs` cannot be empty")
         truncate = self._truncate(p)
@@ -223,33 +228,14 @@ class Validator:
                 raise ValidationError("`logit_bias` values must be >= -100 and <= 100")
         return tuple(sorted(p.logit_bias.items()))
 
-    def _grammar(self, p) -> str:
-        """TGI's grammar ({"type": "json" | "json_schema" | "regex", "value": ...}) -> a
-        compiled grammar; a schema or regex the compiler can't use is a validation error."""
+    def _compiled(self, kind: str, source) -> str:
+        """A grammar ("json" schema, "regex" or llguidance "lark") compiled; one the
+        compiler can't use is a validation error."""
         if self.grammars is None:
             raise ValidationError("grammar is not supported")
-        kind = p.grammar.type
-        value = json_value(p.grammar.value) if p.grammar.HasField("value") else None
+        compile_ = {"json": self.grammars.json_schema, "regex": self.grammars.regex, "lark": self.grammars.lark}
         try:
-            if kind == "regex":
-                if not isinstance(value, str):
-                    raise ValidationError("grammar is not valid: a `regex` grammar's value must be a string")
-                return self.grammars.regex(value)
-            if kind == "json":
-                return self.grammars.json_schema(_schema_value(value))
-            if kind == "json_schema":
-                if not isinstance(value, dict) or "schema" not in value:
-                    raise ValidationError("grammar is not valid: a `json_schema` grammar's value must be {\"schema\": ...}")
-                return self.grammars.json_schema(_schema_value(value["schema"]))
-        except GrammarError as exc:
-            raise ValidationError(f"grammar is not valid: {exc}") from exc
-        raise ValidationError(f"grammar is not valid: unknown type {kind!r} (json, json_schema or regex)")
-
-    def _lark(self, source: str) -> str:
-        if self.grammars is None:
-            raise ValidationError("grammar is not supported")
-        try:
-            return self.grammars.lark(source)
+            return compile_[kind](source)
         except GrammarError as exc:
             raise ValidationError(f"grammar is not valid: {exc}") from exc
 
@@ -287,6 +273,25 @@ class Validator:
         if max_new == 0:
             raise ValidationError("`max_new_tokens` must be strictly positive")
         return max_new
+
+
+def grammar_spec(grammar) -> tuple[str, object]:
+    """TGI's grammar ({"type": "json" | "json_schema" | "regex", "value": ...}, a
+    textgen.v1 Grammar) -> ("json", schema) or ("regex", pattern); malformed ones are
+    validation errors."""
+    kind = grammar.type
+    value = json_value(grammar.value) if grammar.HasField("value") else None
+    if kind == "regex":
+        if not isinstance(value, str):
+            raise ValidationError("grammar is not valid: a `regex` grammar's value must be a string")
+        return "regex", value
+    if kind == "json":
+        return "json", _schema_value(value)
+    if kind == "json_schema":
+        if not isinstance(value, dict) or "schema" not in value:
+            raise ValidationError('grammar is not valid: a `json_schema` grammar\'s value must be {"schema": ...}')
+        return "json", _schema_value(value["schema"])
+    raise ValidationError(f"grammar is not valid: unknown type {kind!r} (json, json_schema or regex)")
 
 
 def json_value(value) -> object:

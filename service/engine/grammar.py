@@ -89,7 +89,7 @@ class GrammarCompiler:
 @dataclass(slots=True)
 class PendingMasks:
     seqs: list[Sequence]  # bitmask row i belongs to seqs[i]
-    future: Future  # -> [len(seqs), words] int32 bitmask
+    future: Future  # -> [len(seqs), vocab] bool, True where banned
 
 
 class GrammarMasks:
@@ -103,10 +103,9 @@ class GrammarMasks:
         # one worker: the masks of step N+1 never start before those of step N are used
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="textgen-grammar")
 
-    def start(self, seqs: list[Sequence]) -> PendingMasks | None:
-        """Begin computing the next-token masks of those `seqs` (about to sample) that have
-        a grammar, in the background; None when none has."""
-        constrained = [s for s in seqs if s.request.grammar is not None]
+    def start(self, constrained: list[Sequence]) -> PendingMasks | None:
+        """Begin computing, in the background, the next-token masks of `constrained`
+        (sequences with a grammar, about to sample); None when there are none."""
         if not constrained:
             return None
         return PendingMasks(constrained, self._worker.submit(self._fill, constrained))

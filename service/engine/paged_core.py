@@ -138,7 +138,7 @@ class PagedCore:
     def start_masks(self, batch) -> PendingMasks | None:
         """Begin the grammar masks of the batch's sampling sequences (None: none has a
         grammar); call before the forward, which they overlap."""
-        return self.grammars.start(_about_to_sample(batch)) if self.grammars else None
+        return self.grammars.start(_constrained_to_sample(batch)) if self.grammars else None
 
     def _append_sampled(
         self, result: RunnerOutput, masks: PendingMasks | None = None
@@ -168,9 +168,14 @@ class PagedCore:
         return outputs
 
 
-def _about_to_sample(batch) -> list[Sequence]:
-    """The sequences whose step reaches their last token (the runner samples those)."""
-    return [s for s, n in batch.scheduled if s.num_computed_tokens + n == s.num_tokens]
+def _constrained_to_sample(batch) -> list[Sequence]:
+    """The sequences with a grammar whose step reaches their last token (the runner samples
+    those): one pass over the batch, a cheap one when nobody has a grammar."""
+    return [
+        s
+        for s, n in batch.scheduled
+        if s.request.grammar is not None and s.num_computed_tokens + n == s.num_tokens
+    ]
 
 
 def _store_prompt_logprobs(result: RunnerOutput) -> None:

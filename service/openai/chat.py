@@ -12,7 +12,7 @@ from google.protobuf import json_format
 
 from ..engine.types import FinishInfo, TokenEvent
 from ..proto import generate_pb2 as pb
-from ..validation import json_value
+from ..validation import grammar_spec
 from .common import (
     DONE,
     OpenAIRequestError,
@@ -135,12 +135,10 @@ def _lark_answer(answer_format: pb.Grammar | None) -> str | None:
     """A response_format as the answer rule of the tool grammar."""
     if answer_format is None:
         return None
-    value = json_value(answer_format.value)
-    if answer_format.type == "json_schema" and isinstance(value, dict):
-        value = value.get("schema", {})
-    if answer_format.type == "regex" or not isinstance(value, (dict, bool)):
+    kind, schema = grammar_spec(answer_format)
+    if kind == "regex":
         raise OpenAIRequestError("with `tools`, `response_format` must be a JSON schema", "response_format")
-    return "%json " + json.dumps(value, separators=(",", ":"))
+    return "%json " + json.dumps(schema, separators=(",", ":"))
 
 
 def _message(m, index: int) -> dict:
