@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from textgen.sdk.keepalive import DEFAULT_KEEPALIVE, Keepalive
+
 from .contract import DESCRIPTOR, Contract, contract
 from .lua import lua_source
 
@@ -143,6 +145,7 @@ def render(
     admin_port: int = 0,
     descriptor: Path | str | None = None,
     front: bool = False,
+    keepalive: Keepalive = DEFAULT_KEEPALIVE,
 ) -> dict:
     """The Envoy bootstrap serving `upstreams` on `listen_host:listen_port`.
 
@@ -157,6 +160,8 @@ def render(
             the first byte onto another replica, outlier detection, health checks
             that drop a dead or draining replica within ~2 s. False: the Envoy of
             one replica (`textgen serve`), which has no other replica to retry on.
+        keepalive: how Envoy pings the replicas on connections without data (the
+            replicas must accept it: textgen.sdk.keepalive).
     """
     if not upstreams:
         raise ValueError("at least one upstream is needed")
@@ -167,7 +172,9 @@ def render(
             "listeners": [
                 _listener(listen_host, listen_port, contract(descriptor or DESCRIPTOR), front)
             ],
-            "clusters": [_front_cluster(upstreams) if front else _cluster(upstreams)],
+            "clusters": [
+                _front_cluster(upstreams, keepalive) if front else _cluster(upstreams, keepalive)
+            ],
         },
         "overload_manager": _overload_manager(),
     }
@@ -339,8 +346,7 @@ def _grpc_route(front: bool = False) -> dict:
             "idle_timeout": GENERATION_IDLE_TIMEOUT,
         },
     }
-    if front:
-        out["route"]["retry_policy"] = _retry_policy(generation=True)
+    out["route"]["retry_policy"] = _retry_policy(generation=True) if front else _resend_policy()
     return out
 
 
@@ -352,8 +358,9 @@ def _http_route(route: Route, front: bool = False) -> dict:
         action["idle_timeout"] = GENERATION_IDLE_TIMEOUT
     else:
         action["timeout"] = QUICK_ROUTE_TIMEOUT
-    if front:
-        action["retry_policy"] = _retry_policy(generation=route.generation)
+    action["retry_policy"] = (
+        _retry_policy(generation=route.generation) if front else _resend_policy()
+    )
     out = {
         "match": {
             "path": route.path,
@@ -457,7 +464,9 @@ def _status(status: int, op: str = "EQ") -> dict:
 # cluster ----------------------------------------------------------------------------
 
 
-def _cluster(upstreams: Sequence[Upstream], health_check: dict | None = None) -> dict:
+def _cluster(
+    upstreams: Sequence[Upstream], keepalive: Keepalive, health_check: dict | None = None
+) -> dict:
     ips = all(u.is_ip for u in upstreams)
     cluster = {
         "name": CLUSTER,
@@ -470,8 +479,10 @@ def _cluster(upstreams: Sequence[Upstream], health_check: dict | None = None) ->
                 "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
                 "explicit_http_config": {
                     "http2_protocol_options": {
-                        # finds a dead replica on an idle connection (a long unary generate)
-                        "connection_keepalive": {"interval": "30s", "timeout": "10s"}
+                        # finds a dead replica on a connection without data (a long
+                        # unary generate, an idle pooled connection); the replica
+                        # accepts these pings (textgen.sdk.keepalive)
+                        "connection_keepalive": keepalive.envoy_connection_keepalive()
                     }
                 },
             }
@@ -610,9 +621,23 @@ def _retry_policy(generation: bool) -> dict:
     return policy
 
 
-def _front_cluster(upstreams: Sequence[Upstream]) -> dict:
+# A replica that closes a connection (GOAWAY: it restarts, or drops a connection it
+# finds abusive) refuses the streams it never started; a request caught that way, or
+# by a connection that closed before the request went out, is sent again on a fresh
+# connection instead of reaching the client as a 503. Nothing of it ran: safe to resend.
+RESEND_ON = "refused-stream,reset-before-request"
+RESEND_RETRIES = 2
+
+
+def _resend_policy() -> dict:
+    """The one replica's Envoy: resend only what the replica never started."""
+    return {"retry_on": RESEND_ON, "num_retries": RESEND_RETRIES}
+
+
+def _front_cluster(upstreams: Sequence[Upstream], keepalive: Keepalive) -> dict:
     cluster = _cluster(
         upstreams,
+        keepalive,
         health_check={
             "timeout": HEALTH_CHECK_TIMEOUT,
             "interval": HEALTH_CHECK_INTERVAL,

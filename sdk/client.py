@@ -37,6 +37,7 @@ from ._generated.textgen.v1 import (
     TokenizeResponse,
 )
 from .errors import UnavailableError, from_rpc_error, from_stream_error
+from .keepalive import DEFAULT_KEEPALIVE
 from .parameters import GenerateOptions, build_generate_request
 from .sse import SseDecoder
 
@@ -92,6 +93,13 @@ class _ClientSettings:
         }
 
 
+def _channel_options(options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """The caller's channel options, over the keepalive policy the server expects
+    (textgen.sdk.keepalive): a long unary call or an idle channel finds a dead server."""
+    given = {key for key, _ in options}
+    return [o for o in DEFAULT_KEEPALIVE.channel_options() if o[0] not in given] + list(options)
+
+
 def _raise_in_band_error(message: Any) -> None:
     """Raise TGI's in-band stream error, sent before the RPC's failing status."""
     if isinstance(message, GenerateStreamResponse) and (
@@ -128,7 +136,7 @@ class Client(_ClientSettings):
     `api_key` is sent as `authorization: Bearer <key>` on every call; `timeout`
     (seconds) is the default deadline of each call; `credentials` (from
     `grpc.ssl_channel_credentials()`) makes the channel TLS; `options` are grpc
-    channel options.
+    channel options (over the keepalive policy of textgen.sdk.keepalive).
     """
 
     def __init__(
@@ -143,9 +151,11 @@ class Client(_ClientSettings):
     ) -> None:
         super().__init__(api_key=api_key, timeout=timeout, metadata=metadata)
         if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=options)
+            self._channel = grpc.insecure_channel(target, options=_channel_options(options))
         else:
-            self._channel = grpc.secure_channel(target, credentials, options=options)
+            self._channel = grpc.secure_channel(
+                target, credentials, options=_channel_options(options)
+            )
         self._stubs = _Stubs(self._channel)
 
     def __enter__(self) -> Self:
@@ -330,9 +340,11 @@ class AsyncClient(_ClientSettings):
     ) -> None:
         super().__init__(api_key=api_key, timeout=timeout, metadata=metadata)
         if credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
+            self._channel = grpc.aio.insecure_channel(target, options=_channel_options(options))
         else:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
+            self._channel = grpc.aio.secure_channel(
+                target, credentials, options=_channel_options(options)
+            )
         self._stubs = _Stubs(self._channel)
 
     async def __aenter__(self) -> Self:

@@ -204,6 +204,7 @@ async def start_replica(
         servicer,
         f"{settings.hostname}:{settings.grpc_port}",
         interceptors=[*server_interceptors(tracer_provider), *request_interceptors(settings, metrics)],
+        keepalive=settings.keepalive,
     )
     await server.start()
     await set_serving(health, True)
@@ -222,6 +223,7 @@ async def serve(settings: Settings) -> None:
                 replica.grpc_port,
                 listen_host=settings.hostname,
                 listen_port=settings.port,
+                keepalive=settings.keepalive,
             )
         except BaseException:
             await replica.stop()

@@ -13,6 +13,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from textgen.sdk.keepalive import Keepalive
+
 ENV_PREFIX = "TEXTGEN_"
 
 
@@ -44,7 +46,14 @@ class Settings:
     port: int = 8080  # HTTP (Envoy)
     grpc_port: int = 50051
     no_envoy: bool = False
+    # seconds between keepalive pings on a gRPC connection without data (Envoy's, the
+    # SDK's); the server accepts them a third of this apart (textgen.sdk.keepalive)
+    keepalive_interval: float = 30.0
     otlp_endpoint: str | None = None  # OTLP/gRPC collector for traces; None: tracing off
+
+    @property
+    def keepalive(self) -> Keepalive:
+        return Keepalive(interval=self.keepalive_interval)
 
     def resolved_limits(self, max_position_embeddings: int) -> tuple[int, int]:
         """(max_input_tokens, max_total_tokens) for a model with this context length."""
@@ -69,6 +78,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
@@ -106,6 +122,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     flag("hostname", default=d.hostname, help="address to listen on")
     flag("port", type=int, default=d.port, help="HTTP port (Envoy)")
     flag("grpc-port", type=int, default=d.grpc_port, help="gRPC port")
+    flag("keepalive-interval", type=_positive_float, default=d.keepalive_interval, help="seconds between HTTP/2 keepalive pings on an idle gRPC connection: Envoy's to this server; the server accepts clients' pings a third of this apart")
     flag("otlp-endpoint", default=d.otlp_endpoint, help="send OpenTelemetry traces to this OTLP/gRPC collector (e.g. http://127.0.0.1:4317)")
     parser.add_argument("--no-envoy", action="store_true", default=_env("no-envoy", "") not in ("", "0", "false"), help="serve gRPC only")
 

@@ -18,6 +18,7 @@ import os
 import signal
 
 from textgen.envoy import config as envoy_config
+from textgen.sdk.keepalive import DEFAULT_KEEPALIVE, Keepalive
 
 from .config import ENV_PREFIX
 from .proxy import ip_literal, start_front_proxy
@@ -67,6 +68,14 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         "--admin-port", type=int, default=0, help="Envoy's admin port, on 127.0.0.1 (0: any free)"
     )
     parser.add_argument(
+        "--keepalive-interval",
+        type=float,
+        default=float(os.environ.get(ENV_PREFIX + "KEEPALIVE_INTERVAL", "30")),
+        help="seconds between Envoy's keepalive pings to a replica on a connection without "
+        "data; the replicas' own --keepalive-interval must not be larger "
+        f"[env {ENV_PREFIX}KEEPALIVE_INTERVAL]",
+    )
+    parser.add_argument(
         "--print-config", action="store_true", help="print Envoy's bootstrap (JSON) and exit"
     )
 
@@ -88,18 +97,30 @@ def run(args: argparse.Namespace) -> int:
             listen_port=args.port,
             admin_port=args.admin_port,
             front=True,
+            keepalive=Keepalive(interval=args.keepalive_interval),
         )
         print(json.dumps(bootstrap, indent=1))
         return 0
-    return asyncio.run(serve_proxy(upstreams, args.hostname, args.port, args.admin_port))
+    keepalive = Keepalive(interval=args.keepalive_interval)
+    return asyncio.run(
+        serve_proxy(upstreams, args.hostname, args.port, args.admin_port, keepalive)
+    )
 
 
 async def serve_proxy(
-    upstreams: list[envoy_config.Upstream], hostname: str, port: int, admin_port: int
+    upstreams: list[envoy_config.Upstream],
+    hostname: str,
+    port: int,
+    admin_port: int,
+    keepalive: Keepalive = DEFAULT_KEEPALIVE,
 ) -> int:
     """Run the front proxy until SIGINT/SIGTERM (0) or until Envoy dies (1)."""
     envoy = await start_front_proxy(
-        upstreams, listen_host=hostname, listen_port=port, admin_port=admin_port
+        upstreams,
+        listen_host=hostname,
+        listen_port=port,
+        admin_port=admin_port,
+        keepalive=keepalive,
     )
     log.info(
         "textgen proxy ready: http=%s admin=%s upstreams=%s",

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from textgen.envoy import config as envoy_config
+from textgen.sdk.keepalive import DEFAULT_KEEPALIVE, Keepalive
 
 log = logging.getLogger("textgen.envoy")
 
@@ -115,14 +116,17 @@ async def start_envoy(
     listen_port: int = 8080,
     log_level: str = "warning",
     ready_timeout: float = READY_TIMEOUT,
+    keepalive: Keepalive = DEFAULT_KEEPALIVE,
 ) -> Envoy:
     """Start Envoy in front of the gRPC server at grpc_host:grpc_port; returns when
-    it serves HTTP on listen_host:listen_port."""
+    it serves HTTP on listen_host:listen_port. It pings the server as `keepalive` says
+    (the server must accept that policy)."""
     listen_ip = ip_literal(listen_host)
     bootstrap = envoy_config.render(
         [envoy_config.Upstream(loopback_for(grpc_host), grpc_port)],
         listen_host=listen_ip,
         listen_port=listen_port,
+        keepalive=keepalive,
     )
     return await _launch(bootstrap, listen_ip, listen_port, log_level, ready_timeout)
 
@@ -135,6 +139,7 @@ async def start_front_proxy(
     admin_port: int = 0,
     log_level: str = "warning",
     ready_timeout: float = READY_TIMEOUT,
+    keepalive: Keepalive = DEFAULT_KEEPALIVE,
 ) -> Envoy:
     """Start the front proxy of several replicas (envoy_config.render(front=True));
     returns when it serves HTTP and has health-checked every replica once (replicas
@@ -146,6 +151,7 @@ async def start_front_proxy(
         listen_port=listen_port,
         admin_port=admin_port,
         front=True,
+        keepalive=keepalive,
     )
     return await _launch(bootstrap, listen_ip, listen_port, log_level, ready_timeout)
 

@@ -49,7 +49,12 @@ class ServerThread:
             if self.http:
                 # Envoy is a child of this thread (it dies with it): port 0, Envoy says which
                 self.envoy = self.loop.run_until_complete(
-                    start_envoy("127.0.0.1", self.replica.grpc_port, listen_port=0)
+                    start_envoy(
+                        "127.0.0.1",
+                        self.replica.grpc_port,
+                        listen_port=0,
+                        keepalive=self.settings.keepalive,
+                    )
                 )
         except BaseException as exc:  # noqa: BLE001 - reported to the test thread
             self._error = exc

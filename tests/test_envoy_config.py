@@ -186,12 +186,37 @@ def test_front_proxy_retries_before_the_first_byte_only():
         assert ("per_try_timeout" in policy) is not generation
 
 
-def test_single_replica_envoy_does_not_retry():
-    """`textgen serve`'s own Envoy has no other replica: no retries, no ejection."""
+def test_single_replica_envoy_resends_only_what_never_started():
+    """`textgen serve`'s own Envoy has no other replica: it resends only a request the
+    replica refused unstarted (GOAWAY) or a closing connection never sent, and ejects
+    nothing."""
     bootstrap = config.render([config.Upstream("127.0.0.1", 1)])
-    assert not any("retry_policy" in r["route"] for r in _routes(bootstrap))
+    for route in _routes(bootstrap):
+        policy = route["route"]["retry_policy"]
+        assert set(policy["retry_on"].split(",")) == {"refused-stream", "reset-before-request"}
     cluster = bootstrap["static_resources"]["clusters"][0]
     assert "outlier_detection" not in cluster and "circuit_breakers" not in cluster
+
+
+def test_keepalive_is_one_policy_on_both_sides():
+    """Envoy pings the replicas no more often than they accept, on both configs, and
+    the SDK's channels ping as Envoy does (textgen.sdk.keepalive)."""
+    from textgen.sdk.keepalive import DEFAULT_KEEPALIVE, Keepalive
+
+    for policy in (DEFAULT_KEEPALIVE, Keepalive(interval=1.0, timeout=0.5)):
+        server = dict(policy.server_options())
+        client = dict(policy.channel_options())
+        assert server["grpc.keepalive_permit_without_calls"] == 1  # idle pooled connections
+        assert server["grpc.http2.min_ping_interval_without_data_ms"] <= client["grpc.keepalive_time_ms"]
+        for front in (False, True):
+            bootstrap = config.render([config.Upstream("127.0.0.1", 1)], front=front, keepalive=policy)
+            cluster = bootstrap["static_resources"]["clusters"][0]
+            options = cluster["typed_extension_protocol_options"]
+            http2 = next(iter(options.values()))["explicit_http_config"]["http2_protocol_options"]
+            interval = float(http2["connection_keepalive"]["interval"].removesuffix("s"))
+            assert interval * 1000 == client["grpc.keepalive_time_ms"]
+    # the documented floor for other clients
+    assert dict(DEFAULT_KEEPALIVE.server_options())["grpc.http2.min_ping_interval_without_data_ms"] == 10_000
 
 
 def test_textgen_proxy_prints_the_front_config():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from textgen.sdk.keepalive import DEFAULT_KEEPALIVE, Keepalive
 
 from ..proto import text_generation_service_pb2 as svc_pb
 from ..proto import text_generation_service_pb2_grpc as svc_grpc
@@ -18,16 +19,21 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
 def build_server(
-    servicer: TextGenerationServicer, address: str, interceptors: list | None = None
+    servicer: TextGenerationServicer,
+    address: str,
+    interceptors: list | None = None,
+    keepalive: Keepalive = DEFAULT_KEEPALIVE,
 ) -> tuple[grpc.aio.Server, health.HealthServicer, int]:
-    """Returns the server (not started), its health servicer and the bound port."""
+    """Returns the server (not started), its health servicer and the bound port. It
+    accepts the pings of clients (its Envoy, the SDK) that follow `keepalive`."""
     server = grpc.aio.server(
         interceptors=interceptors or None,
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
-        ]
+            *keepalive.server_options(),
+        ],
     )
     svc_grpc.add_TextGenerationServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
