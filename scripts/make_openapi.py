@@ -142,7 +142,13 @@ def _bounded(kind: str, description: str, *, fmt: str | None = None, **bounds) -
 def generate_parameters(tgi: dict) -> dict:
     params = copy.deepcopy(tgi["GenerateParameters"])
     props = params["properties"]
-    del props["adapter_id"]  # no LoRA adapters
+    props["adapter_id"] = {
+        "type": "string",
+        "nullable": True,
+        "maxLength": 0,
+        "description": "TGI's LoRA adapter id. No adapters are served: a non-empty id is"
+        " refused with 422.",
+    }
     desc = {k: v.get("description", "") for k, v in props.items()}
     props["best_of"] = _bounded(
         "integer",
@@ -460,13 +466,45 @@ def paths31(paths_: dict) -> dict:
 # OpenAI's face ---------------------------------------------------------------------
 
 
+# How a field that is accepted but changes nothing says so (tests/test_face_fields.py
+# reads it): every other declared field changes the answer or is refused.
+COMPATIBILITY_ONLY = "Accepted for compatibility only: it has no effect."
+
+
 def _openai_sampling() -> dict:
     """The sampling fields chat and completions share (service/openai/common.py)."""
     return {
         "model": {
             "type": "string",
             "nullable": True,
-            "description": "Ignored: one model is served.",
+            "description": f"{COMPATIBILITY_ONLY} One model is served.",
+        },
+        "user": {
+            "type": "string",
+            "nullable": True,
+            "description": f"{COMPATIBILITY_ONLY} No end-user id is kept.",
+        },
+        "top_k": _bounded(
+            "integer",
+            "Sample among the top_k most probable tokens (when sampling); -1 or 0: all"
+            " (vLLM's extension).",
+            fmt="int32",
+            minimum=-1,
+            maximum=INT32_MAX,
+        ),
+        "repetition_penalty": _bounded(
+            "number",
+            "Penalize tokens of the prompt and the output (1.0: none; TGI's and vLLM's"
+            " extension). In [0.0001, 10000].",
+            minimum=0.0001,
+            maximum=10000,
+        ),
+        "ignore_eos": {
+            "type": "boolean",
+            "nullable": True,
+            "default": False,
+            "description": "Keep generating past EOS until max_tokens (vLLM's extension;"
+            " for benchmarks).",
         },
         "max_tokens": _bounded(
             "integer",
@@ -646,7 +684,12 @@ def openai_schemas(tgi: dict) -> dict:
                     "strict": {"type": "boolean", "nullable": True},
                 },
             },
-            "value": {},
+            "value": {"description": "TGI's grammar value; with json_object, its schema."},
+            "schema": {
+                "type": "object",
+                "description": "With json_object, the schema the answer follows (LangChain's"
+                " spelling of TGI's `value`).",
+            },
         },
     }
     chat_props = {
@@ -673,12 +716,20 @@ def openai_schemas(tgi: dict) -> dict:
         "tool_choice": nullable(ref("ToolChoice")),
         "parallel_tool_calls": {"type": "boolean", "nullable": True, "default": True},
         "response_format": nullable(ref("ResponseFormat")),
+        "tool_prompt": {
+            "type": "string",
+            "nullable": True,
+            "description": "TGI's: with tools, the words before the tools in the system"
+            " message.",
+        },
     }
     s["ChatRequest"] = {
         "type": "object",
         "required": ["messages"],
-        "description": "OpenAI's chat request; unknown fields are ignored.",
+        "description": "OpenAI's chat request; a field not listed here is refused (422)"
+        " unless null.",
         "properties": dict(sorted(chat_props.items())),
+        "additionalProperties": False,
     }
 
     # chat responses
@@ -821,12 +872,15 @@ def openai_schemas(tgi: dict) -> dict:
             "maxLength": 0,
             "description": "Fill-in-the-middle is not supported: a non-empty suffix is refused (422).",
         },
+        "best_of": _bounded("integer", "Only 1 is supported.", minimum=1, maximum=1),
     }
     s["CompletionRequest"] = {
         "type": "object",
         "required": ["prompt"],
-        "description": "OpenAI's (legacy) completions request; unknown fields are ignored.",
+        "description": "OpenAI's (legacy) completions request; a field not listed here is"
+        " refused (422) unless null.",
         "properties": dict(sorted(completion_props.items())),
+        "additionalProperties": False,
     }
     s["CompletionLogprobs"] = {
         "type": "object",

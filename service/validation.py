@@ -106,6 +106,8 @@ class Validator:
             raise ValidationError("`max_time` must be strictly positive")
         if p.watermark:
             raise ValidationError("`watermark` is not supported")
+        if _opt(p, "adapter_id"):
+            raise ValidationError("`adapter_id`: LoRA adapters are not supported")
         if lark is not None:
             grammar = self._compiled("lark", lark)
         elif p.HasField("grammar"):

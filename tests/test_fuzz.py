@@ -469,6 +469,7 @@ EDGE_VALUES = {
     "logit_bias": [{0: v} for v in FLOAT_SWEEP] + [{399: 1.0}, {400: 1.0}, {2**32 - 1: 1.0}],
     "ignore_eos": BOOL_SWEEP,
     "max_time": FLOAT_SWEEP,
+    "adapter_id": ["", "lora", "\x00" * 3, "é" * 1000],
 }
 
 

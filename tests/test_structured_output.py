@@ -10,6 +10,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import huggingface_hub
 import jsonschema
 import openai
 import pytest
@@ -280,6 +281,44 @@ def test_response_format_json_schema_and_json_object(client):
         temperature=0, response_format={"type": "json_object"},
     )  # fmt: skip
     assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+# A schema the model would not follow unprompted: the keys and the code come from it alone.
+CAPITAL = _obj({"capital": NAME, "country_code": {"enum": ["FR", "DE", "IT"]}})
+ASK_CAPITAL = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+
+
+def test_huggingface_hub_json_object_with_value_follows_the_schema(server):
+    """TGI's `{"type": "json_object", "value": <schema>}` (json_object is an alias of json
+    in TGI's router), as huggingface_hub's InferenceClient sends it."""
+    hf = huggingface_hub.InferenceClient(base_url=server.http_url, timeout=300)
+    out = hf.chat_completion(
+        messages=ASK_CAPITAL, max_tokens=60, temperature=0,
+        response_format={"type": "json_object", "value": CAPITAL},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(out.choices[0].message.content), CAPITAL)
+
+
+def test_langchain_structured_output_follows_the_schema(server):
+    """LangChain's ChatHuggingFace.with_structured_output(method="json_schema") sends
+    `{"type": "json_object", "schema": <schema>}`; it gets an answer of that shape."""
+    from langchain_huggingface import ChatHuggingFace, HuggingFaceEndpoint
+
+    llm = HuggingFaceEndpoint(endpoint_url=server.http_url, max_new_tokens=60, temperature=0.01, seed=0)
+    structured = ChatHuggingFace(llm=llm).with_structured_output(
+        {"title": "Capital", **CAPITAL}, method="json_schema"
+    )
+    jsonschema.validate(structured.invoke(ASK_CAPITAL[0]["content"]), CAPITAL)
+
+
+def test_chat_ignore_eos_generates_every_token(client):
+    """`ignore_eos` on chat (vLLM's extension, which benchmark tools send): without it
+    the short answer ends at EOS; with it, max_tokens tokens come."""
+    ask = {"model": "tgi", "messages": ASK_CAPITAL, "max_tokens": 48, "temperature": 0}
+    short = client.chat.completions.create(**ask)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 48
+    full = client.chat.completions.create(**ask, extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 48
 
 
 def test_tool_calling_flow_with_the_openai_sdk(client):

@@ -15,12 +15,14 @@ from ..proto import generate_pb2 as pb
 from ..validation import grammar_spec
 from .common import (
     DONE,
+    SAMPLING_FIELDS,
     OpenAIRequestError,
     StopHoldback,
     finish_reason,
     json_bytes,
     json_object,
     optional_field,
+    refuse_unknown_fields,
     required_field,
     sampling_parameters,
     sse_bytes,
@@ -51,10 +53,16 @@ class ChatRequest:
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
+# What parse_chat_request reads; anything else is refused (refuse_unknown_fields).
+CHAT_FIELDS = SAMPLING_FIELDS | {
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+    "parallel_tool_calls", "tool_prompt", "response_format",
+}  # fmt: skip
 
 
 def parse_chat_request(body: bytes, tokenizer) -> ChatRequest:
     data = json_object(body)
+    refuse_unknown_fields(data, CHAT_FIELDS)
     messages = [_message(m, i) for i, m in enumerate(required_field(data, "messages", list))]
     if not messages:
         raise OpenAIRequestError("`messages` must not be empty", "messages")
@@ -62,9 +70,13 @@ def parse_chat_request(body: bytes, tokenizer) -> ChatRequest:
     answer_format = response_format(data)
     native = template_knows_tools(tokenizer)
     extra = {"tools": [t.openai_dict() for t in plan.tools]} if native and plan is not None else {}
+    tool_prompt = optional_field(data, "tool_prompt", str)
     try:
         prompt = tokenizer.apply_chat_template(
-            prepare_messages(messages, plan, native), tokenize=False, add_generation_prompt=True, **extra
+            prepare_messages(messages, plan, native, tool_prompt),
+            tokenize=False,
+            add_generation_prompt=True,
+            **extra,
         )
     except Exception as exc:
         raise OpenAIRequestError(f"cannot apply the chat template: {exc}", "messages") from exc
@@ -108,7 +120,10 @@ def response_format(data: dict) -> pb.Grammar | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return _grammar("json", {"type": "object"})
+        # TGI's router takes json_object as an alias of json, its schema in `value`;
+        # LangChain's ChatHuggingFace.with_structured_output sends it in `schema`
+        schema = fmt.get("value", fmt.get("schema"))
+        return _grammar("json", {"type": "object"} if schema is None else schema)
     if kind == "json_schema" and "json_schema" in fmt:
         spec = fmt["json_schema"]
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):

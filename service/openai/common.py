@@ -21,8 +21,31 @@ class OpenAIRequestError(Exception):
         self.param = param
 
 
+# The request fields both routes read in sampling_parameters(); beside OpenAI's own,
+# the extensions vLLM and TGI users send (`top_k`, `repetition_penalty`, `ignore_eos`).
+SAMPLING_FIELDS = frozenset(
+    {
+        "max_tokens", "n", "temperature", "top_p", "top_k", "frequency_penalty",
+        "presence_penalty", "repetition_penalty", "seed", "stop", "logit_bias", "ignore_eos",
+        "stream", "stream_options",
+    }
+)  # fmt: skip
+# Accepted so that clients which always send them work, with no effect on the answer
+# (envoy/openapi.json says so): one model is served, and no end-user id is kept.
+COMPATIBLE_FIELDS = frozenset({"model", "user"})
+
+
+def refuse_unknown_fields(data: dict, known: frozenset[str]) -> None:
+    """A field the route doesn't read is refused, naming it (as OpenAI does), rather than
+    accepted and silently ignored. A null value is as good as absent."""
+    for key, value in data.items():
+        if value is not None and key not in known and key not in COMPATIBLE_FIELDS:
+            raise OpenAIRequestError(f"`{key}` is not supported", key)
+
+
 def sampling_parameters(data: dict) -> tuple[pb.GenerateParameters, tuple[str, ...]]:
-    """The OpenAI sampling fields shared by chat and completions, as TGI parameters."""
+    """The OpenAI sampling fields shared by chat and completions (SAMPLING_FIELDS but
+    `stream`), as TGI parameters."""
     params = pb.GenerateParameters()
     n = optional_field(data, "n", int)
     if n is not None and n != 1:
@@ -37,12 +60,22 @@ def sampling_parameters(data: dict) -> tuple[pb.GenerateParameters, tuple[str, .
         raise OpenAIRequestError("`temperature` must be >= 0", "temperature")
     sampling = temperature is None or temperature > 0  # OpenAI samples unless temperature is 0
     top_p = optional_field(data, "top_p", float)
+    top_k = optional_field(data, "top_k", int)
+    if top_k is not None and top_k < -1:
+        raise OpenAIRequestError("`top_k` must be -1 or 0 (off) or a positive integer", "top_k")
     if sampling:
         params.do_sample = True
         if temperature is not None:
             params.temperature = temperature
         if top_p is not None and top_p < 1.0:
             params.top_p = top_p
+        if top_k is not None and top_k > 0:
+            params.top_k = top_k
+    repetition_penalty = optional_field(data, "repetition_penalty", float)
+    if repetition_penalty is not None:
+        params.repetition_penalty = repetition_penalty
+    if optional_field(data, "ignore_eos", bool):
+        params.ignore_eos = True
     for name in ("frequency_penalty", "presence_penalty"):
         value = optional_field(data, name, float)
         if value is not None:

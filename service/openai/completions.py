@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 from ..engine.types import FinishInfo, TokenEvent
 from ..proto import generate_pb2 as pb
 from .common import (
+    SAMPLING_FIELDS,
     OpenAIRequestError,
     finish_reason,
     json_bytes,
     json_object,
     optional_field,
+    refuse_unknown_fields,
     sampling_parameters,
     sse_bytes,
     trim_stop,
@@ -34,11 +36,19 @@ class CompletionRequest:
     stop: tuple[str, ...]
 
 
+# What parse_completion_request reads; anything else is refused (refuse_unknown_fields).
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "echo", "logprobs", "suffix", "best_of"}
+
+
 def parse_completion_request(body: bytes, max_prompts: int) -> CompletionRequest:
     data = json_object(body)
+    refuse_unknown_fields(data, COMPLETION_FIELDS)
     prompts = _prompts(data.get("prompt"), max_prompts)
     if optional_field(data, "suffix", str):
         raise OpenAIRequestError("`suffix` is not supported", "suffix")
+    best_of = optional_field(data, "best_of", int)
+    if best_of is not None and best_of != 1:  # clients such as LangChain's send 1
+        raise OpenAIRequestError("only `best_of: 1` is supported", "best_of")
     params, stop = sampling_parameters(data)
     logprobs = optional_field(data, "logprobs", int)
     if logprobs is not None:

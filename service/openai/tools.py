@@ -35,9 +35,10 @@ CALL_SEPARATOR = "\n"
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _ID_ALPHABET = string.ascii_letters + string.digits
 
+TOOLS_INTRO = "You may call one or more functions to assist with the user query."
 TOOLS_SYSTEM_PROMPT = """# Tools
 
-You may call one or more functions to assist with the user query.
+{intro}
 
 You are provided with function signatures within <tools></tools> XML tags:
 <tools>
@@ -190,12 +191,17 @@ def template_knows_tools(tokenizer) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def prepare_messages(messages: list[dict], plan: ToolPlan | None, native: bool) -> list[dict]:
+def prepare_messages(
+    messages: list[dict], plan: ToolPlan | None, native: bool, tool_prompt: str | None = None
+) -> list[dict]:
     """The conversation as the template gets it. Native templates get OpenAI's shapes
     (arguments as objects, as transformers' templates expect); the others get calls and
-    results written in the tags, and the tools described in the system message."""
+    results written in the tags, and the tools described in the system message.
+    `tool_prompt` (TGI's): when tools are offered, the system message's words before the
+    tools (for a native template, they are added to its system message)."""
     if native:
-        return [_native(m) for m in messages]
+        out = [_native(m) for m in messages]
+        return _with_system(out, tool_prompt) if plan is not None and tool_prompt else out
     out: list[dict] = []
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
@@ -214,13 +220,19 @@ def prepare_messages(messages: list[dict], plan: ToolPlan | None, native: bool) 
         m.pop("_tool_results", None)
     if plan is not None:
         described = TOOLS_SYSTEM_PROMPT.format(
-            tools="\n".join(json.dumps(t.openai_dict()) for t in plan.tools)
+            intro=tool_prompt or TOOLS_INTRO,
+            tools="\n".join(json.dumps(t.openai_dict()) for t in plan.tools),
         )
-        if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{described}"}
-        else:
-            out.insert(0, {"role": "system", "content": described})
+        out = _with_system(out, described)
     return out
+
+
+def _with_system(messages: list[dict], text: str) -> list[dict]:
+    """`text` at the end of the system message (a new one first if there is none)."""
+    if messages and messages[0]["role"] == "system":
+        first = messages[0]
+        return [{**first, "content": f"{first['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def _native(m: dict) -> dict:

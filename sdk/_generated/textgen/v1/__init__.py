@@ -275,6 +275,11 @@ class GenerateParameters(betterproto2.Message):
     Stop generating after this many seconds from arrival (finish_reason "time_limit").
     """
 
+    adapter_id: "str | None" = betterproto2.field(23, betterproto2.TYPE_STRING, optional=True)
+    """
+    TGI's LoRA adapter id. No adapters are served: a non-empty id is refused.
+    """
+
 
 default_message_pool.register_message("textgen.v1", "GenerateParameters", GenerateParameters)
 

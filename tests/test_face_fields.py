@@ -1,0 +1,432 @@
+"""Every request field a face declares (envoy/openapi.json) is honoured or refused, never
+silently ignored: for each one, through the real Envoy and the tiny model, a request
+with the field set is answered differently from the same request without it (or is
+refused with 422), unless its description says it is accepted for compatibility only.
+A field added to the description without a probe here fails the walk."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import requests
+from conftest import ServerThread, tiny_settings
+
+pytestmark = pytest.mark.timeout(60)
+
+OPENAPI = json.loads((Path(__file__).parent.parent / "envoy" / "openapi.json").read_text())
+SCHEMAS = OPENAPI["components"]["schemas"]
+COMPATIBILITY_ONLY = "Accepted for compatibility only"
+PROMPT = "The quick brown fox"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    # the tiny model's whole context: tools are described in ~530 of its byte-sized tokens
+    srv = ServerThread(tiny_settings(tiny_model_dir, max_total_tokens=1024), http=True).start()
+    yield srv
+    srv.stop()
+
+
+def post(server, path: str, body: dict) -> tuple[int, object]:
+    resp = requests.post(f"{server.http_url}{path}", json=body, timeout=30)
+    if resp.headers.get("content-type", "").startswith("text/event-stream"):
+        return resp.status_code, [
+            line[5:].strip() for line in resp.text.splitlines() if line.startswith("data:")
+        ]
+    return resp.status_code, resp.json()
+
+
+def answer(server, path: str, body: dict):
+    """What a client sees, minus what changes on every call (ids, times)."""
+    status, out = post(server, path, body)
+    assert status in (200, 422), (status, out)
+    if status == 422:
+        return "refused", out
+    if isinstance(out, dict):
+        out = {k: v for k, v in out.items() if k not in ("id", "created")}
+        if out.get("details"):
+            out["details"] = {k: v for k, v in out["details"].items() if k != "timings"}
+    return out
+
+
+# the faces: a base request, and how a field's value is set on it ----------------------
+
+
+def tgi(**parameters) -> dict:
+    return {"inputs": PROMPT, "parameters": {"max_new_tokens": 8, "details": True, **parameters}}
+
+
+def chat(**fields) -> dict:
+    return {"messages": MESSAGES, "max_tokens": 8, "temperature": 0, **fields}
+
+
+def completion(**fields) -> dict:
+    return {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, **fields}
+
+
+HOT = {"temperature": 5.0, "seed": 3}  # sampled, wide: sampling knobs show
+SAMPLED_TGI = {"do_sample": True, **HOT}
+
+
+def accepted(server, path: str, body: dict):
+    out = answer(server, path, body)
+    assert not isinstance(out, tuple), (body, out)  # ("refused", error)
+    return out
+
+
+def differs(path: str, base: dict, changed: dict):
+    """Both accepted, and answered differently."""
+
+    def probe(server):
+        assert accepted(server, path, base) != accepted(server, path, changed)
+
+    return probe
+
+
+def refused(path: str, body: dict):
+    def probe(server):
+        status, out = post(server, path, body)
+        assert status == 422, (status, out)
+
+    return probe
+
+
+def checks(path: str, body: dict, predicate):
+    def probe(server):
+        status, out = post(server, path, body)
+        assert status == 200, out
+        assert predicate(out), out
+
+    return probe
+
+
+def a_stop_sequence(server) -> tuple[str, str]:
+    """An 8-token answer and a stop sequence inside it: the text of one of its tokens
+    after the first (whole characters)."""
+    out = answer(server, "/generate", tgi(ignore_eos=True))
+    texts = [t["text"] for t in out["details"]["tokens"]]
+    stop = next(t for t in texts[1:] if t.strip() and t.isprintable() and "\ufffd" not in t)
+    return out["generated_text"], stop
+
+
+def tgi_stop(server):
+    text, stop = a_stop_sequence(server)
+    out = answer(server, "/generate", tgi(ignore_eos=True, stop=[stop]))
+    assert out["details"]["finish_reason"] == "stop_sequence"
+    assert out["generated_text"].endswith(stop) and len(out["generated_text"]) < len(text)
+
+
+def openai_stop(path: str, make):
+    def probe(server):
+        out = accepted(server, path, make(ignore_eos=True))
+        choice = out["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        stop = text[len(text) // 2 :][:2]
+        choice = accepted(server, path, make(ignore_eos=True, stop=stop))["choices"][0]
+        cut = choice["message"]["content"] if "message" in choice else choice["text"]
+        assert choice["finish_reason"] == "stop" and len(cut) < len(text)  # stop left out
+
+    return probe
+
+
+def eos_id(server) -> int:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(server.settings.model_id).eos_token_id
+
+
+def ignore_eos(path: str, make, key: str = "logit_bias"):
+    """Pushed onto EOS at once, the answer stops after one token unless EOS is ignored."""
+
+    def probe(server):
+        bias = {key: {str(eos_id(server)): 100}}
+        stopped, ignored = make(**bias), make(ignore_eos=True, **bias)
+        assert accepted(server, path, stopped) != accepted(server, path, ignored)
+
+    return probe
+
+
+def logit_bias(path: str, make):
+    def probe(server):
+        assert accepted(server, path, make()) != accepted(
+            server, path, make(logit_bias={"65": 100})
+        )
+
+    return probe
+
+
+def tgi_logit_bias(server):
+    out = answer(server, "/generate", tgi(ignore_eos=True, logit_bias={"65": 100}))
+    assert [t["id"] for t in out["details"]["tokens"]] == [65] * 8
+
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+def json_answer(out) -> bool:
+    return json.loads(out["choices"][0]["message"]["content"])["answer"] in ("yes", "no")
+
+
+PROBES = {
+    "GenerateParameters": {
+        "adapter_id": refused("/generate", tgi(adapter_id="my-lora")),
+        "best_of": checks(
+            "/generate",
+            tgi(best_of=2, do_sample=True),
+            lambda o: len(o["details"]["best_of_sequences"]) == 1,
+        ),
+        "decoder_input_details": checks(
+            "/generate", tgi(decoder_input_details=True), lambda o: o["details"]["prefill"]
+        ),
+        "details": checks("/generate", tgi(details=False), lambda o: o.get("details") is None),
+        "do_sample": differs("/generate", tgi(seed=3), tgi(do_sample=True, seed=3)),
+        "frequency_penalty": differs(
+            "/generate",
+            tgi(ignore_eos=True, max_new_tokens=32),
+            tgi(ignore_eos=True, max_new_tokens=32, frequency_penalty=2.0),
+        ),
+        "grammar": checks(
+            "/generate",
+            tgi(grammar={"type": "regex", "value": "[0-9]{3}"}),
+            lambda o: re.fullmatch("[0-9]{3}", o["generated_text"]),
+        ),
+        "ignore_eos": ignore_eos("/generate", tgi),
+        "logit_bias": tgi_logit_bias,
+        "max_new_tokens": checks(
+            "/generate",
+            tgi(ignore_eos=True, max_new_tokens=3),
+            lambda o: o["details"]["generated_tokens"] == 3,
+        ),
+        "max_time": checks(
+            "/generate",
+            tgi(ignore_eos=True, max_new_tokens=200, max_time=0.001),
+            lambda o: o["details"]["finish_reason"] == "time_limit",
+        ),
+        "presence_penalty": differs(
+            "/generate",
+            tgi(ignore_eos=True, max_new_tokens=32),
+            tgi(ignore_eos=True, max_new_tokens=32, presence_penalty=2.0),
+        ),
+        "repetition_penalty": differs(
+            "/generate",
+            tgi(ignore_eos=True, max_new_tokens=32),
+            tgi(ignore_eos=True, max_new_tokens=32, repetition_penalty=5.0),
+        ),
+        "return_full_text": checks(
+            "/generate",
+            tgi(return_full_text=True),
+            lambda o: o["generated_text"].startswith(PROMPT),
+        ),
+        "seed": differs("/generate", tgi(**SAMPLED_TGI), tgi(**{**SAMPLED_TGI, "seed": 4})),
+        "stop": tgi_stop,
+        "temperature": differs(
+            "/generate", tgi(do_sample=True, seed=3, temperature=0.1), tgi(**SAMPLED_TGI)
+        ),
+        "top_k": differs("/generate", tgi(**SAMPLED_TGI), tgi(**SAMPLED_TGI, top_k=1)),
+        "top_n_tokens": checks(
+            "/generate", tgi(top_n_tokens=3), lambda o: len(o["details"]["top_tokens"][0]) == 3
+        ),
+        "top_p": differs("/generate", tgi(**SAMPLED_TGI), tgi(**SAMPLED_TGI, top_p=0.01)),
+        "truncate": checks(
+            "/generate", tgi(truncate=2), lambda o: o["details"]["input_length"] == 2
+        ),
+        "typical_p": differs("/generate", tgi(**SAMPLED_TGI), tgi(**SAMPLED_TGI, typical_p=0.01)),
+        "watermark": refused("/generate", tgi(watermark=True)),
+    },
+    "ChatRequest": {
+        "frequency_penalty": differs(
+            "/v1/chat/completions",
+            chat(ignore_eos=True, max_tokens=32),
+            chat(ignore_eos=True, max_tokens=32, frequency_penalty=2.0),
+        ),
+        "ignore_eos": ignore_eos("/v1/chat/completions", chat),
+        "logit_bias": logit_bias("/v1/chat/completions", chat),
+        "logprobs": checks(
+            "/v1/chat/completions",
+            chat(logprobs=True),
+            lambda o: o["choices"][0]["logprobs"]["content"],
+        ),
+        "max_completion_tokens": checks(
+            "/v1/chat/completions",
+            chat(ignore_eos=True, max_completion_tokens=3),
+            lambda o: o["usage"]["completion_tokens"] == 3,
+        ),
+        "max_tokens": checks(
+            "/v1/chat/completions",
+            chat(ignore_eos=True, max_tokens=3),
+            lambda o: o["usage"]["completion_tokens"] == 3,
+        ),
+        "messages": differs(
+            "/v1/chat/completions", chat(), chat(messages=[{"role": "user", "content": "Hi"}])
+        ),
+        "n": refused("/v1/chat/completions", chat(n=2)),
+        "parallel_tool_calls": refused(
+            "/v1/chat/completions", chat(tools=[TOOL], parallel_tool_calls="yes")
+        ),
+        "presence_penalty": differs(
+            "/v1/chat/completions",
+            chat(ignore_eos=True, max_tokens=32),
+            chat(ignore_eos=True, max_tokens=32, presence_penalty=2.0),
+        ),
+        "repetition_penalty": differs(
+            "/v1/chat/completions",
+            chat(ignore_eos=True, max_tokens=32),
+            chat(ignore_eos=True, max_tokens=32, repetition_penalty=5.0),
+        ),
+        "response_format": checks(
+            "/v1/chat/completions",
+            chat(max_tokens=60, response_format={"type": "json_object", "value": ANSWER_SCHEMA}),
+            json_answer,
+        ),
+        "seed": differs("/v1/chat/completions", chat(**HOT), chat(**{**HOT, "seed": 4})),
+        "stop": openai_stop("/v1/chat/completions", chat),
+        "stream": checks("/v1/chat/completions", chat(stream=True), lambda o: o[-1] == "[DONE]"),
+        "stream_options": checks(
+            "/v1/chat/completions",
+            chat(stream=True, stream_options={"include_usage": True}),
+            lambda o: json.loads(o[-2])["usage"]["completion_tokens"] > 0,
+        ),
+        "temperature": differs("/v1/chat/completions", chat(), chat(**HOT)),
+        "tool_choice": checks(
+            "/v1/chat/completions",
+            chat(max_tokens=100, tools=[TOOL], tool_choice="required"),
+            lambda o: (
+                o["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+            ),
+        ),
+        "tool_prompt": differs(
+            "/v1/chat/completions", chat(tools=[TOOL]), chat(tools=[TOOL], tool_prompt="Be brief.")
+        ),
+        "tools": differs(
+            "/v1/chat/completions", chat(), chat(max_tokens=8, tools=[TOOL], tool_choice="required")
+        ),
+        "top_k": differs("/v1/chat/completions", chat(**HOT), chat(**HOT, top_k=1)),
+        "top_logprobs": checks(
+            "/v1/chat/completions",
+            chat(logprobs=True, top_logprobs=2),
+            lambda o: len(o["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2,
+        ),
+        "top_p": differs("/v1/chat/completions", chat(**HOT), chat(**HOT, top_p=0.01)),
+    },
+    "CompletionRequest": {
+        "best_of": refused("/v1/completions", completion(best_of=2)),
+        "echo": checks(
+            "/v1/completions",
+            completion(echo=True),
+            lambda o: o["choices"][0]["text"].startswith(PROMPT),
+        ),
+        "frequency_penalty": differs(
+            "/v1/completions",
+            completion(ignore_eos=True, max_tokens=32),
+            completion(ignore_eos=True, max_tokens=32, frequency_penalty=2.0),
+        ),
+        "ignore_eos": ignore_eos("/v1/completions", completion),
+        "logit_bias": logit_bias("/v1/completions", completion),
+        "logprobs": checks(
+            "/v1/completions",
+            completion(logprobs=2),
+            lambda o: len(o["choices"][0]["logprobs"]["top_logprobs"][0]) == 2,
+        ),
+        "max_tokens": checks(
+            "/v1/completions",
+            completion(ignore_eos=True, max_tokens=3),
+            lambda o: o["usage"]["completion_tokens"] == 3,
+        ),
+        "n": refused("/v1/completions", completion(n=2)),
+        "presence_penalty": differs(
+            "/v1/completions",
+            completion(ignore_eos=True, max_tokens=32),
+            completion(ignore_eos=True, max_tokens=32, presence_penalty=2.0),
+        ),
+        "prompt": differs("/v1/completions", completion(), completion(prompt="Hello")),
+        "repetition_penalty": differs(
+            "/v1/completions",
+            completion(ignore_eos=True, max_tokens=32),
+            completion(ignore_eos=True, max_tokens=32, repetition_penalty=5.0),
+        ),
+        "seed": differs("/v1/completions", completion(**HOT), completion(**{**HOT, "seed": 4})),
+        "stop": openai_stop("/v1/completions", completion),
+        "stream": checks("/v1/completions", completion(stream=True), lambda o: o[-1] == "[DONE]"),
+        "stream_options": checks(
+            "/v1/completions",
+            completion(stream=True, stream_options={"include_usage": True}),
+            lambda o: json.loads(o[-2])["usage"]["completion_tokens"] > 0,
+        ),
+        "suffix": refused("/v1/completions", completion(suffix="end")),
+        "temperature": differs("/v1/completions", completion(), completion(**HOT)),
+        "top_k": differs("/v1/completions", completion(**HOT), completion(**HOT, top_k=1)),
+        "top_p": differs("/v1/completions", completion(**HOT), completion(**HOT, top_p=0.01)),
+    },
+}
+
+
+def declared(schema: str) -> list[tuple[str, str]]:
+    return [(schema, name) for name in sorted(SCHEMAS[schema]["properties"])]
+
+
+FIELDS = [f for schema in PROBES for f in declared(schema)]
+
+
+def is_compatibility_only(schema: str, name: str) -> bool:
+    return COMPATIBILITY_ONLY in SCHEMAS[schema]["properties"][name].get("description", "")
+
+
+def test_every_declared_field_has_a_probe_or_says_it_does_nothing():
+    missing = [
+        f"{schema}.{name}"
+        for schema, name in FIELDS
+        if name not in PROBES[schema] and not is_compatibility_only(schema, name)
+    ]
+    assert not missing, f"declared fields with no probe here: {missing}"
+    stale = [f"{s}.{n}" for s, probes in PROBES.items() for n in probes if (s, n) not in FIELDS]
+    assert not stale, f"probes of fields the description no longer declares: {stale}"
+
+
+@pytest.mark.parametrize(
+    ("schema", "name"),
+    [f for f in FIELDS if f[1] in PROBES[f[0]]],
+    ids=[f"{s}.{n}" for s, n in FIELDS if n in PROBES[s]],
+)
+def test_field_is_honoured_or_refused(server, schema, name):
+    PROBES[schema][name](server)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", chat(functions=[{"name": "f"}])),
+        ("/v1/chat/completions", chat(reasoning_effort="high")),
+        ("/v1/completions", completion(min_p=0.1)),
+    ],
+)
+def test_undeclared_openai_fields_are_refused_by_name(server, path, body):
+    status, out = post(server, path, body)
+    assert status == 422
+    field = next(k for k in body if k not in ("messages", "prompt", "max_tokens", "temperature"))
+    assert f"`{field}`" in out["error"]["message"]
+
+
+def test_compatibility_only_fields_change_nothing(server):
+    base = accepted(server, "/v1/chat/completions", chat())
+    assert accepted(server, "/v1/chat/completions", chat(model="x", user="u1")) == base
