@@ -1,4 +1,4 @@
-"""The Envoy Lua filter of the HTTP faces, rendered from config.py's status tables.
+"""The Envoy Lua filter of the HTTP faces, rendered from errors.py's status tables.
 
 It sits before the transcoder in the filter chain, so it sees requests before they
 are transcoded and responses after. It never touches native gRPC
@@ -193,7 +193,7 @@ def lua_source(
     unwrap: dict[str, str],
     face_header: str,
 ) -> str:
-    """The filter's Lua source with the given tables (see config.py)."""
+    """The filter's Lua source with the given tables (see errors.py, config.py)."""
     return (
         LUA_TEMPLATE.replace("__STATUS_BY_ERROR_TYPE__", _lua_table(status_by_error_type))
         .replace("__FALLBACK_BY_GRPC_CODE__", _lua_table(fallback_by_grpc_code))

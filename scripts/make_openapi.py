@@ -43,7 +43,7 @@ TOKEN_ID = {"type": "string", "pattern": "^[0-9]{1,10}$"}
 INT32_MAX = 2**31 - 1
 
 # The error_types a typed error may carry (service/grpc/errors.py for the server's,
-# envoy/config.py's local replies for Envoy's own). Envoy's fallbacks for an
+# envoy/errors.py's local replies for Envoy's own). Envoy's fallbacks for an
 # unexpected failure (`internal`, `proxy`, `unimplemented`) are not part of the
 # contract: they mean a bug.
 ERROR_TYPES = [
