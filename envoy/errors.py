@@ -2,30 +2,30 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from textgen.service.errors import (
+    FALLBACK_ERROR_TYPE,
+    SERVER_ERROR_TYPES,
+    TYPE_BY_GRPC_CODE,
+    ErrorType,
+)
+
 from .limits import REQUEST_BODY_LIMIT
+
+# All built from the error vocabulary (textgen.service.errors, the one module of the
+# server's that envoy/ imports: it imports nothing else of textgen).
 
 # TGI's HTTP status of each error_type (the server's ErrorInfo reason and its
 # `x-textgen-error-type` trailer, service/grpc/errors.py). The Lua filter is
 # rendered from this table.
-HTTP_STATUS_BY_ERROR_TYPE: dict[str, int] = {
-    "validation": 422,
-    "overloaded": 429,
-    "generation": 424,
-    "incomplete_generation": 500,
-    "unauthenticated": 401,
-    "healthcheck": 503,
-    "unavailable": 503,
-}
-# gRPC failures without our trailer (a crash, an unimplemented RPC): (status, type).
+HTTP_STATUS_BY_ERROR_TYPE: dict[str, int] = {t.value: t.http_status for t in SERVER_ERROR_TYPES}
+# gRPC failures without our trailer (a crash, an unimplemented RPC): (status, type), by
+# the code's number (grpc-status).
 FALLBACK_BY_GRPC_CODE: dict[int, tuple[int, str]] = {
-    3: (422, "validation"),  # INVALID_ARGUMENT
-    4: (504, "timeout"),  # DEADLINE_EXCEEDED
-    8: (429, "overloaded"),  # RESOURCE_EXHAUSTED
-    12: (501, "unimplemented"),  # UNIMPLEMENTED
-    14: (503, "unavailable"),  # UNAVAILABLE
-    16: (401, "unauthenticated"),  # UNAUTHENTICATED
+    code.value[0]: (t.http_status, t.value) for code, t in TYPE_BY_GRPC_CODE.items()
 }
-FALLBACK_ERROR = (500, "internal")
+FALLBACK_ERROR = (FALLBACK_ERROR_TYPE.http_status, FALLBACK_ERROR_TYPE.value)
 
 
 # Envoy's own rejections -------------------------------------------------------------
@@ -36,20 +36,33 @@ FALLBACK_ERROR = (500, "internal")
 # requests carry no mark, so their local replies stay gRPC statuses.
 FACE_HEADER = "x-textgen-face"
 
-# (status Envoy chose, status sent, error_type, message; None: Envoy's own text)
-_LOCAL_REPLIES: tuple[tuple[int, int, str, str | None], ...] = (
+
+@dataclass(frozen=True)
+class LocalReply:
+    """How one status Envoy answers on its own is typed."""
+
+    envoy_status: int  # the status Envoy chose
+    error_type: ErrorType
+    message: str | None = None  # None: Envoy's own text
+    status: int | None = None  # the status sent; None: the error type's
+
+
+_LOCAL_REPLIES: tuple[LocalReply, ...] = (
     # the transcoder's JSON parse errors: malformed JSON, a wrong field type
-    (400, 422, "validation", None),
-    (404, 404, "not_found", "Route not found: %REQ(:METHOD)% %REQ(:PATH)%"),
-    (405, 405, "method_not_allowed", "Method %REQ(:METHOD)% not allowed on %REQ(:PATH)%"),
-    (
-        413,
-        413,
-        "validation",
-        f"Payload too large: the request body is limited to {REQUEST_BODY_LIMIT} bytes",
+    LocalReply(400, ErrorType.VALIDATION),
+    LocalReply(404, ErrorType.NOT_FOUND, "Route not found: %REQ(:METHOD)% %REQ(:PATH)%"),
+    LocalReply(
+        405, ErrorType.METHOD_NOT_ALLOWED, "Method %REQ(:METHOD)% not allowed on %REQ(:PATH)%"
     ),
-    (503, 503, "unavailable", None),
-    (504, 504, "timeout", None),
+    # TGI answers a body over its payload limit 413, not validation's 422
+    LocalReply(
+        413,
+        ErrorType.VALIDATION,
+        f"Payload too large: the request body is limited to {REQUEST_BODY_LIMIT} bytes",
+        status=413,
+    ),
+    LocalReply(503, ErrorType.UNAVAILABLE),
+    LocalReply(504, ErrorType.TIMEOUT),
 )
 
 
@@ -59,18 +72,19 @@ def local_reply_config() -> dict:
     mappers = [
         {
             "filter": _and(_face("health"), _status(503)),
-            "body_format_override": _error_body("unhealthy", "healthcheck", openai=False),
+            "body_format_override": _error_body("unhealthy", ErrorType.HEALTHCHECK, openai=False),
         }
     ]
-    for envoy_status, status, error_type, message in _LOCAL_REPLIES:
+    for reply in _LOCAL_REPLIES:
+        status = reply.status or reply.error_type.http_status
         for openai in (True, False):  # the first mapper that matches wins
             mapper = {
-                "filter": _and(_face("openai" if openai else None), _status(envoy_status)),
+                "filter": _and(_face("openai" if openai else None), _status(reply.envoy_status)),
                 "body_format_override": _error_body(
-                    message or "%LOCAL_REPLY_BODY%", error_type, openai
+                    reply.message or "%LOCAL_REPLY_BODY%", reply.error_type, openai
                 ),
             }
-            if status != envoy_status:
+            if status != reply.envoy_status:
                 mapper["status_code"] = status
             mappers.append(mapper)
     # Anything else Envoy says on its own (a 500, a 408) is typed too.
@@ -78,17 +92,18 @@ def local_reply_config() -> dict:
         mappers.append(
             {
                 "filter": _and(_face("openai" if openai else None), _status(400, op="GE")),
-                "body_format_override": _error_body("%LOCAL_REPLY_BODY%", "proxy", openai),
+                "body_format_override": _error_body("%LOCAL_REPLY_BODY%", ErrorType.PROXY, openai),
             }
         )
     return {"mappers": mappers}
 
 
-def _error_body(message: str, error_type: str, openai: bool) -> dict:
+def _error_body(message: str, error_type: ErrorType, openai: bool) -> dict:
+    name = error_type.value  # a plain str in the JSON
     if openai:
-        body = {"error": {"message": message, "type": error_type, "param": None, "code": None}}
+        body = {"error": {"message": message, "type": name, "param": None, "code": None}}
     else:
-        body = {"error": message, "error_type": error_type}
+        body = {"error": message, "error_type": name}
     return {"json_format": body, "content_type": "application/json"}
 
 
