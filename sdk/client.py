@@ -5,6 +5,13 @@ so the clients drive grpcio themselves: a multi-callable per RPC on a `grpc.Chan
 (`Client`) or a `grpc.aio.Channel` (`AsyncClient`), with betterproto2 messages
 serialized by `bytes(message)` and parsed by `Message.parse`.
 
+`_BaseClient` builds every request and shapes every result once. It does no I/O: it
+calls three primitives that `Client` (blocking) and `AsyncClient` (asyncio) implement,
+`_unary` (one response, handed to `then`), `_stream` (the messages, or what a decoder
+makes of them) and `_collect` (a whole stream, handed to `then`), and returns what they
+return: a value or an iterator for `Client`, a coroutine or an async iterator for
+`AsyncClient`.
+
 Every failure surfaces as a `textgen.sdk.errors.TextGenError` subclass, never as a
 raw `grpc.RpcError`. Streams cancel their RPC as soon as the caller stops iterating.
 """
@@ -12,9 +19,19 @@ raw `grpc.RpcError`. Streams cancel their RPC as soon as the caller stops iterat
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from typing import Any, Self, Unpack
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Generator,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, Unpack
 
 import grpc
 import grpc.aio
@@ -76,23 +93,6 @@ class _Stubs:
         self.completions = stream("Completions", HttpBody)
 
 
-class _ClientSettings:
-    """What every call of a client shares: its default timeout and metadata."""
-
-    def __init__(self, *, api_key: str | None, timeout: float | None, metadata: Metadata) -> None:
-        self._timeout = timeout
-        self._metadata: tuple[tuple[str, str | bytes], ...] = tuple(metadata)
-        if api_key is not None:
-            self._metadata += (("authorization", f"Bearer {api_key}"),)
-
-    def _call_options(self, timeout: float | None, metadata: Metadata | None) -> dict[str, Any]:
-        """A per-call timeout overrides the client's; per-call metadata adds to it."""
-        return {
-            "timeout": self._timeout if timeout is None else timeout,
-            "metadata": self._metadata + tuple(metadata or ()),
-        }
-
-
 def _channel_options(options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """The caller's channel options, over the keepalive policy the server expects
     (textgen.sdk.keepalive): a long unary call or an idle channel finds a dead server."""
@@ -125,19 +125,89 @@ def _json_body(body: Mapping[str, Any], *, stream: bool) -> HttpBody:
     return HttpBody(content_type="application/json", data=json.dumps(payload).encode())
 
 
+def _json_result(bodies: Iterable[HttpBody]) -> dict[str, Any]:
+    """The one JSON answer that a non-streaming OpenAI call's bodies make up."""
+    result = json.loads(b"".join(body.data for body in bodies))
+    _raise_error_event(result)
+    return result
+
+
 def _tokenize_request(text: str, truncate: int | None) -> TokenizeRequest:
     parameters = GenerateParameters(truncate=truncate) if truncate is not None else None
     return TokenizeRequest(inputs=text, parameters=parameters)
 
 
-class Client(_ClientSettings):
-    """Blocking client. Use as a context manager, or call `close()`.
+def _same(response: Any) -> Any:
+    return response
 
-    `api_key` is sent as `authorization: Bearer <key>` on every call; `timeout`
-    (seconds) is the default deadline of each call; `credentials` (from
-    `grpc.ssl_channel_credentials()`) makes the channel TLS; `options` are grpc
-    channel options (over the keepalive policy of textgen.sdk.keepalive).
+
+# One RPC bound to its request and call options; calling it starts the RPC.
+_Rpc = Callable[[], Any]
+
+
+# `on_unavailable`'s default: an UnavailableError raises like any other failure.
+_RAISE: Any = object()
+
+
+def _unary_failure(error: grpc.RpcError, on_unavailable: Any) -> Any:
+    """Raise a failed unary call's TextGenError, or return `on_unavailable` (when one
+    was given) for an UnavailableError."""
+    exception = from_rpc_error(error)
+    if on_unavailable is _RAISE or not isinstance(exception, UnavailableError):
+        raise exception from error
+    return on_unavailable
+
+
+class _Decoder(Protocol):
+    """What a stream yields: each message is `feed`, then `close` at the stream's end;
+    both return the items to yield (an iterator may raise after yielding some)."""
+
+    def feed(self, message: Any) -> Iterable[Any]: ...
+
+    def close(self) -> Iterable[Any]: ...
+
+
+class _Messages:
+    """The messages themselves; TGI's in-band error raises."""
+
+    def feed(self, message: Any) -> Iterable[Any]:
+        # Raising here ends the RPC: its failing status is never read, so the
+        # in-band error is not reported a second time.
+        _raise_in_band_error(message)
+        return (message,)
+
+    def close(self) -> Iterable[Any]:
+        return ()
+
+
+class _Events:
+    """The JSON payloads of the SSE frames that the HttpBody messages carry, up to
+    `data: [DONE]`; an error event raises."""
+
+    def __init__(self) -> None:
+        self._decoder = SseDecoder()
+
+    def feed(self, message: Any) -> Iterable[Any]:
+        return self._checked(self._decoder.feed(message.data))
+
+    def close(self) -> Iterable[Any]:
+        return self._checked(self._decoder.close())
+
+    @staticmethod
+    def _checked(events: list[Any]) -> Iterator[Any]:
+        for event in events:
+            _raise_error_event(event)
+            yield event
+
+
+class _BaseClient:
+    """What `Client` and `AsyncClient` share: every call but its I/O.
+
+    The public methods are typed as `Client` returns them; `AsyncClient` declares its
+    own types for type checkers.
     """
+
+    _grpc: ClassVar[Any]  # the module that opens the channel: grpc or grpc.aio
 
     def __init__(
         self,
@@ -149,24 +219,17 @@ class Client(_ClientSettings):
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        super().__init__(api_key=api_key, timeout=timeout, metadata=metadata)
+        self._timeout = timeout
+        self._metadata: tuple[tuple[str, str | bytes], ...] = tuple(metadata)
+        if api_key is not None:
+            self._metadata += (("authorization", f"Bearer {api_key}"),)
         if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=_channel_options(options))
+            self._channel = self._grpc.insecure_channel(target, options=_channel_options(options))
         else:
-            self._channel = grpc.secure_channel(
+            self._channel = self._grpc.secure_channel(
                 target, credentials, options=_channel_options(options)
             )
         self._stubs = _Stubs(self._channel)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
-        self._channel.close()
 
     def generate(
         self,
@@ -178,7 +241,7 @@ class Client(_ClientSettings):
     ) -> GenerateResponse:
         """Generate text for `prompt` and return it whole (TGI's `/generate`)."""
         request = build_generate_request(prompt, options)
-        return self._unary(self._stubs.generate, request, timeout, metadata)
+        return self._unary(self._rpc(self._stubs.generate, request, timeout, metadata))
 
     def generate_stream(
         self,
@@ -188,17 +251,19 @@ class Client(_ClientSettings):
         metadata: Metadata | None = None,
         **options: Unpack[GenerateOptions],
     ) -> Iterator[GenerateStreamResponse]:
-        """Generate text one token per message. The RPC starts on the first `next()`
-        and is cancelled when the iterator is closed (a `break` out of a `for` loop
-        drops it; keep no other reference, or call its `close()`)."""
+        """Generate text one token per message: an iterator (`Client`) or an async
+        iterator (`AsyncClient`). The RPC starts on the first iteration and is cancelled
+        when the iterator is closed: a `break` out of a `for` loop drops it (keep no
+        other reference, or call its `close()`); an async one on `aclose()` or when the
+        task that iterates is cancelled."""
         request = build_generate_request(prompt, options)
-        return self._stream(self._stubs.generate_stream, request, timeout, metadata)
+        return self._stream(self._rpc(self._stubs.generate_stream, request, timeout, metadata))
 
     def info(
         self, *, timeout: float | None = None, metadata: Metadata | None = None
     ) -> InfoResponse:
         """The served model and the server's limits."""
-        return self._unary(self._stubs.info, InfoRequest(), timeout, metadata)
+        return self._unary(self._rpc(self._stubs.info, InfoRequest(), timeout, metadata))
 
     def tokenize(
         self,
@@ -209,29 +274,26 @@ class Client(_ClientSettings):
         metadata: Metadata | None = None,
     ) -> list[SimpleToken]:
         """The tokens of `text` (its last `truncate` tokens when given)."""
-        response = self._unary(
-            self._stubs.tokenize, _tokenize_request(text, truncate), timeout, metadata
-        )
-        return response.tokens
+        request = _tokenize_request(text, truncate)
+        rpc = self._rpc(self._stubs.tokenize, request, timeout, metadata)
+        return self._unary(rpc, then=lambda response: response.tokens)
 
     def health(self, *, timeout: float | None = None, metadata: Metadata | None = None) -> bool:
         """True when the engine is healthy; False when it (or the server) is unavailable."""
-        try:
-            self._unary(self._stubs.health, HealthRequest(), timeout, metadata)
-        except UnavailableError:
-            return False
-        return True
+        rpc = self._rpc(self._stubs.health, HealthRequest(), timeout, metadata)
+        return self._unary(rpc, then=lambda _: True, on_unavailable=False)
 
     def metrics(self, *, timeout: float | None = None, metadata: Metadata | None = None) -> str:
         """Prometheus metrics in the text exposition format."""
-        body = self._unary(self._stubs.metrics, MetricsRequest(), timeout, metadata)
-        return body.data.decode("utf-8")
+        rpc = self._rpc(self._stubs.metrics, MetricsRequest(), timeout, metadata)
+        return self._unary(rpc, then=lambda body: body.data.decode("utf-8"))
 
     def list_models(
         self, *, timeout: float | None = None, metadata: Metadata | None = None
     ) -> list[Model]:
         """The served models (OpenAI's `/v1/models` data)."""
-        return self._unary(self._stubs.list_models, ListModelsRequest(), timeout, metadata).data
+        rpc = self._rpc(self._stubs.list_models, ListModelsRequest(), timeout, metadata)
+        return self._unary(rpc, then=lambda response: response.data)
 
     def chat_completions(
         self,
@@ -273,54 +335,118 @@ class Client(_ClientSettings):
         """OpenAI (legacy) completion chunks, sent with stream=true."""
         return self._events(self._stubs.completions, body, timeout, metadata)
 
-    def _unary(
+    def _rpc(
         self, method: Any, request: Any, timeout: float | None, metadata: Metadata | None
+    ) -> _Rpc:
+        """`method` bound to `request`; a per-call timeout overrides the client's,
+        per-call metadata adds to it."""
+        return functools.partial(
+            method,
+            request,
+            timeout=self._timeout if timeout is None else timeout,
+            metadata=self._metadata + tuple(metadata or ()),
+        )
+
+    def _json(
+        self, method: Any, body: Mapping[str, Any], timeout: float | None, metadata: Metadata | None
+    ) -> Any:
+        """An OpenAI call with stream=false: its one JSON answer."""
+        request = _json_body(body, stream=False)
+        return self._collect(self._rpc(method, request, timeout, metadata), then=_json_result)
+
+    def _events(
+        self, method: Any, body: Mapping[str, Any], timeout: float | None, metadata: Metadata | None
+    ) -> Any:
+        """An OpenAI call with stream=true: its SSE events' JSON payloads."""
+        request = _json_body(body, stream=True)
+        return self._stream(self._rpc(method, request, timeout, metadata), decode=_Events)
+
+    # The I/O primitives, implemented by Client and AsyncClient.
+
+    def _unary(
+        self, rpc: _Rpc, *, then: Callable[[Any], Any] = _same, on_unavailable: Any = _RAISE
+    ) -> Any:
+        """Call a unary RPC: `then(response)`, or `on_unavailable` (when given) if the
+        call fails with UnavailableError (a value, or a coroutine of it)."""
+        raise NotImplementedError
+
+    def _stream(self, rpc: _Rpc, *, decode: Callable[[], _Decoder] = _Messages) -> Any:
+        """Call a server-streaming RPC: the items `decode()` makes of its messages (an
+        iterator, or an async iterator). The RPC starts on the first iteration and is
+        cancelled when the iterator is closed."""
+        raise NotImplementedError
+
+    def _collect(self, rpc: _Rpc, *, then: Callable[[list[Any]], Any]) -> Any:
+        """Call a server-streaming RPC: `then(all its messages)` (a value, or a
+        coroutine of it)."""
+        raise NotImplementedError
+
+
+class Client(_BaseClient):
+    """Blocking client. Use as a context manager, or call `close()`.
+
+    `api_key` is sent as `authorization: Bearer <key>` on every call; `timeout`
+    (seconds) is the default deadline of each call; `credentials` (from
+    `grpc.ssl_channel_credentials()`) makes the channel TLS; `options` are grpc
+    channel options (over the keepalive policy of textgen.sdk.keepalive).
+    """
+
+    _grpc = grpc
+    _channel: grpc.Channel
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
+        self._channel.close()
+
+    def _unary(
+        self, rpc: _Rpc, *, then: Callable[[Any], Any] = _same, on_unavailable: Any = _RAISE
     ) -> Any:
         try:
-            return method(request, **self._call_options(timeout, metadata))
+            response = rpc()
         except grpc.RpcError as error:
-            raise from_rpc_error(error) from error
+            return _unary_failure(error, on_unavailable)
+        return then(response)
 
     def _stream(
-        self, method: Any, request: Any, timeout: float | None, metadata: Metadata | None
-    ) -> Iterator[Any]:
-        call = method(request, **self._call_options(timeout, metadata))
+        self, rpc: _Rpc, *, decode: Callable[[], _Decoder] = _Messages
+    ) -> Generator[Any, None, None]:
+        decoder = decode()
+        call = rpc()
         try:
             for message in call:
-                # Raising here ends the RPC: its failing status is never read, so
-                # the in-band error is not reported a second time.
-                _raise_in_band_error(message)
-                yield message
+                yield from decoder.feed(message)
+            yield from decoder.close()
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
         finally:
             call.cancel()  # a no-op once the RPC has ended
 
-    def _json(
-        self, method: Any, body: Mapping[str, Any], timeout: float | None, metadata: Metadata | None
-    ) -> dict[str, Any]:
-        request = _json_body(body, stream=False)
-        with contextlib.closing(self._stream(method, request, timeout, metadata)) as bodies:
-            result = json.loads(b"".join(part.data for part in bodies))
-        _raise_error_event(result)
-        return result
-
-    def _events(
-        self, method: Any, body: Mapping[str, Any], timeout: float | None, metadata: Metadata | None
-    ) -> Iterator[dict[str, Any]]:
-        decoder = SseDecoder()
-        request = _json_body(body, stream=True)
-        with contextlib.closing(self._stream(method, request, timeout, metadata)) as bodies:
-            for part in bodies:
-                for event in decoder.feed(part.data):
-                    _raise_error_event(event)
-                    yield event
-        for event in decoder.close():
-            _raise_error_event(event)
-            yield event
+    def _collect(self, rpc: _Rpc, *, then: Callable[[list[Any]], Any]) -> Any:
+        with contextlib.closing(self._stream(rpc)) as messages:
+            collected = list(messages)
+        return then(collected)
 
 
-class AsyncClient(_ClientSettings):
+def _coroutine_function(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A shared method, whose primitive returns a coroutine, as an `async def` that
+    awaits it: `inspect.iscoroutinefunction` holds as for any asyncio API, and a bad
+    argument raises when the call is awaited, not when it is made."""
+
+    @functools.wraps(method)
+    async def awaited(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
+        return await method(self, *args, **kwargs)
+
+    awaited.__qualname__ = f"AsyncClient.{method.__name__}"
+    return awaited
+
+
+class AsyncClient(_BaseClient):
     """asyncio client on `grpc.aio`; the same methods as `Client`, awaited.
 
     Streams are async iterators; wrap one in `contextlib.aclosing` to cancel its RPC
@@ -328,24 +454,8 @@ class AsyncClient(_ClientSettings):
     Cancelling the task that iterates cancels the RPC too.
     """
 
-    def __init__(
-        self,
-        target: str = DEFAULT_TARGET,
-        *,
-        api_key: str | None = None,
-        timeout: float | None = None,
-        metadata: Metadata = (),
-        credentials: grpc.ChannelCredentials | None = None,
-        options: Sequence[tuple[str, Any]] = (),
-    ) -> None:
-        super().__init__(api_key=api_key, timeout=timeout, metadata=metadata)
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options=_channel_options(options))
-        else:
-            self._channel = grpc.aio.secure_channel(
-                target, credentials, options=_channel_options(options)
-            )
-        self._stubs = _Stubs(self._channel)
+    _grpc = grpc.aio
+    _channel: grpc.aio.Channel
 
     async def __aenter__(self) -> Self:
         return self
@@ -357,161 +467,122 @@ class AsyncClient(_ClientSettings):
         """Close the channel; calls in flight are cancelled."""
         await self._channel.close()
 
-    async def generate(
-        self,
-        prompt: str,
-        *,
-        timeout: float | None = None,
-        metadata: Metadata | None = None,
-        **options: Unpack[GenerateOptions],
-    ) -> GenerateResponse:
-        """Generate text for `prompt` and return it whole (TGI's `/generate`)."""
-        request = build_generate_request(prompt, options)
-        return await self._unary(self._stubs.generate, request, timeout, metadata)
+    if TYPE_CHECKING:
+        # The shared methods as an asyncio caller gets them, for type checkers only:
+        # _BaseClient's implementations return what AsyncClient's primitives return.
 
-    def generate_stream(
-        self,
-        prompt: str,
-        *,
-        timeout: float | None = None,
-        metadata: Metadata | None = None,
-        **options: Unpack[GenerateOptions],
-    ) -> AsyncIterator[GenerateStreamResponse]:
-        """Generate text one token per message (`async for`); the RPC starts on the
-        first iteration and is cancelled on `aclose()` or task cancellation."""
-        request = build_generate_request(prompt, options)
-        return self._stream(self._stubs.generate_stream, request, timeout, metadata)
+        async def generate(  # type: ignore[override]
+            self,
+            prompt: str,
+            *,
+            timeout: float | None = None,
+            metadata: Metadata | None = None,
+            **options: Unpack[GenerateOptions],
+        ) -> GenerateResponse: ...
 
-    async def info(
-        self, *, timeout: float | None = None, metadata: Metadata | None = None
-    ) -> InfoResponse:
-        """The served model and the server's limits."""
-        return await self._unary(self._stubs.info, InfoRequest(), timeout, metadata)
+        def generate_stream(  # type: ignore[override]
+            self,
+            prompt: str,
+            *,
+            timeout: float | None = None,
+            metadata: Metadata | None = None,
+            **options: Unpack[GenerateOptions],
+        ) -> AsyncIterator[GenerateStreamResponse]: ...
 
-    async def tokenize(
-        self,
-        text: str,
-        truncate: int | None = None,
-        *,
-        timeout: float | None = None,
-        metadata: Metadata | None = None,
-    ) -> list[SimpleToken]:
-        """The tokens of `text` (its last `truncate` tokens when given)."""
-        response = await self._unary(
-            self._stubs.tokenize, _tokenize_request(text, truncate), timeout, metadata
-        )
-        return response.tokens
+        async def info(  # type: ignore[override]
+            self, *, timeout: float | None = None, metadata: Metadata | None = None
+        ) -> InfoResponse: ...
 
-    async def health(
-        self, *, timeout: float | None = None, metadata: Metadata | None = None
-    ) -> bool:
-        """True when the engine is healthy; False when it (or the server) is unavailable."""
-        try:
-            await self._unary(self._stubs.health, HealthRequest(), timeout, metadata)
-        except UnavailableError:
-            return False
-        return True
+        async def tokenize(  # type: ignore[override]
+            self,
+            text: str,
+            truncate: int | None = None,
+            *,
+            timeout: float | None = None,
+            metadata: Metadata | None = None,
+        ) -> list[SimpleToken]: ...
 
-    async def metrics(
-        self, *, timeout: float | None = None, metadata: Metadata | None = None
-    ) -> str:
-        """Prometheus metrics in the text exposition format."""
-        body = await self._unary(self._stubs.metrics, MetricsRequest(), timeout, metadata)
-        return body.data.decode("utf-8")
+        async def health(  # type: ignore[override]
+            self, *, timeout: float | None = None, metadata: Metadata | None = None
+        ) -> bool: ...
 
-    async def list_models(
-        self, *, timeout: float | None = None, metadata: Metadata | None = None
-    ) -> list[Model]:
-        """The served models (OpenAI's `/v1/models` data)."""
-        response = await self._unary(
-            self._stubs.list_models, ListModelsRequest(), timeout, metadata
-        )
-        return response.data
+        async def metrics(  # type: ignore[override]
+            self, *, timeout: float | None = None, metadata: Metadata | None = None
+        ) -> str: ...
 
-    async def chat_completions(
-        self,
-        body: Mapping[str, Any],
-        *,
-        timeout: float | None = None,
-        metadata: Metadata | None = None,
-    ) -> dict[str, Any]:
-        """OpenAI chat completion: `body` is OpenAI's request (sent with stream=false)."""
-        return await self._json(self._stubs.chat_completions, body, timeout, metadata)
+        async def list_models(  # type: ignore[override]
+            self, *, timeout: float | None = None, metadata: Metadata | None = None
+        ) -> list[Model]: ...
 
-    def chat_completions_stream(
-        self,
-        body: Mapping[str, Any],
-        *,
-        timeout: float | None = None,
-        metadata: Metadata | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
-        """OpenAI chat completion chunks (sent with stream=true), up to `data: [DONE]`."""
-        return self._events(self._stubs.chat_completions, body, timeout, metadata)
+        async def chat_completions(  # type: ignore[override]
+            self,
+            body: Mapping[str, Any],
+            *,
+            timeout: float | None = None,
+            metadata: Metadata | None = None,
+        ) -> dict[str, Any]: ...
 
-    async def completions(
-        self,
-        body: Mapping[str, Any],
-        *,
-        timeout: float | None = None,
-        metadata: Metadata | None = None,
-    ) -> dict[str, Any]:
-        """OpenAI (legacy) completion, sent with stream=false."""
-        return await self._json(self._stubs.completions, body, timeout, metadata)
+        def chat_completions_stream(  # type: ignore[override]
+            self,
+            body: Mapping[str, Any],
+            *,
+            timeout: float | None = None,
+            metadata: Metadata | None = None,
+        ) -> AsyncIterator[dict[str, Any]]: ...
 
-    def completions_stream(
-        self,
-        body: Mapping[str, Any],
-        *,
-        timeout: float | None = None,
-        metadata: Metadata | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
-        """OpenAI (legacy) completion chunks, sent with stream=true."""
-        return self._events(self._stubs.completions, body, timeout, metadata)
+        async def completions(  # type: ignore[override]
+            self,
+            body: Mapping[str, Any],
+            *,
+            timeout: float | None = None,
+            metadata: Metadata | None = None,
+        ) -> dict[str, Any]: ...
+
+        def completions_stream(  # type: ignore[override]
+            self,
+            body: Mapping[str, Any],
+            *,
+            timeout: float | None = None,
+            metadata: Metadata | None = None,
+        ) -> AsyncIterator[dict[str, Any]]: ...
+
+    else:
+        # The streams are _BaseClient's as they are; the other calls are awaited.
+        generate = _coroutine_function(_BaseClient.generate)
+        info = _coroutine_function(_BaseClient.info)
+        tokenize = _coroutine_function(_BaseClient.tokenize)
+        health = _coroutine_function(_BaseClient.health)
+        metrics = _coroutine_function(_BaseClient.metrics)
+        list_models = _coroutine_function(_BaseClient.list_models)
+        chat_completions = _coroutine_function(_BaseClient.chat_completions)
+        completions = _coroutine_function(_BaseClient.completions)
 
     async def _unary(
-        self, method: Any, request: Any, timeout: float | None, metadata: Metadata | None
+        self, rpc: _Rpc, *, then: Callable[[Any], Any] = _same, on_unavailable: Any = _RAISE
     ) -> Any:
         try:
-            return await method(request, **self._call_options(timeout, metadata))
+            response = await rpc()
         except grpc.RpcError as error:  # grpc.aio.AioRpcError derives from it
-            raise from_rpc_error(error) from error
+            return _unary_failure(error, on_unavailable)
+        return then(response)
 
     async def _stream(
-        self, method: Any, request: Any, timeout: float | None, metadata: Metadata | None
-    ) -> AsyncIterator[Any]:
-        call = method(request, **self._call_options(timeout, metadata))
+        self, rpc: _Rpc, *, decode: Callable[[], _Decoder] = _Messages
+    ) -> AsyncGenerator[Any, None]:
+        decoder = decode()
+        call = rpc()
         try:
             async for message in call:
-                # Raising here ends the RPC: its failing status is never read.
-                _raise_in_band_error(message)
-                yield message
+                for item in decoder.feed(message):
+                    yield item
+            for item in decoder.close():
+                yield item
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
         finally:
             call.cancel()  # on aclose() or CancelledError; a no-op once the RPC ended
 
-    async def _json(
-        self, method: Any, body: Mapping[str, Any], timeout: float | None, metadata: Metadata | None
-    ) -> dict[str, Any]:
-        request = _json_body(body, stream=False)
-        parts: list[bytes] = []
-        async with contextlib.aclosing(self._stream(method, request, timeout, metadata)) as bodies:
-            async for part in bodies:
-                parts.append(part.data)
-        result = json.loads(b"".join(parts))
-        _raise_error_event(result)
-        return result
-
-    async def _events(
-        self, method: Any, body: Mapping[str, Any], timeout: float | None, metadata: Metadata | None
-    ) -> AsyncIterator[dict[str, Any]]:
-        decoder = SseDecoder()
-        request = _json_body(body, stream=True)
-        async with contextlib.aclosing(self._stream(method, request, timeout, metadata)) as bodies:
-            async for part in bodies:
-                for event in decoder.feed(part.data):
-                    _raise_error_event(event)
-                    yield event
-        for event in decoder.close():
-            _raise_error_event(event)
-            yield event
+    async def _collect(self, rpc: _Rpc, *, then: Callable[[list[Any]], Any]) -> Any:
+        async with contextlib.aclosing(self._stream(rpc)) as messages:
+            collected = [message async for message in messages]
+        return then(collected)

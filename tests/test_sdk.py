@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import socket
 import subprocess
@@ -619,6 +620,13 @@ def test_health_is_false_when_nothing_listens() -> None:
             nowhere.generate("Hello")
 
 
+async def test_async_health_is_false_when_nothing_listens() -> None:
+    async with AsyncClient(closed_port_target(), timeout=5) as nowhere:
+        assert await nowhere.health() is False
+        with pytest.raises(UnavailableError):
+            await nowhere.generate("Hello")
+
+
 # --- OpenAI HttpBody routes and SSE -----------------------------------------------
 
 CHAT_SSE = (
@@ -700,6 +708,81 @@ async def test_async_chat_completions(aclient: AsyncClient, fake: FakeTextGenera
     ] == CHAT_EVENTS
     fake.http_chunks = [b'{"object": "chat.completion"}']
     assert await aclient.chat_completions({"messages": []}) == {"object": "chat.completion"}
+
+
+ERROR_AFTER_EVENT_SSE = (
+    b'data: {"id": "1"}\n\n'
+    b'data: {"error": {"message": "busy", "type": "overloaded"}}\n\n'
+    b'data: {"id": "2"}\n\n'
+)
+
+
+def test_chat_completions_stream_yields_events_before_error_event(
+    client: Client, fake: FakeTextGeneration
+) -> None:
+    fake.http_chunks = [ERROR_AFTER_EVENT_SSE]
+    stream = client.chat_completions_stream({"messages": []})
+    assert next(stream) == {"id": "1"}
+    with pytest.raises(OverloadedError, match="busy"):
+        next(stream)
+
+
+async def test_async_chat_completions_errors(
+    aclient: AsyncClient, fake: FakeTextGeneration
+) -> None:
+    fake.http_chunks = [ERROR_AFTER_EVENT_SSE]
+    stream = aclient.chat_completions_stream({"messages": []})
+    assert await anext(stream) == {"id": "1"}
+    with pytest.raises(OverloadedError, match="busy"):
+        await anext(stream)
+    fake.http_chunks = [b'{"error": "Input validation error", "error_type": "validation"}']
+    with pytest.raises(ValidationError, match="Input validation error"):
+        await aclient.chat_completions({"messages": []})
+
+
+# --- one API, two clients -----------------------------------------------------------
+
+AWAITABLE_METHODS = [
+    "generate",
+    "info",
+    "tokenize",
+    "health",
+    "metrics",
+    "list_models",
+    "chat_completions",
+    "completions",
+]
+STREAM_METHODS = ["generate_stream", "chat_completions_stream", "completions_stream"]
+
+
+@pytest.mark.parametrize("name", AWAITABLE_METHODS + STREAM_METHODS + ["__init__"])
+def test_async_client_has_the_client_signatures(name: str) -> None:
+    sync_method, async_method = getattr(Client, name), getattr(AsyncClient, name)
+    assert inspect.signature(async_method) == inspect.signature(sync_method)
+    assert async_method.__doc__ == sync_method.__doc__
+
+
+@pytest.mark.parametrize("name", AWAITABLE_METHODS)
+def test_async_client_calls_are_coroutine_functions(name: str) -> None:
+    # What asyncio frameworks check before they await a callable.
+    assert inspect.iscoroutinefunction(getattr(AsyncClient, name))
+    assert not inspect.iscoroutinefunction(getattr(Client, name))
+
+
+async def test_async_bad_argument_raises_when_awaited(aclient: AsyncClient) -> None:
+    call = aclient.generate("Hello", no_such_option=1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="no_such_option"):
+        await call
+
+
+async def test_async_streams_are_async_iterators(aclient: AsyncClient) -> None:
+    for stream in (
+        aclient.generate_stream("Hello"),
+        aclient.chat_completions_stream({"messages": []}),
+        aclient.completions_stream({"prompt": "Hello"}),
+    ):
+        assert inspect.isasyncgen(stream)
+        await stream.aclose()  # never started: no RPC was made
 
 
 # --- packaging ----------------------------------------------------------------------
