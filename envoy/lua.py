@@ -27,7 +27,7 @@ local FALLBACK_STATUS, FALLBACK_TYPE = __FALLBACK__
 local UNWRAP = {__UNWRAP__}
 local FACE_HEADER = "__FACE_HEADER__"
 local LEAKED = {"grpc-status", "grpc-message", "grpc-accept-encoding",
-                "grpc-status-details-bin", "x-textgen-error-type"}
+                "grpc-status-details-bin", "x-textgen-error-type", "x-textgen-error-param"}
 local META = "textgen"
 
 local function is_grpc(content_type)
@@ -83,10 +83,11 @@ local function percent_decode(s)
   return (s:gsub('%%(%x%x)', function(h) return string.char(tonumber(h, 16)) end))
 end
 
-local function error_body(face, message, error_type)
+local function error_body(face, message, error_type, param)
   if face == "openai" then
+    local param_json = param ~= nil and json_string(param) or "null"
     return '{"error":{"message":' .. json_string(message) .. ',"type":' .. json_string(error_type)
-      .. ',"param":null,"code":null}}'
+      .. ',"param":' .. param_json .. ',"code":null}}'
   end
   return '{"error":' .. json_string(message) .. ',"error_type":' .. json_string(error_type) .. '}'
 end
@@ -141,6 +142,7 @@ function envoy_on_response(response_handle)
   local grpc_status = headers:get("grpc-status")
   local error_type = headers:get("x-textgen-error-type")
   local message = headers:get("grpc-message")
+  local param = headers:get("x-textgen-error-param")  -- the refused field (OpenAI's param)
   for _, name in ipairs(LEAKED) do headers:remove(name) end
 
   if error_type == nil and (grpc_status == nil or grpc_status == "0") then
@@ -169,7 +171,7 @@ function envoy_on_response(response_handle)
   -- A gRPC error before the first message is headers only (trailers-only): ask for
   -- an empty body to fill. TRAP: body() yields; `headers` is dead after it.
   local body = response_handle:body(true)
-  body:setBytes(error_body(face == "openai" and "openai" or "tgi", message, error_type))
+  body:setBytes(error_body(face == "openai" and "openai" or "tgi", message, error_type, param))
 end
 """
 

@@ -33,6 +33,9 @@ import json
 import tomllib
 from pathlib import Path
 
+from textgen.service.errors import ErrorType
+from textgen.service.errors import ErrorType as E
+
 REPO = Path(__file__).resolve().parent.parent
 TGI_SPEC = REPO / "tests" / "data" / "tgi-openapi.json"
 OUT = REPO / "envoy" / "openapi.json"
@@ -42,22 +45,10 @@ UINT64_MAX = 2**64 - 1
 TOKEN_ID = {"type": "string", "pattern": "^[0-9]{1,10}$"}
 INT32_MAX = 2**31 - 1
 
-# The error_types a typed error may carry (service/grpc/errors.py for the server's,
-# envoy/errors.py's local replies for Envoy's own). Envoy's fallbacks for an
-# unexpected failure (`internal`, `proxy`, `unimplemented`) are not part of the
-# contract: they mean a bug.
-ERROR_TYPES = [
-    "validation",
-    "overloaded",
-    "generation",
-    "incomplete_generation",
-    "unauthenticated",
-    "healthcheck",
-    "unavailable",
-    "not_found",
-    "method_not_allowed",
-    "timeout",
-]
+# The error_types a typed error may carry (service/errors.py's vocabulary). Envoy's
+# fallbacks for an unexpected failure (`internal`, `proxy`, `unimplemented`) are not
+# part of the contract: they mean a bug.
+ERROR_TYPES = [t.value for t in ErrorType if t.in_contract]
 
 # TGI schemas kept as they are (after cleaning), by name.
 KEEP_AS_IS = ["PrefillToken", "Token", "SimpleToken", "TokenizeResponse", "JsonSchemaConfig"]
@@ -941,15 +932,17 @@ def openai_schemas(tgi: dict) -> dict:
 
 # (status, error_type, description) of the errors each kind of route can answer.
 ERRORS = {
-    401: ("unauthenticated", "A valid API key is required (servers started with --api-key)"),
-    413: ("validation", "Payload too large: the request body is limited to 2 MB"),
-    422: ("validation", "Input validation error (also malformed JSON or a wrong field type)"),
-    424: ("generation", "Generation error"),
-    429: ("overloaded", "Model is overloaded"),
-    500: ("incomplete_generation", "Incomplete generation"),
-    503: ("unavailable", "No replica is ready (starting, draining or down)"),
-    504: ("timeout", "The upstream did not answer in time"),
+    401: (E.UNAUTHENTICATED, "A valid API key is required (servers started with --api-key)"),
+    413: (E.VALIDATION, "Payload too large: the request body is limited to 2 MB"),
+    422: (E.VALIDATION, "Input validation error (also malformed JSON or a wrong field type)"),
+    424: (E.GENERATION, "Generation error"),
+    429: (E.OVERLOADED, "Model is overloaded"),
+    500: (E.INCOMPLETE_GENERATION, "Incomplete generation"),
+    503: (E.UNAVAILABLE, "No replica is ready (starting, draining or down)"),
+    504: (E.TIMEOUT, "The upstream did not answer in time"),
 }
+# the vocabulary's statuses (413 is Envoy's payload limit, typed validation)
+assert all(t.http_status == s for s, (t, _) in ERRORS.items() if s != 413)
 GENERATION_ERRORS = (401, 413, 422, 424, 429, 500, 503)
 BODY_ERRORS = (401, 413, 422, 503, 504)
 QUICK_ERRORS = (401, 503, 504)

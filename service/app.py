@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -16,9 +17,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from . import __version__
 from .admission import Admission
 from .config import Settings
-from .engine.grammar import GrammarCompiler, GrammarMasks
+from .engine.grammar import GrammarMasks
 from .engine.loop import EngineLoop
 from .engine.paged_core import PagedCore
+from .errors import ErrorType
+from .grammar_compiler import GrammarCompiler
 from .grpc.interceptors import ApiKeyInterceptor, DecodingInterceptor
 from .grpc.server import SERVICE_NAME, build_server, set_serving
 from .grpc.servicer import ServedModel, TextGenerationServicer
@@ -62,6 +65,8 @@ class Replica:
         await set_serving(self.health, False)
         await self.server.stop(grace)
         self.engine.shutdown()
+        if self.servicer.validation_workers is not None:
+            self.servicer.validation_workers.shutdown(wait=False)
 
 
 def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -81,9 +86,16 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def kv_capacity_tokens(settings: Settings, loaded: LoadedModel, max_total_tokens: int) -> int:
-    """--max-batch-total-tokens, or what a share of free memory holds (at least one
-    full-length request)."""
+    """--max-batch-total-tokens, or what a share of free memory holds: at least one
+    full-length request either way (a smaller pool is refused at startup, so that
+    validation's bound, max_total_tokens, is the only one a request meets)."""
     if settings.max_batch_total_tokens:
+        if settings.max_batch_total_tokens < max_total_tokens:
+            raise ValueError(
+                f"--max-batch-total-tokens ({settings.max_batch_total_tokens}) must be >= "
+                f"--max-total-tokens ({max_total_tokens}): a request of max_total_tokens "
+                "must fit in the KV cache"
+            )
         return settings.max_batch_total_tokens
     per_token = kv_bytes_per_token(loaded.model, loaded.dtype)
     fraction = KV_MEMORY_FRACTION.get(loaded.device.type, 0.1)
@@ -98,7 +110,7 @@ def build_core(settings: Settings, loaded: LoadedModel, capacity: int, grammars:
         max_batch_prefill_tokens=settings.max_batch_prefill_tokens,
         max_batch_size=settings.max_batch_size,
         block_size=KV_BLOCK_SIZE,
-        grammars=GrammarMasks(grammars),
+        grammars=GrammarMasks(grammars.ll_tokenizer, grammars.vocab_size),
     )
 
 
@@ -127,7 +139,7 @@ def request_interceptors(settings: Settings, metrics: Metrics) -> list:
         open_methods = () if settings.auth_health_and_metrics else OPEN_METHODS
 
         def rejected() -> None:
-            metrics.request_failure.inc("unauthenticated")
+            metrics.request_failure.inc(ErrorType.UNAUTHENTICATED.value)
 
         interceptors.append(ApiKeyInterceptor(keys, open_methods, on_reject=rejected))
     interceptors.append(DecodingInterceptor())
@@ -144,7 +156,7 @@ def served_model(settings: Settings, loaded: LoadedModel, limits: Limits, capaci
         max_stop_sequences=settings.max_stop_sequences,
         max_input_tokens=limits.max_input_tokens,
         max_total_tokens=limits.max_total_tokens,
-        validation_workers=1,
+        validation_workers=settings.validation_workers,
         max_client_batch_size=settings.max_client_batch_size,
         router="textgen",
         version=__version__,
@@ -199,6 +211,7 @@ async def start_replica(
         served_model(settings, loaded, limits, capacity, core),
         Admission(settings.max_concurrent_requests, settings.max_queued_requests, settings.max_queued_tokens),
         RequestRecorder(metrics, tracer),
+        ThreadPoolExecutor(settings.validation_workers, thread_name_prefix="textgen-validation"),
     )
     server, health, port = build_server(
         servicer,

@@ -38,7 +38,7 @@ class Settings:
     max_batch_prefill_tokens: int = 2048  # per-step prefill budget (prompts are chunked)
     max_batch_total_tokens: int | None = None  # KV-cache capacity; None: sized from memory
     max_batch_size: int = 256
-    waiting_served_ratio: float = 1.2
+    validation_workers: int = 2  # threads validating long prompts and compiling grammars
     api_key: str | None = None
     api_key_file: str | None = None  # one key per line
     auth_health_and_metrics: bool = False  # True: health and metrics need a key too
@@ -115,7 +115,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     flag("max-batch-prefill-tokens", type=_positive_int, default=d.max_batch_prefill_tokens, help="prefill tokens per engine step")
     flag("max-batch-total-tokens", type=_positive_int, default=d.max_batch_total_tokens, help="KV-cache capacity in tokens (default: sized from free memory)")
     flag("max-batch-size", type=_positive_int, default=d.max_batch_size, help="most sequences per step")
-    flag("waiting-served-ratio", type=float, default=d.waiting_served_ratio, help="scheduling ratio of waiting to running requests (TGI)")
+    # TGI's --waiting-served-ratio and --max-waiting-tokens have no counterpart: prefill
+    # chunks ride in the decodes' forward, so nothing needs rationing (engine/scheduler.py)
+    flag("validation-workers", type=_positive_int, default=d.validation_workers, help="threads that validate long prompts and compile grammars (TGI's flag)")
     flag("api-key", default=d.api_key, help="require `authorization: Bearer KEY` on every call")
     flag("api-key-file", default=d.api_key_file, help="file of accepted API keys, one per line")
     parser.add_argument("--auth-health-and-metrics", action="store_true", default=_env("auth-health-and-metrics", "") not in ("", "0", "false"), help="require the API key on health and metrics too")

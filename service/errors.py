@@ -10,6 +10,7 @@ the contract's comment (api/textgen/v1/generate.proto) are checked against it in
 from __future__ import annotations
 
 import enum
+from typing import Self
 
 import grpc
 
@@ -20,7 +21,7 @@ class ErrorType(str, enum.Enum):
     http_status: int
     grpc_code: grpc.StatusCode
 
-    def __new__(cls, value: str, http_status: int, grpc_code: grpc.StatusCode) -> ErrorType:
+    def __new__(cls, value: str, http_status: int, grpc_code: grpc.StatusCode) -> Self:
         member = str.__new__(cls, value)
         member._value_ = value
         member.http_status = http_status
@@ -46,6 +47,9 @@ class ErrorType(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+    # equal to its string, and hashed as it: a member and "validation" are one dict key
+    __hash__ = str.__hash__
 
     @property
     def in_contract(self) -> bool:

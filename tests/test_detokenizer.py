@@ -5,12 +5,11 @@ fallback, on emoji, CJK and accented text. Stop strings match across tokens."""
 from __future__ import annotations
 
 import pytest
-from tiny_model import build_tokenizer
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
-
 from textgen.service.engine.detokenizer import IncrementalDetokenizer, decode_output
 from textgen.service.engine.stopping import StopSequenceMatcher
+from tiny_model import build_tokenizer
+from tokenizers import Tokenizer, decoders, models, normalizers
+from transformers import PreTrainedTokenizerFast
 
 TEXTS = [
     "Hello, world!",

@@ -85,7 +85,6 @@ def test_32_concurrent_prompts_equal_generate_alone(embedded_server):
     import concurrent.futures as cf
 
     import torch
-
     from textgen.service.models import load_model
 
     target, _ = embedded_server

@@ -54,7 +54,8 @@ def test_openai_route_errors_have_openai_shape(web):
     status, _, raw = web.call("POST", "/v1/chat/completions", {"messages": []})
     assert status == 422
     error = json.loads(raw)["error"]
-    assert error["type"] == "validation" and error["message"] and error["param"] is None
+    # the refused field, as OpenAI names it
+    assert error["type"] == "validation" and error["message"] and error["param"] == "messages"
     status, _, raw = web.call("GET", "/v1/nothing-here")
     assert status == 404 and json.loads(raw)["error"]["type"] == "not_found"
 

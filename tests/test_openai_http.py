@@ -103,4 +103,11 @@ def test_bad_requests_get_openai_errors(http_server, body):
 def test_openai_sdk_raises_on_bad_request(client):
     with pytest.raises(openai.UnprocessableEntityError) as info:
         client.chat.completions.create(model="tgi", messages=MESSAGES, max_tokens=100000)
-    assert "max_new_tokens" in str(info.value)
+    # OpenAI's field names, in the message and as `param`, not TGI's max_new_tokens
+    assert "`max_tokens` must be <=" in str(info.value)
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.chat.completions.create(
+            model="tgi", messages=MESSAGES, max_completion_tokens=100000, logprobs=True, top_logprobs=9
+        )
+    assert info.value.body["param"] == "top_logprobs"

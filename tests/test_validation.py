@@ -96,10 +96,11 @@ def test_truncate_keeps_the_last_tokens(stub):
 
 
 def test_unset_max_new_tokens_fills_to_max_total_tokens(tiny_server):
+    from textgen.service.request import GenerateRequest
     from textgen.service.validation import Validator
 
     validator: Validator = tiny_server.replica.servicer.validator
-    valid = validator.validate(pb.GenerateRequest(inputs="hi"), stream=False)
+    valid = validator.validate(GenerateRequest(inputs="hi"), stream=False)
     prompt_len = len(valid.engine_request.prompt_ids)
     assert valid.engine_request.stopping.max_new_tokens == MAX_TOTAL - prompt_len
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .kv_cache import KVCachePool, LayerCache
+from .kv_pool import KVCachePool, LayerCache
 
 try:  # optional CUDA kernel; absent on CPU machines
     from flash_attn import flash_attn_varlen_func

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import ErrorType
 from .core import EngineCore, StepOutput
 from .detokenizer import IncrementalDetokenizer, decode_output
 from .sequence import Sequence
@@ -96,7 +97,7 @@ class EngineLoop:
         """Stream the request's tokens. Leaving the iteration early (the client went
         away, the task was cancelled) aborts the sequence and frees its blocks."""
         if not self.healthy:
-            raise EngineError("the engine is not running", "unavailable")
+            raise EngineError("the engine is not running", ErrorType.UNAVAILABLE)
         seq = Sequence(request, self.eos_token_ids)
         stream = _Stream(
             seq=seq,
@@ -146,9 +147,9 @@ class EngineLoop:
         except Exception as exc:
             log.exception("engine step failed; the engine stops")
             self.last_error = exc
-            self._fail_all(EngineError(f"generation failed: {exc}", "generation"))
+            self._fail_all(EngineError(f"generation failed: {exc}", ErrorType.GENERATION))
             return
-        self._fail_all(EngineError("the engine is shutting down", "unavailable"))
+        self._fail_all(EngineError("the engine is shutting down", ErrorType.UNAVAILABLE))
 
     def _step(self) -> list[StepOutput]:
         """One core step; out of device memory, the core sheds half its batch (the shed
@@ -214,12 +215,9 @@ class EngineLoop:
         special = out.token_id in self._special_ids
         text = stream.detokenizer.step(seq.token_ids)
         visible = text.replace(self.tokenizer.decode([out.token_id]), "", 1) if special else text
+        # the text-level stop reason (stopping.py); the token-level ones are the core's
         if not seq.is_finished and stream.stops.feed(visible) is not None:
             seq.finish(FinishReason.STOP_SEQUENCE)
-            self.core.abort(seq)
-        deadline = seq.request.stopping.deadline
-        if not seq.is_finished and deadline is not None and time.monotonic() >= deadline:
-            seq.finish(FinishReason.TIME_LIMIT)
             self.core.abort(seq)
         finish = None
         if seq.is_finished:

@@ -12,14 +12,17 @@ import time
 
 import torch
 
+from ..errors import ErrorType
+from .block_manager import BlockManager, num_blocks_for_tokens
 from .core import StepOutput
 from .grammar import GrammarMasks, PendingMasks
-from .kv_cache import BlockManager, KVCachePool, num_blocks_for_tokens
+from .kv_pool import KVCachePool
 from .runner import ModelRunner, RunnerOutput
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .types import EngineError, EngineStats, FinishReason
+from .stopping import token_stop_reason
+from .types import EngineError, EngineStats
 
 
 class PagedCore:
@@ -69,17 +72,20 @@ class PagedCore:
     # EngineCore --------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        # The engine's own invariants: a request that could never fit would wait forever.
+        # Validated requests never fail them (validation bounds max_new_tokens by
+        # max_total_tokens, which startup checks against the pool: app.py).
         needed = seq.num_prompt_tokens + seq.request.stopping.max_new_tokens
         if needed > self.max_total_tokens:
             raise EngineError(
                 f"request needs {needed} tokens of KV cache but the pool holds "
                 f"{self.max_total_tokens} (max_batch_total_tokens)",
-                "validation",
+                ErrorType.VALIDATION,
             )
         if seq.num_prompt_tokens == 0:
-            raise EngineError("empty prompt", "validation")
+            raise EngineError("empty prompt", ErrorType.VALIDATION)
         if seq.request.grammar is not None and self.grammars is None:
-            raise EngineError("this engine has no grammar support", "validation")
+            raise EngineError("this engine has no grammar support", ErrorType.VALIDATION)
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -148,18 +154,17 @@ class PagedCore:
             self.grammars.apply(logits, result.sample_seqs, masks)
         sampled = self.sampler.sample(logits, result.sample_seqs)
         outputs = []
+        now = time.monotonic()
         for row, seq in enumerate(result.sample_seqs):
             prefill = None
             if seq.request.decoder_input_details and seq.num_output_tokens == 0:
                 prefill = [None, *seq.prefill_logprobs]
             token_id = sampled.token_ids[row]
-            seq.append_token(token_id)
-            if (
-                seq.grammar_state is not None
-                and self.grammars.advance(seq, token_id)
-                and not seq.is_finished
-            ):
-                seq.finish(FinishReason.EOS_TOKEN)  # the grammar is complete: nothing may follow
+            seq.append_token(token_id, now)
+            complete = seq.grammar_state is not None and self.grammars.advance(seq, token_id)
+            reason = token_stop_reason(seq, token_id, grammar_complete=complete, now=now)
+            if reason is not None:
+                seq.finish(reason)
             outputs.append(
                 StepOutput(seq, token_id, sampled.logprobs[row], sampled.top_tokens[row], prefill)
             )

@@ -14,7 +14,7 @@ import torch
 from transformers import AttentionInterface
 
 from .attention import ATTENTION_NAME, METADATA_KWARG, BatchMetadata, paged_attention_forward
-from .kv_cache import KVCachePool
+from .kv_pool import KVCachePool
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 

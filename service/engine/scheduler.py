@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache import BlockManager, num_blocks_for_tokens
+from .block_manager import BlockManager, num_blocks_for_tokens
 from .sequence import Sequence, SequenceStatus
 
 

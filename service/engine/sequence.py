@@ -70,20 +70,13 @@ class Sequence:
         """True while prompt tokens remain to be computed."""
         return self.num_computed_tokens < self.num_prompt_tokens
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, now: float | None = None) -> None:
+        """Append a sampled token (whether it ends the sequence is stopping.py's call)."""
         self.token_ids.append(token_id)
-        self.last_token_time = time.monotonic()
+        self.last_token_time = time.monotonic() if now is None else now
         if self.first_token_time is None:
             self.first_token_time = self.last_token_time
-        self._check_token_stop(token_id)
 
     def finish(self, reason: FinishReason) -> None:
         self.finish_reason = reason
         self.status = SequenceStatus.FINISHED
-
-    def _check_token_stop(self, token_id: int) -> None:
-        stopping = self.request.stopping
-        if not stopping.ignore_eos and token_id in self.eos_token_ids:
-            self.finish(FinishReason.EOS_TOKEN)
-        elif self.num_output_tokens >= stopping.max_new_tokens:
-            self.finish(FinishReason.LENGTH)

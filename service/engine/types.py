@@ -4,7 +4,9 @@ what the engine hands back. Plain dataclasses; nothing here knows gRPC or torch.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from ..errors import ErrorType
 
 
 class FinishReason(str, enum.Enum):
@@ -31,10 +33,6 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int = 0
     top_n_tokens: int = 0
-
-    @property
-    def is_greedy(self) -> bool:
-        return not self.do_sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +99,9 @@ class TokenEvent:
 
 
 class EngineError(Exception):
-    """The engine failed a request; error_type is TGI's (generation, incomplete_generation...)."""
+    """The engine failed a request, with TGI's error type."""
 
-    def __init__(self, message: str, error_type: str = "generation") -> None:
+    def __init__(self, message: str, error_type: ErrorType = ErrorType.GENERATION) -> None:
         super().__init__(message)
         self.message = message
         self.error_type = error_type
@@ -122,4 +120,3 @@ class EngineStats:
     prefix_cache_queried_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
-    extra: dict[str, float] = field(default_factory=dict)

@@ -1,11 +1,65 @@
-"""Engine results -> textgen.v1 protobuf messages. The only place that knows both."""
+"""textgen.v1 protobuf <-> plain data: the TGI RPCs' requests become request.py's
+GenerateRequest, engine results become response messages. The only place that knows
+both."""
 
 from __future__ import annotations
 
-from google.protobuf import struct_pb2
+from google.protobuf import json_format, struct_pb2
 
 from ..engine.types import FinishInfo, PrefillInfo, TokenEvent, TokenInfo
 from ..proto import generate_pb2 as pb
+from ..request import GenerateParameters, GenerateRequest, Grammar
+
+# proto3 `optional` fields: unset stays None (TGI's default applies)
+_OPTIONAL = (
+    "best_of", "frequency_penalty", "max_new_tokens", "repetition_penalty",
+    "return_full_text", "seed", "temperature", "top_k", "top_n_tokens", "top_p",
+    "truncate", "typical_p", "presence_penalty", "max_time", "adapter_id",
+)  # fmt: skip
+
+
+# requests ---------------------------------------------------------------------------
+
+
+def generate_request(request: pb.GenerateRequest) -> GenerateRequest:
+    return GenerateRequest(inputs=request.inputs, parameters=parameters(request.parameters))
+
+
+def parameters(p: pb.GenerateParameters) -> GenerateParameters:
+    return GenerateParameters(
+        **{name: getattr(p, name) if p.HasField(name) else None for name in _OPTIONAL},
+        decoder_input_details=p.decoder_input_details,
+        details=p.details,
+        do_sample=p.do_sample,
+        grammar=grammar(p.grammar) if p.HasField("grammar") else None,
+        stop=tuple(p.stop),
+        watermark=p.watermark,
+        logit_bias=dict(p.logit_bias),
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def grammar(g: pb.Grammar) -> Grammar:
+    return Grammar(type=g.type, value=json_value(g.value) if g.HasField("value") else None)
+
+
+def json_value(value: struct_pb2.Value) -> object:
+    """A google.protobuf.Value as plain JSON. Value keeps every number as a double, so
+    integral ones become ints again: `"maxLength": 24` must not reach a schema as 24.0."""
+    return _integral(json_format.MessageToDict(value))
+
+
+def _integral(value):
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _integral(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
+
+
+# responses --------------------------------------------------------------------------
 
 
 def token(t: TokenInfo) -> pb.Token:

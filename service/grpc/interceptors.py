@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 import grpc
 
+from ..errors import ErrorType
 from .errors import to_status
 
 
@@ -21,7 +22,9 @@ def _replace_behavior(handler: grpc.RpcMethodHandler, wrap) -> grpc.RpcMethodHan
     return handler
 
 
-def _aborting(handler: grpc.RpcMethodHandler, message: str, error_type: str) -> grpc.RpcMethodHandler:
+def _aborting(
+    handler: grpc.RpcMethodHandler, message: str, error_type: ErrorType
+) -> grpc.RpcMethodHandler:
     """A handler of the same shape whose every call ends with a typed status."""
 
     def wrap(_behavior, streaming: bool):
@@ -59,7 +62,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if self._on_reject is not None:
             self._on_reject()
-        return _aborting(handler, "Unauthorized: a valid API key is required", "unauthenticated")
+        return _aborting(handler, "Unauthorized: a valid API key is required", ErrorType.UNAUTHENTICATED)
 
     def _authorized(self, metadata) -> bool:
         token = b""
@@ -124,4 +127,4 @@ class DecodingInterceptor(grpc.aio.ServerInterceptor):
 
 async def _reject_malformed(context, request: MalformedRequest) -> None:
     message = f"the request is not a valid message (strings must be valid UTF-8): {request.error}"
-    await context.abort_with_status(to_status(message, "validation"))
+    await context.abort_with_status(to_status(message, ErrorType.VALIDATION))

@@ -8,8 +8,9 @@ import asyncio
 from google.api import httpbody_pb2
 
 from ..engine.types import EngineError
+from ..errors import ErrorType
 from ..openai.chat import ChatRenderer, ChatStream, parse_chat_request
-from ..openai.common import DONE, OpenAIRequestError, StopHoldback, finish_reason, sse_error
+from ..openai.common import DONE, StopHoldback, finish_reason, sse_error
 from ..openai.completions import CompletionRenderer, parse_completion_request
 from ..validation import ValidationError
 from .errors import abort
@@ -25,11 +26,9 @@ class OpenAIRpcs:
         async with self.request(context, "ChatCompletions") as record:
             try:
                 chat = parse_chat_request(request.data, self.validator.tokenizer)
-                valid = await self.validate(
-                    chat.generate, stream=chat.stream, arrival=record.arrival, lark=chat.lark
-                )
-            except (OpenAIRequestError, ValidationError) as exc:
-                await abort(context, exc.message, "validation")
+                valid = await self.validate(chat.generate, stream=chat.stream, arrival=record.arrival)
+            except ValidationError as exc:  # OpenAIRequestError included
+                await abort(context, exc.message, ErrorType.VALIDATION, exc.param)
             record.validated(valid)
             renderer = ChatRenderer(self.served.info.model_id, f"textgen-{self.served.info.version}", chat)
             async with self.admitted(context, valid):
@@ -65,8 +64,8 @@ class OpenAIRpcs:
             try:
                 req = parse_completion_request(request.data, info.max_client_batch_size)
                 valid = [await self.validate(g, stream=req.stream, arrival=record.arrival) for g in req.generates]
-            except (OpenAIRequestError, ValidationError) as exc:
-                await abort(context, exc.message, "validation")
+            except ValidationError as exc:  # OpenAIRequestError included
+                await abort(context, exc.message, ErrorType.VALIDATION, exc.param)
             record.validated(valid[0])
             renderer = CompletionRenderer(info.model_id, f"textgen-{info.version}", req)
             streams = [self.engine.generate(v.engine_request) for v in valid]

@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 
 from ..admission import Admission, Overloaded
 from ..engine.loop import EngineLoop
 from ..engine.types import EngineError, TokenEvent
+from ..errors import ErrorType, incomplete
 from ..observability.requests import RequestRecorder
 from ..proto import generate_pb2 as gen_pb
 from ..proto import text_generation_service_pb2 as svc_pb
 from ..proto import text_generation_service_pb2_grpc as svc_grpc
+from ..request import GenerateRequest
 from ..validation import ValidationError, Validator, ValidRequest
 from . import convert
 from .errors import abort, in_band_error
@@ -44,12 +48,16 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
         served: ServedModel,
         admission: Admission,
         recorder: RequestRecorder,
+        validation_workers: Executor | None = None,
     ) -> None:
+        """validation_workers: where long prompts and grammars are validated (None:
+        asyncio's default executor)."""
         self.engine = engine
         self.validator = validator
         self.served = served
         self.admission = admission
         self.recorder = recorder
+        self.validation_workers = validation_workers
         self.draining = False  # set on SIGTERM: new requests are refused
 
     @contextlib.asynccontextmanager
@@ -57,7 +65,7 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
         """Record the request (metrics, spans, log line); refuse it while draining."""
         async with self.recorder.track(method) as record:
             if self.draining:
-                await abort(context, "the server is shutting down", "unavailable")
+                await abort(context, "the server is shutting down", ErrorType.UNAVAILABLE)
             yield record
 
     @contextlib.asynccontextmanager
@@ -66,7 +74,7 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
         try:
             await self.admission.acquire(sum(len(v.engine_request.prompt_ids) for v in valid))
         except Overloaded as exc:
-            await abort(context, str(exc), "overloaded")
+            await abort(context, str(exc), ErrorType.OVERLOADED)
         try:
             yield
         finally:
@@ -98,8 +106,8 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
             except EngineError as exc:
                 if sent_any:
                     # an HTTP/1.1 client can't see a status after the first frame
-                    yield in_band_error(exc.message, _incomplete(exc.error_type))
-                    await abort(context, exc.message, _incomplete(exc.error_type))
+                    yield in_band_error(exc.message, incomplete(exc.error_type))
+                    await abort(context, exc.message, incomplete(exc.error_type))
                 await abort(context, exc.message, exc.error_type)
 
     async def Generate(self, request, context):
@@ -118,20 +126,22 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
             return response
 
     async def _validate(self, request, context, *, stream: bool, arrival: float) -> ValidRequest:
+        """A TGI RPC's protobuf request, validated, or the RPC ends with the error."""
         try:
-            return await self.validate(request, stream=stream, arrival=arrival)
+            return await self.validate(convert.generate_request(request), stream=stream, arrival=arrival)
         except ValidationError as exc:
-            await abort(context, exc.message, exc.error_type)
+            await abort(context, exc.message, exc.error_type, exc.param)
 
-    async def validate(self, request, *, stream: bool, arrival: float, lark: str | None = None) -> ValidRequest:
+    async def validate(self, request: GenerateRequest, *, stream: bool, arrival: float) -> ValidRequest:
         """Validate (and tokenize); long prompts and grammars (compiled on first sight)
-        off the event loop, so one 2 MB prompt or large schema doesn't stall every other
-        stream while it is processed."""
-        grammar = lark is not None or request.parameters.HasField("grammar")
+        on the validation workers, so one 2 MB prompt or large schema doesn't stall every
+        other stream while it is processed."""
+        grammar = request.lark is not None or request.parameters.grammar is not None
         if len(request.inputs) < LONG_PROMPT_CHARS and not grammar:
             return self.validator.validate(request, stream=stream, arrival_time=arrival)
-        return await asyncio.to_thread(
-            self.validator.validate, request, stream=stream, arrival_time=arrival, lark=lark
+        return await asyncio.get_running_loop().run_in_executor(
+            self.validation_workers,
+            functools.partial(self.validator.validate, request, stream=stream, arrival_time=arrival),
         )
 
     async def _generate_best_of(self, valid: ValidRequest) -> list[list[TokenEvent]]:
@@ -181,7 +191,7 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
 
     async def Tokenize(self, request, context):
         if not request.inputs:
-            await abort(context, "`inputs` cannot be empty", "validation")
+            await abort(context, "`inputs` cannot be empty", ErrorType.VALIDATION, "inputs")
         enc = self.validator.tokenizer(
             request.inputs, add_special_tokens=True, return_offsets_mapping=True
         )
@@ -198,7 +208,7 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
 
     async def Health(self, request, context):
         if not self.engine.healthy or self.draining:
-            await abort(context, "unhealthy", "healthcheck")
+            await abort(context, "unhealthy", ErrorType.HEALTHCHECK)
         return svc_pb.HealthResponse()
 
     async def ListModels(self, request, context):
@@ -242,6 +252,3 @@ def _ms(seconds: float) -> str:
     return str(int(seconds * 1000))
 
 
-def _incomplete(error_type: str) -> str:
-    """A generation error after tokens were sent is an incomplete generation (TGI)."""
-    return "incomplete_generation" if error_type == "generation" else error_type

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from ..engine.types import FinishInfo
+from ..errors import ErrorType
 from .metrics import Metrics
 
-current_error_type: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+current_error_type: contextvars.ContextVar[ErrorType | None] = contextvars.ContextVar(
     "textgen_error_type", default=None
 )
 
@@ -70,7 +71,7 @@ class RequestRecorder:
             self.metrics.cancelled.inc()
             raise
         except BaseException:
-            status = current_error_type.get() or "generation"
+            status = str(current_error_type.get() or ErrorType.GENERATION)
             self.metrics.request_failure.inc(status)
             raise
         finally:

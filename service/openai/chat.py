@@ -8,10 +8,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from google.protobuf import json_format
-
 from ..engine.types import FinishInfo, TokenEvent
-from ..proto import generate_pb2 as pb
+from ..request import GenerateParameters, GenerateRequest, Grammar
 from ..validation import grammar_spec
 from .common import (
     DONE,
@@ -42,14 +40,15 @@ from .tools import (
 
 @dataclass(frozen=True)
 class ChatRequest:
-    generate: pb.GenerateRequest  # the templated prompt and TGI parameters (incl. response_format)
+    # the templated prompt and TGI parameters (response_format as the grammar; with
+    # tools, their Lark grammar)
+    generate: GenerateRequest
     stream: bool
     include_usage: bool
     logprobs: bool
     top_logprobs: int
     stop: tuple[str, ...]
     tools: ToolPlan | None = None  # tools the model may call
-    lark: str | None = None  # the output grammar when tools are offered (overrides parameters.grammar)
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -81,33 +80,47 @@ def parse_chat_request(body: bytes, tokenizer) -> ChatRequest:
     except Exception as exc:
         raise OpenAIRequestError(f"cannot apply the chat template: {exc}", "messages") from exc
     params, stop = sampling_parameters(data)
-    lark = None
-    if plan is not None:
-        lark = plan.lark(_lark_answer(answer_format))
-    elif answer_format is not None:
-        params.grammar.CopyFrom(answer_format)
+    if plan is None:
+        params["grammar"] = answer_format
     logprobs = bool(optional_field(data, "logprobs", bool) or False)
     top_logprobs = optional_field(data, "top_logprobs", int) or 0
     if top_logprobs and not logprobs:
         raise OpenAIRequestError("`top_logprobs` requires `logprobs: true`", "top_logprobs")
     if top_logprobs:
-        params.top_n_tokens = top_logprobs
+        params["top_n_tokens"] = top_logprobs
     stream = bool(optional_field(data, "stream", bool) or False)
     options = optional_field(data, "stream_options", dict) or {}
     include_usage = bool(options.get("include_usage", False))
+    generate = GenerateRequest(
+        inputs=prompt,
+        parameters=GenerateParameters(**params),
+        lark=plan.lark(_lark_answer(answer_format)) if plan is not None else None,
+        names=_names(data, plan),
+    )
     return ChatRequest(
-        generate=pb.GenerateRequest(inputs=prompt, parameters=params),
+        generate=generate,
         stream=stream,
         include_usage=include_usage,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         stop=stop,
         tools=plan,
-        lark=lark,
     )
 
 
-def response_format(data: dict) -> pb.Grammar | None:
+def _names(data: dict, plan: ToolPlan | None) -> dict[str, str]:
+    """TGI's fields as this chat request calls them (request.GenerateRequest.names)."""
+    return {
+        "inputs": "messages",
+        "max_new_tokens": (
+            "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
+        ),
+        "top_n_tokens": "top_logprobs",
+        "grammar": "tools" if plan is not None else "response_format",
+    }
+
+
+def response_format(data: dict) -> Grammar | None:
     """OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema",
     "json_schema": {"name", "schema", "strict"}}), or TGI's grammar in its place
     ({"type": "json" | "json_schema" | "regex", "value": ...}), as a TGI grammar."""
@@ -137,16 +150,11 @@ def response_format(data: dict) -> pb.Grammar | None:
     )
 
 
-def _grammar(kind: str, value) -> pb.Grammar:
-    grammar = pb.Grammar(type=kind)
-    try:
-        json_format.ParseDict(value, grammar.value)
-    except (json_format.ParseError, TypeError, ValueError) as exc:
-        raise OpenAIRequestError(f"`response_format` holds no JSON value: {exc}", "response_format") from exc
-    return grammar
+def _grammar(kind: str, value) -> Grammar:
+    return Grammar(type=kind, value=value)  # plain JSON already: it came out of json.loads
 
 
-def _lark_answer(answer_format: pb.Grammar | None) -> str | None:
+def _lark_answer(answer_format: Grammar | None) -> str | None:
     """A response_format as the answer rule of the tool grammar."""
     if answer_format is None:
         return None

@@ -9,16 +9,12 @@ import math
 from dataclasses import dataclass
 
 from ..engine.types import FinishInfo
-from ..proto import generate_pb2 as pb
+from ..validation import ValidationError
 
 
-class OpenAIRequestError(Exception):
-    """A malformed OpenAI request (a validation error, reported in OpenAI's shape)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
+class OpenAIRequestError(ValidationError):
+    """A malformed OpenAI request: a validation error, reported in OpenAI's shape with
+    the offending field as `param`."""
 
 
 # The request fields both routes read in sampling_parameters(); beside OpenAI's own,
@@ -43,10 +39,10 @@ def refuse_unknown_fields(data: dict, known: frozenset[str]) -> None:
             raise OpenAIRequestError(f"`{key}` is not supported", key)
 
 
-def sampling_parameters(data: dict) -> tuple[pb.GenerateParameters, tuple[str, ...]]:
+def sampling_parameters(data: dict) -> tuple[dict, tuple[str, ...]]:
     """The OpenAI sampling fields shared by chat and completions (SAMPLING_FIELDS but
-    `stream`), as TGI parameters."""
-    params = pb.GenerateParameters()
+    `stream`), as keyword arguments of request.GenerateParameters, and the stop strings."""
+    params: dict = {}
     n = optional_field(data, "n", int)
     if n is not None and n != 1:
         raise OpenAIRequestError("only `n: 1` is supported", "n")
@@ -54,7 +50,7 @@ def sampling_parameters(data: dict) -> tuple[pb.GenerateParameters, tuple[str, .
     if max_tokens is None:
         max_tokens = optional_field(data, "max_tokens", int)
     if max_tokens is not None:
-        params.max_new_tokens = max_tokens
+        params["max_new_tokens"] = max_tokens
     temperature = optional_field(data, "temperature", float)
     if temperature is not None and temperature < 0:
         raise OpenAIRequestError("`temperature` must be >= 0", "temperature")
@@ -64,33 +60,27 @@ def sampling_parameters(data: dict) -> tuple[pb.GenerateParameters, tuple[str, .
     if top_k is not None and top_k < -1:
         raise OpenAIRequestError("`top_k` must be -1 or 0 (off) or a positive integer", "top_k")
     if sampling:
-        params.do_sample = True
-        if temperature is not None:
-            params.temperature = temperature
+        params["do_sample"] = True
+        params["temperature"] = temperature
         if top_p is not None and top_p < 1.0:
-            params.top_p = top_p
+            params["top_p"] = top_p
         if top_k is not None and top_k > 0:
-            params.top_k = top_k
-    repetition_penalty = optional_field(data, "repetition_penalty", float)
-    if repetition_penalty is not None:
-        params.repetition_penalty = repetition_penalty
-    if optional_field(data, "ignore_eos", bool):
-        params.ignore_eos = True
+            params["top_k"] = top_k
+    params["repetition_penalty"] = optional_field(data, "repetition_penalty", float)
+    params["ignore_eos"] = bool(optional_field(data, "ignore_eos", bool))
     for name in ("frequency_penalty", "presence_penalty"):
-        value = optional_field(data, name, float)
-        if value is not None:
-            setattr(params, name, value)
-    seed = optional_field(data, "seed", int, bounds=(0, 2**64 - 1))
-    if seed is not None:
-        params.seed = seed
+        params[name] = optional_field(data, name, float)
+    params["seed"] = optional_field(data, "seed", int, bounds=(0, 2**64 - 1))
     stop = _stop(data)
-    params.stop.extend(stop)
+    params["stop"] = stop
+    logit_bias = {}
     for token, bias in (optional_field(data, "logit_bias", dict) or {}).items():
         token = str(token)
         number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
         if not (token.isascii() and token.isdigit() and int(token) < 2**32 and number and math.isfinite(bias)):
             raise OpenAIRequestError("`logit_bias` maps token ids to finite numbers", "logit_bias")
-        params.logit_bias[int(token)] = float(bias)
+        logit_bias[int(token)] = float(bias)
+    params["logit_bias"] = logit_bias
     return params, stop
 
 

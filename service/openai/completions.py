@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..engine.types import FinishInfo, TokenEvent
-from ..proto import generate_pb2 as pb
+from ..request import GenerateParameters, GenerateRequest
 from .common import (
     SAMPLING_FIELDS,
     OpenAIRequestError,
@@ -28,7 +28,7 @@ from .common import (
 @dataclass(frozen=True)
 class CompletionRequest:
     prompts: tuple[str, ...]
-    generates: tuple[pb.GenerateRequest, ...]  # one per prompt, same parameters
+    generates: tuple[GenerateRequest, ...]  # one per prompt, same parameters
     stream: bool
     include_usage: bool
     echo: bool
@@ -38,6 +38,10 @@ class CompletionRequest:
 
 # What parse_completion_request reads; anything else is refused (refuse_unknown_fields).
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "echo", "logprobs", "suffix", "best_of"}
+
+
+# TGI's fields as completions call them (request.GenerateRequest.names)
+COMPLETION_NAMES = {"inputs": "prompt", "max_new_tokens": "max_tokens", "top_n_tokens": "logprobs"}
 
 
 def parse_completion_request(body: bytes, max_prompts: int) -> CompletionRequest:
@@ -54,11 +58,13 @@ def parse_completion_request(body: bytes, max_prompts: int) -> CompletionRequest
     if logprobs is not None:
         if logprobs < 0:
             raise OpenAIRequestError("`logprobs` must be >= 0", "logprobs")
-        params.top_n_tokens = logprobs
+        params["top_n_tokens"] = logprobs
     options = optional_field(data, "stream_options", dict) or {}
     return CompletionRequest(
         prompts=prompts,
-        generates=tuple(pb.GenerateRequest(inputs=p, parameters=params) for p in prompts),
+        generates=tuple(
+            GenerateRequest(p, GenerateParameters(**params), names=COMPLETION_NAMES) for p in prompts
+        ),
         stream=bool(optional_field(data, "stream", bool) or False),
         include_usage=bool(options.get("include_usage", False)),
         echo=bool(optional_field(data, "echo", bool) or False),

@@ -10,10 +10,11 @@ import re
 import jsonschema
 import pytest
 import torch
-from textgen.service.engine.grammar import GrammarCompiler, GrammarError, GrammarMasks
+from textgen.service.engine.grammar import GrammarMasks
 from textgen.service.engine.paged_core import PagedCore
 from textgen.service.engine.sequence import Sequence
 from textgen.service.engine.types import EngineRequest, FinishReason, SamplingParams, StoppingParams
+from textgen.service.grammar_compiler import GrammarCompiler, GrammarError
 from tiny_model import build_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -56,7 +57,7 @@ def core_for(model, compiler) -> PagedCore:
 
     return PagedCore(
         copy.deepcopy(model), max_batch_total_tokens=8192, max_batch_prefill_tokens=512, max_batch_size=32,
-        grammars=GrammarMasks(compiler),
+        grammars=GrammarMasks(compiler.ll_tokenizer, compiler.vocab_size),
     )  # fmt: skip
 
 

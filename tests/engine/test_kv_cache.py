@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from textgen.service.engine.kv_cache import BlockManager, KVCachePool
+from textgen.service.engine.block_manager import BlockManager
+from textgen.service.engine.kv_pool import KVCachePool
 
 from .factories import make_seq
 

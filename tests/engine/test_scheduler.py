@@ -3,9 +3,10 @@ preemption and prefix reuse accounting."""
 
 from __future__ import annotations
 
-from textgen.service.engine.kv_cache import BlockManager
+from textgen.service.engine.block_manager import BlockManager
 from textgen.service.engine.scheduler import Scheduler, SchedulerOutput
 from textgen.service.engine.sequence import SequenceStatus
+from textgen.service.engine.stopping import token_stop_reason
 
 from .factories import make_seq
 
@@ -30,7 +31,9 @@ def fake_step(scheduler: Scheduler) -> SchedulerOutput:
     for seq, _ in out.scheduled:
         if seq.num_computed_tokens == seq.num_tokens:
             seq.append_token(NEXT_TOKEN)
-            if seq.is_finished:
+            reason = token_stop_reason(seq, NEXT_TOKEN, grammar_complete=False, now=0.0)
+            if reason is not None:
+                seq.finish(reason)
                 scheduler.finish(seq)
     return out
 

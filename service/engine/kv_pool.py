@@ -1,0 +1,67 @@
+"""The paged KV cache's storage: one preallocated pool of fixed-size blocks per layer.
+
+A sequence's `block_table` (block_manager.py hands the blocks out) lists its blocks in
+position order, so position p lives in slot
+`block_table[p // block_size] * block_size + p % block_size` of every layer's pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class LayerCache:
+    """One layer's pools and their slot-major views (same storage)."""
+
+    keys: torch.Tensor  # [num_blocks, block_size, KVH, Dk]
+    values: torch.Tensor  # [num_blocks, block_size, KVH, Dv]
+    key_slots: torch.Tensor  # [num_blocks * block_size, KVH, Dk]
+    value_slots: torch.Tensor  # [num_blocks * block_size, KVH, Dv]
+
+
+class KVCachePool:
+    """Per-layer K and V tensors `[num_blocks, block_size, num_kv_heads, head_dim]`.
+
+    Layers are allocated on first use from the shapes the model hands the attention
+    function (the runner triggers that with a warm-up forward at start-up), so K and V may
+    have different head dims (MLA) and no per-architecture config reading is needed.
+    Pools are zero-filled: slots that are gathered but masked must hold finite values,
+    since one NaN there would poison the softmax through `0 * NaN`.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._layers: dict[int, LayerCache] = {}  # by the attention module's layer_idx
+
+    def layer(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> LayerCache:
+        """The layer's pools; key/value `[1, KVH, T, D]` give their shapes on first use."""
+        cache = self._layers.get(layer_idx)
+        if cache is None:
+            keys, values = self._allocate(key), self._allocate(value)
+            cache = LayerCache(keys, values, keys.flatten(0, 1), values.flatten(0, 1))
+            self._layers[layer_idx] = cache
+        return cache
+
+    def write(
+        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+    ) -> LayerCache:
+        """Store the step's new K/V (`[1, KVH, T, D]`) at `slots` (`[T]`); return the layer."""
+        cache = self.layer(layer_idx, key, value)
+        cache.key_slots.index_copy_(0, slots, key[0].transpose(0, 1).to(cache.keys.dtype))
+        cache.value_slots.index_copy_(0, slots, value[0].transpose(0, 1).to(cache.values.dtype))
+        return cache
+
+    def _allocate(self, states: torch.Tensor) -> torch.Tensor:
+        _, num_heads, _, head_dim = states.shape
+        return torch.zeros(
+            self.num_blocks,
+            self.block_size,
+            num_heads,
+            head_dim,
+            dtype=states.dtype,
+            device=states.device,
+        )
