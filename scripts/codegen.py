@@ -39,7 +39,10 @@ def protoc(*args: str) -> None:
     cmd = [sys.executable, "-m", "grpc_tools.protoc", f"-I{API}", f"-I{include}", *args, *PROTOS]
     # the betterproto2 plugin chats on stdout ("Writing ..."): keep it out of the way
     # the betterproto2 plugin formats its output with `ruff`, found on PATH
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     subprocess.run(cmd, check=True, cwd=API, stdout=subprocess.DEVNULL, env=env)
 
 

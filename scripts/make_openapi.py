@@ -286,7 +286,7 @@ def tgi_schemas(tgi: dict) -> dict:
     s["GrammarType"] = copy.deepcopy(tgi["GrammarType"])
     s["GrammarType"]["description"] = (
         "`json`: value is a JSON schema (an object, or a string holding one); `json_schema`:"
-        " value is {\"schema\": ...}; `regex`: value is the regular expression."
+        ' value is {"schema": ...}; `regex`: value is the regular expression.'
     )
 
     s["FinishReason"] = {
@@ -628,7 +628,10 @@ def openai_schemas(tgi: dict) -> dict:
     s["Tool"] = {
         "type": "object",
         "required": ["type", "function"],
-        "properties": {"type": {"type": "string", "enum": ["function"]}, "function": ref("FunctionDefinition")},
+        "properties": {
+            "type": {"type": "string", "enum": ["function"]},
+            "function": ref("FunctionDefinition"),
+        },
     }
     s["FunctionDefinition"] = {
         "type": "object",
@@ -640,7 +643,10 @@ def openai_schemas(tgi: dict) -> dict:
                 "type": "object",
                 "description": "A JSON schema of the arguments; the generated arguments follow it.",
             },
-            "strict": {"type": "boolean", "description": "Accepted; arguments always follow the schema."},
+            "strict": {
+                "type": "boolean",
+                "description": "Accepted; arguments always follow the schema.",
+            },
         },
     }
     s["ToolChoice"] = {
@@ -651,7 +657,11 @@ def openai_schemas(tgi: dict) -> dict:
                 "required": ["type", "function"],
                 "properties": {
                     "type": {"type": "string", "enum": ["function"]},
-                    "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+                    "function": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {"name": {"type": "string"}},
+                    },
                 },
             },
         ],
@@ -662,9 +672,12 @@ def openai_schemas(tgi: dict) -> dict:
         "type": "object",
         "required": ["type"],
         "description": "OpenAI's text / json_object / json_schema, or TGI's grammar"
-        " ({\"type\": \"json\" | \"regex\", \"value\": ...}).",
+        ' ({"type": "json" | "regex", "value": ...}).',
         "properties": {
-            "type": {"type": "string", "enum": ["text", "json_object", "json_schema", "json", "regex"]},
+            "type": {
+                "type": "string",
+                "enum": ["text", "json_object", "json_schema", "json", "regex"],
+            },
             "json_schema": {
                 "type": "object",
                 "required": ["name"],
@@ -710,8 +723,7 @@ def openai_schemas(tgi: dict) -> dict:
         "tool_prompt": {
             "type": "string",
             "nullable": True,
-            "description": "TGI's: with tools, the words before the tools in the system"
-            " message.",
+            "description": "TGI's: with tools, the words before the tools in the system message.",
         },
     }
     s["ChatRequest"] = {
@@ -800,7 +812,7 @@ def openai_schemas(tgi: dict) -> dict:
                         "delta": {
                             "type": "object",
                             "description": "A call's first delta has its index, id, type and"
-                            " name (arguments \"\"); the next ones add pieces of its arguments.",
+                            ' name (arguments ""); the next ones add pieces of its arguments.',
                             "properties": {
                                 "role": {"type": "string", "enum": ["assistant"]},
                                 "content": {"type": "string", "nullable": True},

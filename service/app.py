@@ -70,7 +70,9 @@ class Replica:
 
 
 def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return cfg.num_hidden_layers * 2 * heads * head_dim * torch.finfo(dtype).bits // 8
@@ -103,7 +105,9 @@ def kv_capacity_tokens(settings: Settings, loaded: LoadedModel, max_total_tokens
     return max(max_total_tokens, min(fits, 1 << 20))
 
 
-def build_core(settings: Settings, loaded: LoadedModel, capacity: int, grammars: GrammarCompiler) -> PagedCore:
+def build_core(
+    settings: Settings, loaded: LoadedModel, capacity: int, grammars: GrammarCompiler
+) -> PagedCore:
     return PagedCore(
         loaded.model,
         max_batch_total_tokens=capacity,
@@ -146,7 +150,9 @@ def request_interceptors(settings: Settings, metrics: Metrics) -> list:
     return interceptors
 
 
-def served_model(settings: Settings, loaded: LoadedModel, limits: Limits, capacity: int, core) -> ServedModel:
+def served_model(
+    settings: Settings, loaded: LoadedModel, limits: Limits, capacity: int, core
+) -> ServedModel:
     stats = core.stats()
     info = svc_pb.InfoResponse(
         model_id=loaded.resolved.model_id,
@@ -175,7 +181,9 @@ def served_model(settings: Settings, loaded: LoadedModel, limits: Limits, capaci
 
 
 async def start_replica(
-    settings: Settings, loaded: LoadedModel | None = None, tracer_provider: TracerProvider | None = None
+    settings: Settings,
+    loaded: LoadedModel | None = None,
+    tracer_provider: TracerProvider | None = None,
 ) -> Replica:
     """Load (unless given), build and start one replica; returns once it serves.
     Tracing is on when a tracer provider is given or --otlp-endpoint is set."""
@@ -209,14 +217,21 @@ async def start_replica(
         engine,
         Validator(loaded.tokenizer, limits, grammars),
         served_model(settings, loaded, limits, capacity, core),
-        Admission(settings.max_concurrent_requests, settings.max_queued_requests, settings.max_queued_tokens),
+        Admission(
+            settings.max_concurrent_requests,
+            settings.max_queued_requests,
+            settings.max_queued_tokens,
+        ),
         RequestRecorder(metrics, tracer),
         ThreadPoolExecutor(settings.validation_workers, thread_name_prefix="textgen-validation"),
     )
     server, health, port = build_server(
         servicer,
         f"{settings.hostname}:{settings.grpc_port}",
-        interceptors=[*server_interceptors(tracer_provider), *request_interceptors(settings, metrics)],
+        interceptors=[
+            *server_interceptors(tracer_provider),
+            *request_interceptors(settings, metrics),
+        ],
         keepalive=settings.keepalive,
     )
     await server.start()

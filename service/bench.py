@@ -83,7 +83,11 @@ async def _one(client, prompt: str, args, progress, grammar: dict | None) -> Req
     start = last = time.perf_counter()
     try:
         async for message in client.generate_stream(
-            prompt, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, details=False, grammar=grammar
+            prompt,
+            max_new_tokens=args.max_new_tokens,
+            ignore_eos=args.ignore_eos,
+            details=False,
+            grammar=grammar,
         ):
             now = time.perf_counter()
             if result.output_tokens == 0:
@@ -115,7 +119,9 @@ async def run_load(args, prompts: list[str], grammar: dict | None = None) -> Rep
         # load, and a --grammar run after it, both start from a warm server
         warm = [prompts[i % len(prompts)] for i in range(args.concurrency)]
         await asyncio.gather(*(client.generate(p, max_new_tokens=2, grammar=grammar) for p in warm))
-        with tqdm(total=n * args.max_new_tokens, unit="tok", desc="bench", file=sys.stderr) as progress:
+        with tqdm(
+            total=n * args.max_new_tokens, unit="tok", desc="bench", file=sys.stderr
+        ) as progress:
 
             async def worker() -> None:
                 while not work.empty():
@@ -157,7 +163,9 @@ def summarize(args, results: list[RequestResult], duration: float) -> Report:
 # baselines ------------------------------------------------------------------------
 
 
-def measure_baselines(model_id: str | None, prompts: list[str], batch: int, max_new_tokens: int) -> dict:
+def measure_baselines(
+    model_id: str | None, prompts: list[str], batch: int, max_new_tokens: int
+) -> dict:
     """Plain transformers on the same model: the batched forward ceiling (both dtypes,
     the faster counts) and naive sequential generate."""
     import torch
@@ -172,7 +180,8 @@ def measure_baselines(model_id: str | None, prompts: list[str], batch: int, max_
         )
         if dtype == "float32":
             out["naive_generate_tokens_per_s"] = round(
-                _naive_generate(loaded.model, loaded.tokenizer, batch_prompts[:2], max_new_tokens), 2
+                _naive_generate(loaded.model, loaded.tokenizer, batch_prompts[:2], max_new_tokens),
+                2,
             )
         del loaded
     best = max(out["ceiling_tokens_per_s"], key=out["ceiling_tokens_per_s"].get)
@@ -204,12 +213,25 @@ def _ceiling_run(model, ids, mask, steps: int) -> None:
 
     cache = DynamicCache()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     for _ in range(steps - 1):
         next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         positions = positions[:, -1:] + 1
-        out = model(input_ids=next_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=next_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
     out.logits[:, -1].argmax(-1).tolist()
 
 
@@ -221,7 +243,9 @@ def _naive_generate(model, tokenizer, prompts: list[str], max_new_tokens: int) -
     with torch.inference_mode():
         for prompt in prompts:
             ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(model.device)
-            out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
+            out = model.generate(
+                ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False
+            )
             tokens += out.shape[1] - ids.shape[1]
     return tokens / (time.perf_counter() - start)
 
@@ -252,26 +276,49 @@ def format_table(report: Report) -> str:
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="127.0.0.1:50051", help="gRPC address of a running server")
-    parser.add_argument("--serve", action="store_true", help="start `textgen serve --no-envoy` for the run and stop it after")
-    parser.add_argument("--model-id", default=None, help="model for --serve and --baseline (default: the embedded model)")
+    parser.add_argument(
+        "--target", default="127.0.0.1:50051", help="gRPC address of a running server"
+    )
+    parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="start `textgen serve --no-envoy` for the run and stop it after",
+    )
+    parser.add_argument(
+        "--model-id",
+        default=None,
+        help="model for --serve and --baseline (default: the embedded model)",
+    )
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=None, help="total requests (default: one per stream)")
+    parser.add_argument(
+        "--requests", type=int, default=None, help="total requests (default: one per stream)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
-    parser.add_argument("--prompts", default=None, help="a text file (one prompt a line) or JSONL with a `prompt` field")
-    parser.add_argument("--baseline", action="store_true", help="also measure plain transformers on the same model")
+    parser.add_argument(
+        "--prompts",
+        default=None,
+        help="a text file (one prompt a line) or JSONL with a `prompt` field",
+    )
+    parser.add_argument(
+        "--baseline", action="store_true", help="also measure plain transformers on the same model"
+    )
     parser.add_argument("--json", default=None, help="write the report here as JSON")
     parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--serve-args", default="", help="extra flags for --serve, e.g. '--dtype bfloat16'")
+    parser.add_argument(
+        "--serve-args", default="", help="extra flags for --serve, e.g. '--dtype bfloat16'"
+    )
     parser.add_argument(
         "--grammar",
         default=None,
-        help="a JSON file holding a TGI grammar ({\"type\": \"json\", \"value\": <schema>}): the load runs "
+        help='a JSON file holding a TGI grammar ({"type": "json", "value": <schema>}): the load runs '
         "twice, without and with it, and the report gives the constrained/unconstrained ratio",
     )
     parser.add_argument(
-        "--rounds", type=int, default=1, help="with --grammar: alternate plain and constrained loads this many times"
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --grammar: alternate plain and constrained loads this many times",
     )
 
 
@@ -288,7 +335,9 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline:
         base = measure_baselines(args.model_id, prompts, args.concurrency, args.max_new_tokens)
         base["engine_over_ceiling"] = round(report.output_tokens_per_s / base["ceiling"], 3)
-        base["engine_over_naive"] = round(report.output_tokens_per_s / base["naive_generate_tokens_per_s"], 3)
+        base["engine_over_naive"] = round(
+            report.output_tokens_per_s / base["naive_generate_tokens_per_s"], 3
+        )
         report.baseline = base
     print(format_table(report))
     if report.constrained:
@@ -315,7 +364,11 @@ def _constrained_rounds(args, prompts: list[str], first: Report) -> dict:
             plain = asyncio.run(run_load(args, prompts))
         constrained = asyncio.run(run_load(args, prompts, grammar))
         ratios.append(round(constrained.output_tokens_per_s / plain.output_tokens_per_s, 3))
-    return {**asdict(constrained), "ratios": ratios, "over_unconstrained": statistics.median(ratios)}
+    return {
+        **asdict(constrained),
+        "ratios": ratios,
+        "over_unconstrained": statistics.median(ratios),
+    }
 
 
 def _start_server(args) -> subprocess.Popen:
@@ -325,7 +378,13 @@ def _start_server(args) -> subprocess.Popen:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [str(Path(sys.executable).parent / "textgen"), "serve", "--no-envoy", "--grpc-port", str(port)]
+    cmd = [
+        str(Path(sys.executable).parent / "textgen"),
+        "serve",
+        "--no-envoy",
+        "--grpc-port",
+        str(port),
+    ]
     if args.model_id:
         cmd += ["--model-id", args.model_id]
     cmd += shlex.split(args.serve_args)

@@ -76,7 +76,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="textgen", description="LLM text generation over gRPC, TGI and OpenAI HTTP")
+    parser = argparse.ArgumentParser(
+        prog="textgen", description="LLM text generation over gRPC, TGI and OpenAI HTTP"
+    )
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -95,9 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sample at this temperature (default: greedy)",
+    )
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="send the prompt as a chat message (the model's chat template, applied by the server); --no-chat sends it raw")
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send the prompt as a chat message (the model's chat template, applied by the server); --no-chat sends it raw",
+    )
     gen.add_argument("--target", default="127.0.0.1:50051", help="gRPC address HOST:PORT")
     gen.add_argument("--api-key", default=None)
     gen.add_argument("--timeout", type=float, default=300.0)

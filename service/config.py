@@ -95,38 +95,131 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     def flag(name: str, *, type=str, default=None, help: str) -> None:
         env_default = _env(name)
         value = type(env_default) if env_default is not None else default
-        parser.add_argument(f"--{name}", type=type, default=value, help=f"{help} [env {ENV_PREFIX}{name.upper().replace('-', '_')}]")
+        parser.add_argument(
+            f"--{name}",
+            type=type,
+            default=value,
+            help=f"{help} [env {ENV_PREFIX}{name.upper().replace('-', '_')}]",
+        )
 
-    flag("model-id", default=d.model_id, help="Hub id or local folder (default: embedded SmolLM2-135M-Instruct)")
+    flag(
+        "model-id",
+        default=d.model_id,
+        help="Hub id or local folder (default: embedded SmolLM2-135M-Instruct)",
+    )
     flag("revision", default=d.revision, help="Hub revision (branch, tag or commit)")
     flag("dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16")
     flag("device", default=d.device, help="auto | cpu | cuda | cuda:N")
-    flag("max-concurrent-requests", type=_positive_int, default=d.max_concurrent_requests, help="requests admitted at once; more get `overloaded`")
-    flag("max-queued-requests", type=int, default=d.max_queued_requests, help="requests that may wait for a permit instead of failing with `overloaded` (0: none)")
-    flag("max-queued-tokens", type=int, default=d.max_queued_tokens, help="prompt tokens the waiting requests may hold (0: no bound)")
-    flag("graceful-termination-timeout", type=float, default=d.graceful_termination_timeout, help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
+    flag(
+        "max-concurrent-requests",
+        type=_positive_int,
+        default=d.max_concurrent_requests,
+        help="requests admitted at once; more get `overloaded`",
+    )
+    flag(
+        "max-queued-requests",
+        type=int,
+        default=d.max_queued_requests,
+        help="requests that may wait for a permit instead of failing with `overloaded` (0: none)",
+    )
+    flag(
+        "max-queued-tokens",
+        type=int,
+        default=d.max_queued_tokens,
+        help="prompt tokens the waiting requests may hold (0: no bound)",
+    )
+    flag(
+        "graceful-termination-timeout",
+        type=float,
+        default=d.graceful_termination_timeout,
+        help="seconds in-flight requests get to finish after SIGTERM/SIGINT",
+    )
     flag("max-best-of", type=_positive_int, default=d.max_best_of, help="largest best_of")
-    flag("max-stop-sequences", type=int, default=d.max_stop_sequences, help="most stop sequences per request")
-    flag("max-stop-sequence-length", type=_positive_int, default=d.max_stop_sequence_length, help="longest stop sequence, in characters")
+    flag(
+        "max-stop-sequences",
+        type=int,
+        default=d.max_stop_sequences,
+        help="most stop sequences per request",
+    )
+    flag(
+        "max-stop-sequence-length",
+        type=_positive_int,
+        default=d.max_stop_sequence_length,
+        help="longest stop sequence, in characters",
+    )
     flag("max-top-n-tokens", type=int, default=d.max_top_n_tokens, help="largest top_n_tokens")
-    flag("max-client-batch-size", type=_positive_int, default=d.max_client_batch_size, help="most prompts in one /v1/completions request")
-    flag("max-input-tokens", type=_positive_int, default=d.max_input_tokens, help="longest prompt (default: max-total-tokens - 1)")
-    flag("max-total-tokens", type=_positive_int, default=d.max_total_tokens, help="longest prompt + generation (default: min(model context, 4096))")
-    flag("max-batch-prefill-tokens", type=_positive_int, default=d.max_batch_prefill_tokens, help="prefill tokens per engine step")
-    flag("max-batch-total-tokens", type=_positive_int, default=d.max_batch_total_tokens, help="KV-cache capacity in tokens (default: sized from free memory)")
-    flag("max-batch-size", type=_positive_int, default=d.max_batch_size, help="most sequences per step")
+    flag(
+        "max-client-batch-size",
+        type=_positive_int,
+        default=d.max_client_batch_size,
+        help="most prompts in one /v1/completions request",
+    )
+    flag(
+        "max-input-tokens",
+        type=_positive_int,
+        default=d.max_input_tokens,
+        help="longest prompt (default: max-total-tokens - 1)",
+    )
+    flag(
+        "max-total-tokens",
+        type=_positive_int,
+        default=d.max_total_tokens,
+        help="longest prompt + generation (default: min(model context, 4096))",
+    )
+    flag(
+        "max-batch-prefill-tokens",
+        type=_positive_int,
+        default=d.max_batch_prefill_tokens,
+        help="prefill tokens per engine step",
+    )
+    flag(
+        "max-batch-total-tokens",
+        type=_positive_int,
+        default=d.max_batch_total_tokens,
+        help="KV-cache capacity in tokens (default: sized from free memory)",
+    )
+    flag(
+        "max-batch-size",
+        type=_positive_int,
+        default=d.max_batch_size,
+        help="most sequences per step",
+    )
     # TGI's --waiting-served-ratio and --max-waiting-tokens have no counterpart: prefill
     # chunks ride in the decodes' forward, so nothing needs rationing (engine/scheduler.py)
-    flag("validation-workers", type=_positive_int, default=d.validation_workers, help="threads that validate long prompts and compile grammars (TGI's flag)")
+    flag(
+        "validation-workers",
+        type=_positive_int,
+        default=d.validation_workers,
+        help="threads that validate long prompts and compile grammars (TGI's flag)",
+    )
     flag("api-key", default=d.api_key, help="require `authorization: Bearer KEY` on every call")
     flag("api-key-file", default=d.api_key_file, help="file of accepted API keys, one per line")
-    parser.add_argument("--auth-health-and-metrics", action="store_true", default=_env("auth-health-and-metrics", "") not in ("", "0", "false"), help="require the API key on health and metrics too")
+    parser.add_argument(
+        "--auth-health-and-metrics",
+        action="store_true",
+        default=_env("auth-health-and-metrics", "") not in ("", "0", "false"),
+        help="require the API key on health and metrics too",
+    )
     flag("hostname", default=d.hostname, help="address to listen on")
     flag("port", type=int, default=d.port, help="HTTP port (Envoy)")
     flag("grpc-port", type=int, default=d.grpc_port, help="gRPC port")
-    flag("keepalive-interval", type=_positive_float, default=d.keepalive_interval, help="seconds between HTTP/2 keepalive pings on an idle gRPC connection: Envoy's to this server; the server accepts clients' pings a third of this apart")
-    flag("otlp-endpoint", default=d.otlp_endpoint, help="send OpenTelemetry traces to this OTLP/gRPC collector (e.g. http://127.0.0.1:4317)")
-    parser.add_argument("--no-envoy", action="store_true", default=_env("no-envoy", "") not in ("", "0", "false"), help="serve gRPC only")
+    flag(
+        "keepalive-interval",
+        type=_positive_float,
+        default=d.keepalive_interval,
+        help="seconds between HTTP/2 keepalive pings on an idle gRPC connection: Envoy's to this server; the server accepts clients' pings a third of this apart",
+    )
+    flag(
+        "otlp-endpoint",
+        default=d.otlp_endpoint,
+        help="send OpenTelemetry traces to this OTLP/gRPC collector (e.g. http://127.0.0.1:4317)",
+    )
+    parser.add_argument(
+        "--no-envoy",
+        action="store_true",
+        default=_env("no-envoy", "") not in ("", "0", "false"),
+        help="serve gRPC only",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

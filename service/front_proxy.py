@@ -102,9 +102,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(bootstrap, indent=1))
         return 0
     keepalive = Keepalive(interval=args.keepalive_interval)
-    return asyncio.run(
-        serve_proxy(upstreams, args.hostname, args.port, args.admin_port, keepalive)
-    )
+    return asyncio.run(serve_proxy(upstreams, args.hostname, args.port, args.admin_port, keepalive))
 
 
 async def serve_proxy(

@@ -73,7 +73,6 @@ class GrammarCompiler:
         return grammar
 
 
-
 def _first_line(message: str) -> str:
     """llguidance's message without the source excerpt it draws: the first line and the
     `error:` line of a regex parse error."""

@@ -288,7 +288,9 @@ class Validator:
         max_total_tokens after the prompt. Validation is the one place it is bounded:
         the KV pool holds at least max_total_tokens (checked at startup, app.py)."""
         limits = self.limits
-        max_new = requested if requested is not None else max(limits.max_total_tokens - input_length, 0)
+        max_new = (
+            requested if requested is not None else max(limits.max_total_tokens - input_length, 0)
+        )
         if input_length + max_new > limits.max_total_tokens:
             raise ValidationError(
                 f"{check.quoted('inputs')} tokens + {check.quoted('max_new_tokens')} must be <= "
@@ -300,7 +302,8 @@ class Validator:
         # only happens for a prompt this refuses
         if input_length > limits.max_input_tokens:
             raise check.error(
-                "inputs", f"must have less than {limits.max_input_tokens} tokens. Given: {input_length}"
+                "inputs",
+                f"must have less than {limits.max_input_tokens} tokens. Given: {input_length}",
             )
         return max_new
 
@@ -318,7 +321,7 @@ class _Checker:
         return f"`{self.name(field_name)}`"
 
     def error(self, field_name: str, text: str) -> ValidationError:
-        """"`field` text" (TGI's wording); text starting with ":" follows it directly."""
+        """ "`field` text" (TGI's wording); text starting with ":" follows it directly."""
         separator = "" if text.startswith(":") else " "
         return ValidationError(f"{self.quoted(field_name)}{separator}{text}", self.name(field_name))
 

@@ -15,7 +15,17 @@ def test_bench_report_adds_up(tiny_server):
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
     args = parser.parse_args(
-        ["--target", tiny_server.target, "--concurrency", "4", "--requests", "6", "--max-new-tokens", "8", "--ignore-eos"]
+        [
+            "--target",
+            tiny_server.target,
+            "--concurrency",
+            "4",
+            "--requests",
+            "6",
+            "--max-new-tokens",
+            "8",
+            "--ignore-eos",
+        ]
     )
     report = asyncio.run(run_load(args, ["hello", "the quick brown fox", "café 🎉"]))
     assert report.errors == 0
@@ -47,4 +57,6 @@ def test_bench_grammar_run_reports_the_constrained_ratio(tiny_server, tmp_path):
     assert constrained["errors"] == 0 and constrained["output_tokens"] == 3 * 8
     # two rounds, each constrained load over the plain one before it; the median reported
     assert len(constrained["ratios"]) == 2 and all(r > 0 for r in constrained["ratios"])
-    assert constrained["over_unconstrained"] == pytest.approx(sum(constrained["ratios"]) / 2, abs=1e-3)
+    assert constrained["over_unconstrained"] == pytest.approx(
+        sum(constrained["ratios"]) / 2, abs=1e-3
+    )

@@ -8,7 +8,10 @@ from textgen.service.openai.common import StopHoldback
 
 pytestmark = pytest.mark.timeout(120)
 
-MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -20,28 +23,46 @@ def client(tiny_server):
 def test_stream_deltas_equal_the_completion(client, tiny_server):
     body = {"messages": MESSAGES, "max_tokens": 12, "temperature": 0}
     full = client.chat_completions(body)
-    chunks = list(client.chat_completions_stream({**body, "stream_options": {"include_usage": True}}))
+    chunks = list(
+        client.chat_completions_stream({**body, "stream_options": {"include_usage": True}})
+    )
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert content == full["choices"][0]["message"]["content"]
     finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+    assert (
+        len(finals) == 1
+        and finals[0]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+    )
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
     tok = tiny_server.replica.loaded.tokenizer
     prompt = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert full["usage"]["prompt_tokens"] == len(tok(prompt)["input_ids"])
-    assert full["usage"]["total_tokens"] == full["usage"]["prompt_tokens"] + full["usage"]["completion_tokens"]
+    assert (
+        full["usage"]["total_tokens"]
+        == full["usage"]["prompt_tokens"] + full["usage"]["completion_tokens"]
+    )
 
 
 def test_list_of_parts_content_and_logprobs(client):
     body = {
-        "messages": [{"role": "user", "content": [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": " of France?"}]}],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is the capital"},
+                    {"type": "text", "text": " of France?"},
+                ],
+            }
+        ],
         "max_tokens": 4,
         "temperature": 0,
         "logprobs": True,
         "top_logprobs": 2,
     }
-    plain = client.chat_completions({**body, "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    plain = client.chat_completions(
+        {**body, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    )
     parts = client.chat_completions(body)
     assert parts["choices"][0]["message"] == plain["choices"][0]["message"]
     entries = parts["choices"][0]["logprobs"]["content"]
@@ -74,7 +95,9 @@ def test_stop_is_left_out_of_the_content(client):
     assert full["choices"][0]["message"]["content"] == cut
     assert full["choices"][0]["finish_reason"] == "stop"
     chunks = list(client.chat_completions_stream({**body, "stop": [stop]}))
-    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == cut
+    assert (
+        "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == cut
+    )
 
 
 def test_stop_holdback_never_shows_a_partial_stop():
@@ -89,14 +112,21 @@ def test_stop_holdback_never_shows_a_partial_stop():
 def test_completions_single_and_list_prompts(client):
     one = client.completions({"prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0})
     assert one["object"] == "text_completion" and len(one["choices"]) == 1
-    two = client.completions({"prompt": ["The quick brown fox", "hello"], "max_tokens": 6, "temperature": 0})
+    two = client.completions(
+        {"prompt": ["The quick brown fox", "hello"], "max_tokens": 6, "temperature": 0}
+    )
     assert [c["index"] for c in two["choices"]] == [0, 1]
     assert two["choices"][0]["text"] == one["choices"][0]["text"]
     assert two["usage"]["completion_tokens"] >= one["usage"]["completion_tokens"]
 
 
 def test_completions_stream_echo_and_usage(client):
-    body = {"prompt": ["The quick brown fox", "hello"], "max_tokens": 5, "temperature": 0, "echo": True}
+    body = {
+        "prompt": ["The quick brown fox", "hello"],
+        "max_tokens": 5,
+        "temperature": 0,
+        "echo": True,
+    }
     full = client.completions(body)
     chunks = list(client.completions_stream({**body, "stream_options": {"include_usage": True}}))
     texts = {0: "", 1: ""}

@@ -42,6 +42,10 @@ def test_generated_code_is_up_to_date(tmp_path):
 @pytest.mark.timeout(120)
 def test_buf_lint_passes():
     if not BUF.exists():
-        pytest.fail("buf is not installed in .tools/ (`make tools` installs it from the npm registry)")
-    result = subprocess.run([str(BUF), "lint"], cwd=REPO, capture_output=True, text=True, check=False)
+        pytest.fail(
+            "buf is not installed in .tools/ (`make tools` installs it from the npm registry)"
+        )
+    result = subprocess.run(
+        [str(BUF), "lint"], cwd=REPO, capture_output=True, text=True, check=False
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -26,15 +26,47 @@ def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for b in range(256):
         vocab[f"<0x{b:02X}>"] = len(vocab)
-    for piece in ["▁", "e", "l", "o", "H", ",", "!", "w", "r", "d", "▁w", "or", "ld", "a", "c", "f", "é"]:
+    for piece in [
+        "▁",
+        "e",
+        "l",
+        "o",
+        "H",
+        ",",
+        "!",
+        "w",
+        "r",
+        "d",
+        "▁w",
+        "or",
+        "ld",
+        "a",
+        "c",
+        "f",
+        "é",
+    ]:
         vocab.setdefault(piece, len(vocab))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "w"), ("o", "r"), ("l", "d")], byte_fallback=True, unk_token="<unk>"))
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[("▁", "w"), ("o", "r"), ("l", "d")],
+            byte_fallback=True,
+            unk_token="<unk>",
+        )
+    )
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.pre_tokenizer = None
     tok.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
     )
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
 
 
 @pytest.fixture(scope="module", params=["byte-level BPE", "byte fallback"])

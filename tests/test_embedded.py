@@ -22,7 +22,15 @@ def embedded_server():
     # `generate`, and bfloat16 rounding (the default where the CPU has native bf16) differs
     # with the batch's shape, so near-tie greedy picks flip; the bf16 path is served in
     # test_structured_output.py
-    args = ["--no-envoy", "--grpc-port", "0", "--max-batch-total-tokens", "16384", "--dtype", "float32"]
+    args = [
+        "--no-envoy",
+        "--grpc-port",
+        "0",
+        "--max-batch-total-tokens",
+        "16384",
+        "--dtype",
+        "float32",
+    ]
     with textgen_serve(*args) as served:
         if not served.grpc_target:
             pytest.fail("textgen serve did not become ready:\n" + served.log[-3000:])
@@ -35,7 +43,11 @@ def embedded_server():
 def test_chat_answer_contains_paris(embedded_server):
     target, _ = embedded_server
     with Client(target, timeout=120) as client:
-        body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 30, "temperature": 0}
+        body = {
+            "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": 30,
+            "temperature": 0,
+        }
         answer = client.chat_completions(body)
     content = answer["choices"][0]["message"]["content"]
     assert "Paris" in content

@@ -207,16 +207,24 @@ def test_keepalive_is_one_policy_on_both_sides():
         server = dict(policy.server_options())
         client = dict(policy.channel_options())
         assert server["grpc.keepalive_permit_without_calls"] == 1  # idle pooled connections
-        assert server["grpc.http2.min_ping_interval_without_data_ms"] <= client["grpc.keepalive_time_ms"]
+        assert (
+            server["grpc.http2.min_ping_interval_without_data_ms"]
+            <= client["grpc.keepalive_time_ms"]
+        )
         for front in (False, True):
-            bootstrap = config.render([config.Upstream("127.0.0.1", 1)], front=front, keepalive=policy)
+            bootstrap = config.render(
+                [config.Upstream("127.0.0.1", 1)], front=front, keepalive=policy
+            )
             cluster = bootstrap["static_resources"]["clusters"][0]
             options = cluster["typed_extension_protocol_options"]
             http2 = next(iter(options.values()))["explicit_http_config"]["http2_protocol_options"]
             interval = float(http2["connection_keepalive"]["interval"].removesuffix("s"))
             assert interval * 1000 == client["grpc.keepalive_time_ms"]
     # the documented floor for other clients
-    assert dict(DEFAULT_KEEPALIVE.server_options())["grpc.http2.min_ping_interval_without_data_ms"] == 10_000
+    assert (
+        dict(DEFAULT_KEEPALIVE.server_options())["grpc.http2.min_ping_interval_without_data_ms"]
+        == 10_000
+    )
 
 
 def test_textgen_proxy_prints_the_front_config():

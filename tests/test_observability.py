@@ -29,7 +29,9 @@ def traced_server(tiny_model_dir):
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     server = ServerThread(
-        tiny_settings(tiny_model_dir, max_concurrent_requests=1), http=True, tracer_provider=provider
+        tiny_settings(tiny_model_dir, max_concurrent_requests=1),
+        http=True,
+        tracer_provider=provider,
     ).start()
     server.spans = exporter
     yield server
@@ -43,7 +45,11 @@ def scrape(server) -> dict[str, float]:
     samples = {}
     for family in text_string_to_metric_families(resp.text):
         for s in family.samples:
-            key = s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            key = s.name + (
+                "{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}"
+                if s.labels
+                else ""
+            )
             samples[key] = s.value
     return samples
 
@@ -56,10 +62,16 @@ def test_metrics_move_by_exactly_what_happened(traced_server):
     url = traced_server.http_url
     before = scrape(traced_server)
 
-    ok = requests.post(f"{url}/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 5, "details": True}}, timeout=30)
+    ok = requests.post(
+        f"{url}/generate",
+        json={"inputs": "hello", "parameters": {"max_new_tokens": 5, "details": True}},
+        timeout=30,
+    )
     assert ok.status_code == 200
     generated = ok.json()["details"]["generated_tokens"]
-    bad = requests.post(f"{url}/generate", json={"inputs": "hello", "parameters": {"temperature": 0}}, timeout=30)
+    bad = requests.post(
+        f"{url}/generate", json={"inputs": "hello", "parameters": {"temperature": 0}}, timeout=30
+    )
     assert bad.status_code == 422
 
     # hold the only permit with an open stream, then get turned away
@@ -83,7 +95,12 @@ def test_metrics_move_by_exactly_what_happened(traced_server):
     assert delta(after, before, "textgen_time_to_first_token_seconds_count") >= 2
     assert after["tgi_batch_current_max_tokens"] == 4096
     assert after["textgen_kv_cache_blocks_total"] > 0
-    for name in ("tgi_queue_size", "tgi_batch_current_size", "textgen_prefix_cache_hit_ratio", "textgen_preemptions"):
+    for name in (
+        "tgi_queue_size",
+        "tgi_batch_current_size",
+        "textgen_prefix_cache_hit_ratio",
+        "textgen_preemptions",
+    ):
         assert name in after
 
 
@@ -97,7 +114,11 @@ def test_traceparent_continues_through_envoy(traced_server):
         timeout=30,
     )
     assert resp.status_code == 200
-    spans = [s for s in traced_server.spans.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id]
+    spans = [
+        s
+        for s in traced_server.spans.get_finished_spans()
+        if format(s.context.trace_id, "032x") == trace_id
+    ]
     names = {s.name for s in spans}
     assert {"validation", "queue", "prefill", "decode"} <= names
     rpc = next(s for s in spans if s.name.endswith("/Generate"))
@@ -116,7 +137,8 @@ def test_stream_timings_add_up(tiny_server):
     with grpc.insecure_channel(tiny_server.target) as channel:
         stub = svc_grpc.TextGenerationServiceStub(channel)
         call = stub.GenerateStream(
-            pb.GenerateRequest(inputs="hello", parameters=pb.GenerateParameters(max_new_tokens=6)), timeout=30
+            pb.GenerateRequest(inputs="hello", parameters=pb.GenerateParameters(max_new_tokens=6)),
+            timeout=30,
         )
         messages = list(call)
         trailers = dict(call.trailing_metadata())
@@ -130,12 +152,17 @@ def test_stream_timings_add_up(tiny_server):
 
 def test_one_json_log_line_per_request_without_the_prompt(tiny_server, caplog):
     secret = "my secret prompt 12345"
-    with caplog.at_level(logging.INFO, logger="textgen.requests"), Client(tiny_server.target, timeout=30) as client:
+    with (
+        caplog.at_level(logging.INFO, logger="textgen.requests"),
+        Client(tiny_server.target, timeout=30) as client,
+    ):
         client.generate(secret, max_new_tokens=3)
         done = threading.Event()
         # the log line is written as the RPC ends, on the server's thread
         for _ in range(100):
-            if any("request" in r.getMessage() for r in caplog.records if r.name == "textgen.requests"):
+            if any(
+                "request" in r.getMessage() for r in caplog.records if r.name == "textgen.requests"
+            ):
                 done.set()
                 break
             done.wait(0.05)

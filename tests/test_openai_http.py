@@ -17,7 +17,9 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def client(http_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{http_server.http_url}/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai.OpenAI(
+        base_url=f"{http_server.http_url}/v1", api_key="unused", max_retries=0, timeout=30
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,9 @@ def generate(http_server, inputs: str, max_new_tokens: int) -> str:
 
 
 def test_chat_completion_equals_generate(client, http_server, templated):
-    out = client.chat.completions.create(model="tgi", messages=MESSAGES, max_tokens=10, temperature=0)
+    out = client.chat.completions.create(
+        model="tgi", messages=MESSAGES, max_tokens=10, temperature=0
+    )
     assert out.object == "chat.completion"
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == generate(http_server, templated, 10)
@@ -46,7 +50,9 @@ def test_chat_completion_equals_generate(client, http_server, templated):
 
 
 def test_chat_stream_with_usage(client):
-    full = client.chat.completions.create(model="tgi", messages=MESSAGES, max_tokens=10, temperature=0)
+    full = client.chat.completions.create(
+        model="tgi", messages=MESSAGES, max_tokens=10, temperature=0
+    )
     stream = client.chat.completions.create(
         model="tgi",
         messages=MESSAGES,
@@ -59,12 +65,19 @@ def test_chat_stream_with_usage(client):
     assert chunks[0].choices[0].delta.role == "assistant"
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == full.choices[0].message.content
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[
+        0
+    ].finish_reason
+    assert (
+        chunks[-1].choices == []
+        and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    )
 
 
 def test_completions_and_models(client, http_server):
-    out = client.completions.create(model="tgi", prompt="The quick brown fox", max_tokens=6, temperature=0)
+    out = client.completions.create(
+        model="tgi", prompt="The quick brown fox", max_tokens=6, temperature=0
+    )
     assert out.object == "text_completion"
     assert out.choices[0].text == generate(http_server, "The quick brown fox", 6)
     streamed = client.completions.create(
@@ -77,9 +90,13 @@ def test_completions_and_models(client, http_server):
 
 def test_huggingface_hub_chat_stream(http_server, client):
     hf = huggingface_hub.InferenceClient(base_url=http_server.http_url)
-    chunks = list(hf.chat.completions.create(messages=MESSAGES, max_tokens=10, temperature=0, stream=True))
+    chunks = list(
+        hf.chat.completions.create(messages=MESSAGES, max_tokens=10, temperature=0, stream=True)
+    )
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    full = client.chat.completions.create(model="tgi", messages=MESSAGES, max_tokens=10, temperature=0)
+    full = client.chat.completions.create(
+        model="tgi", messages=MESSAGES, max_tokens=10, temperature=0
+    )
     assert content == full.choices[0].message.content
 
 
@@ -108,6 +125,10 @@ def test_openai_sdk_raises_on_bad_request(client):
     assert info.value.body["param"] == "max_tokens"
     with pytest.raises(openai.UnprocessableEntityError) as info:
         client.chat.completions.create(
-            model="tgi", messages=MESSAGES, max_completion_tokens=100000, logprobs=True, top_logprobs=9
+            model="tgi",
+            messages=MESSAGES,
+            max_completion_tokens=100000,
+            logprobs=True,
+            top_logprobs=9,
         )
     assert info.value.body["param"] == "top_logprobs"

@@ -51,7 +51,12 @@ def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
 
 def idle(s) -> bool:
     stats = s.engine.stats()
-    return (stats.running, stats.waiting, stats.kv_blocks_used, s.replica.servicer.admission.in_flight) == (0, 0, 0, 0)
+    return (
+        stats.running,
+        stats.waiting,
+        stats.kv_blocks_used,
+        s.replica.servicer.admission.in_flight,
+    ) == (0, 0, 0, 0)
 
 
 # bursts ----------------------------------------------------------------------------
@@ -175,7 +180,9 @@ def test_sigterm_drains_live_streams_and_exits_zero(tiny_model_dir):
             assert wait_until(lambda: requests.get(health, timeout=5).status_code == 503, 10)
             with Client(served.grpc_target, timeout=10) as c, pytest.raises(UnavailableError):
                 c.generate("hello", max_new_tokens=2)
-            refused = requests.post(f"{served.http_url}/generate", json={"inputs": "hi"}, timeout=10)
+            refused = requests.post(
+                f"{served.http_url}/generate", json={"inputs": "hi"}, timeout=10
+            )
             assert refused.status_code == 503
             counts = [f.result(timeout=90) for f in streams]
         assert counts == [400] * 8  # every live stream completed
@@ -205,7 +212,10 @@ def test_engine_fault_ends_streams_typed_and_flips_health(tiny_model_dir):
             with pytest.raises(UnavailableError):
                 c.generate("hello", max_new_tokens=2)
         status, _, body = web.call("GET", "/health")
-        assert (status, json.loads(body)) == (503, {"error": "unhealthy", "error_type": "healthcheck"})
+        assert (status, json.loads(body)) == (
+            503,
+            {"error": "unhealthy", "error_type": "healthcheck"},
+        )
 
 
 # API keys ----------------------------------------------------------------------------
@@ -222,13 +232,21 @@ def test_api_key_on_every_face(tiny_model_dir, tmp_path):
         for key in ("sekret", "second-key"):
             with Client(s.target, timeout=30, api_key=key) as c:
                 assert c.generate("hello", max_new_tokens=2).details.generated_tokens == 2
-        with Client(s.target, timeout=30, api_key="wrong") as c, pytest.raises(UnauthenticatedError):
+        with (
+            Client(s.target, timeout=30, api_key="wrong") as c,
+            pytest.raises(UnauthenticatedError),
+        ):
             list(c.generate_stream("hello", max_new_tokens=2))
 
         body = {"inputs": "hello", "parameters": {"max_new_tokens": 2}}
         denied = requests.post(f"{s.http_url}/generate", json=body, timeout=30)
         assert denied.status_code == 401 and denied.json()["error_type"] == "unauthenticated"
-        allowed = requests.post(f"{s.http_url}/generate", json=body, headers={"Authorization": "Bearer sekret"}, timeout=30)
+        allowed = requests.post(
+            f"{s.http_url}/generate",
+            json=body,
+            headers={"Authorization": "Bearer sekret"},
+            timeout=30,
+        )
         assert allowed.status_code == 200
         assert requests.get(f"{s.http_url}/health", timeout=10).status_code == 200
         assert requests.get(f"{s.http_url}/metrics", timeout=10).status_code == 200
@@ -238,8 +256,15 @@ def test_api_key_on_every_face(tiny_model_dir, tmp_path):
         with pytest.raises(openai.AuthenticationError) as info:
             bad.chat.completions.create(model="m", messages=messages, max_tokens=2)
         assert info.value.status_code == 401
-        good = openai.OpenAI(base_url=f"{s.http_url}/v1", api_key="sekret", max_retries=0, timeout=30)
-        assert good.chat.completions.create(model="m", messages=messages, max_tokens=2).usage.completion_tokens >= 1
+        good = openai.OpenAI(
+            base_url=f"{s.http_url}/v1", api_key="sekret", max_retries=0, timeout=30
+        )
+        assert (
+            good.chat.completions.create(
+                model="m", messages=messages, max_tokens=2
+            ).usage.completion_tokens
+            >= 1
+        )
         assert s.replica.servicer.recorder.metrics.request_failure.value("unauthenticated") >= 4
 
 

@@ -47,7 +47,9 @@ def test_generate_matches_transformers_greedy(stub, reference):
     assert [t.id for t in resp.details.tokens] == expected[: len(resp.details.tokens)]
     assert resp.details.generated_tokens == len(resp.details.tokens)
     _, tok = reference
-    assert resp.generated_text == tok.decode(expected[: len(resp.details.tokens)], skip_special_tokens=True)
+    assert resp.generated_text == tok.decode(
+        expected[: len(resp.details.tokens)], skip_special_tokens=True
+    )
     assert resp.details.finish_reason in ("length", "eos_token")
     assert resp.details.input_length == len(tok(prompt)["input_ids"])
     timings = resp.details.timings
@@ -89,7 +91,9 @@ def test_return_full_text_and_top_n_tokens(stub):
 
 
 def test_decoder_input_details(stub, reference):
-    resp = stub.Generate(request("hello world", max_new_tokens=2, decoder_input_details=True), timeout=60)
+    resp = stub.Generate(
+        request("hello world", max_new_tokens=2, decoder_input_details=True), timeout=60
+    )
     _, tok = reference
     prefill = resp.details.prefill
     assert [p.id for p in prefill] == tok("hello world")["input_ids"]
@@ -101,14 +105,22 @@ def test_stop_sequence_across_tokens(stub):
     free = stub.Generate(request("The quick", max_new_tokens=16), timeout=60).generated_text
     stop = free[3:6]  # a stop string inside the free-running text
     assert len(stop) == 3
-    resp = stub.Generate(request("The quick", max_new_tokens=16, stop=[stop], details=True), timeout=60)
+    resp = stub.Generate(
+        request("The quick", max_new_tokens=16, stop=[stop], details=True), timeout=60
+    )
     assert resp.details.finish_reason == "stop_sequence"
     assert resp.generated_text.endswith(stop) or stop in resp.generated_text
     assert len(resp.generated_text) < len(free) or free.endswith(stop)
 
 
 def test_seeded_sampling_is_reproducible(stub):
-    params = {"max_new_tokens": 8, "do_sample": True, "temperature": 1.5, "seed": 1234, "details": True}
+    params = {
+        "max_new_tokens": 8,
+        "do_sample": True,
+        "temperature": 1.5,
+        "seed": 1234,
+        "details": True,
+    }
     a = stub.Generate(request("Hello", **params), timeout=60)
     b = stub.Generate(request("Hello", **params), timeout=60)
     assert [t.id for t in a.details.tokens] == [t.id for t in b.details.tokens]
@@ -147,7 +159,9 @@ def test_health_and_models(stub, tiny_server):
     models = stub.ListModels(svc.ListModelsRequest(), timeout=10)
     assert models.object == "list" and models.data[0].id == tiny_server.settings.model_id
     with grpc.insecure_channel(tiny_server.target) as channel:
-        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        status = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=10
+        )
         assert status.status == health_pb2.HealthCheckResponse.SERVING
 
 

@@ -304,7 +304,9 @@ def test_langchain_structured_output_follows_the_schema(server):
     `{"type": "json_object", "schema": <schema>}`; it gets an answer of that shape."""
     from langchain_huggingface import ChatHuggingFace, HuggingFaceEndpoint
 
-    llm = HuggingFaceEndpoint(endpoint_url=server.http_url, max_new_tokens=60, temperature=0.01, seed=0)
+    llm = HuggingFaceEndpoint(
+        endpoint_url=server.http_url, max_new_tokens=60, temperature=0.01, seed=0
+    )
     structured = ChatHuggingFace(llm=llm).with_structured_output(
         {"title": "Capital", **CAPITAL}, method="json_schema"
     )
@@ -441,5 +443,7 @@ def test_text_answer_beside_tools_streams_with_its_logprobs(client):
     full = client.chat.completions.create(**kwargs).choices[0]
     chunks = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.message.content
-    streamed = [e.token for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    streamed = [
+        e.token for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
     assert streamed == [e.token for e in full.logprobs.content]

@@ -20,10 +20,14 @@ _PROMPT_CONTEXT = 5
 _REPLACEMENT = "\ufffd"
 
 
-def decode_output(tokenizer, token_ids: list[int], num_prompt_tokens: int, skip_special_tokens: bool = True) -> str:
+def decode_output(
+    tokenizer, token_ids: list[int], num_prompt_tokens: int, skip_special_tokens: bool = True
+) -> str:
     """The text of token_ids[num_prompt_tokens:] in the context of the prompt's tail."""
     start = max(num_prompt_tokens - _PROMPT_CONTEXT, 0)
-    prefix = tokenizer.decode(token_ids[start:num_prompt_tokens], skip_special_tokens=skip_special_tokens)
+    prefix = tokenizer.decode(
+        token_ids[start:num_prompt_tokens], skip_special_tokens=skip_special_tokens
+    )
     full = tokenizer.decode(token_ids[start:], skip_special_tokens=skip_special_tokens)
     if full.startswith(prefix):
         return full[len(prefix) :]

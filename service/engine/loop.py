@@ -55,7 +55,9 @@ class _Stream:
 
 
 class EngineLoop:
-    def __init__(self, core: EngineCore, tokenizer, eos_token_ids: frozenset[int], metrics=None) -> None:
+    def __init__(
+        self, core: EngineCore, tokenizer, eos_token_ids: frozenset[int], metrics=None
+    ) -> None:
         self.core = core
         self.metrics = metrics  # observability.metrics.Metrics, or None
         self.tokenizer = tokenizer
@@ -197,7 +199,9 @@ class EngineLoop:
     def _observe_step(self, outputs: list[StepOutput], seconds: float) -> None:
         # a step that finished some prompt is a prefill step (TGI's `method` label)
         prefill = any(o.seq.num_output_tokens == 1 for o in outputs)
-        self.metrics.batch_forward_duration.labels("prefill" if prefill else "decode").observe(seconds)
+        self.metrics.batch_forward_duration.labels("prefill" if prefill else "decode").observe(
+            seconds
+        )
         self.metrics.batch_size.observe(len(outputs))
 
     def _observe_token(self, stream: _Stream) -> None:
@@ -247,7 +251,9 @@ class EngineLoop:
         text = self.tokenizer.decode([token_id])
         return TokenInfo(token_id, text, logprob, token_id in self._special_ids)
 
-    def _prefill(self, seq: Sequence, logprobs: list[float | None] | None) -> tuple[PrefillInfo, ...]:
+    def _prefill(
+        self, seq: Sequence, logprobs: list[float | None] | None
+    ) -> tuple[PrefillInfo, ...]:
         if not logprobs:
             return ()
         ids = seq.token_ids[: seq.num_prompt_tokens]

@@ -36,7 +36,9 @@ class Sampler:
         logits = _apply_logit_bias(logits, params)
         sampled_rows = [i for i, p in enumerate(params) if p.do_sample]
         if sampled_rows:
-            temps = torch.tensor([params[i].temperature for i in sampled_rows], device=logits.device)
+            temps = torch.tensor(
+                [params[i].temperature for i in sampled_rows], device=logits.device
+            )
             logits[sampled_rows] = logits[sampled_rows] / temps.unsqueeze(1)
         logprobs = torch.log_softmax(logits, dim=-1)
 
@@ -173,7 +175,9 @@ def _typical_keep(sorted_lp: torch.Tensor, probs: torch.Tensor, mass: torch.Tens
     return keep
 
 
-def _top_tokens(logprobs: torch.Tensor, params: list[SamplingParams]) -> list[list[tuple[int, float]]]:
+def _top_tokens(
+    logprobs: torch.Tensor, params: list[SamplingParams]
+) -> list[list[tuple[int, float]]]:
     n_max = max(p.top_n_tokens for p in params)
     if n_max == 0:
         return [[] for _ in params]

@@ -97,7 +97,12 @@ def timings(finish: FinishInfo, validation_time: float, total_time: float) -> pb
 
 
 def stream_response(
-    event: TokenEvent, *, prefix: str, seed_reported: bool, validation_time: float, total_time: float
+    event: TokenEvent,
+    *,
+    prefix: str,
+    seed_reported: bool,
+    validation_time: float,
+    total_time: float,
 ) -> pb.GenerateStreamResponse:
     msg = pb.GenerateStreamResponse(
         index=event.index,
@@ -139,7 +144,9 @@ def details(
     return out
 
 
-def best_of_sequence(events: list[TokenEvent], prefix: str, seed_reported: bool) -> pb.BestOfSequence:
+def best_of_sequence(
+    events: list[TokenEvent], prefix: str, seed_reported: bool
+) -> pb.BestOfSequence:
     finish = events[-1].finish
     seq = pb.BestOfSequence(
         generated_text=prefix + finish.generated_text,

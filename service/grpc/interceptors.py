@@ -49,7 +49,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     header through Envoy) with one of the keys; `open_methods` (health, metrics) are
     exempt. Keys are compared in constant time and never logged."""
 
-    def __init__(self, keys: Iterable[str], open_methods: Iterable[str] = (), on_reject=None) -> None:
+    def __init__(
+        self, keys: Iterable[str], open_methods: Iterable[str] = (), on_reject=None
+    ) -> None:
         self._keys = [k.encode() for k in keys if k]
         if not self._keys:
             raise ValueError("ApiKeyInterceptor needs at least one key")
@@ -58,17 +60,25 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or details.method in self._open or self._authorized(details.invocation_metadata):
+        if (
+            handler is None
+            or details.method in self._open
+            or self._authorized(details.invocation_metadata)
+        ):
             return handler
         if self._on_reject is not None:
             self._on_reject()
-        return _aborting(handler, "Unauthorized: a valid API key is required", ErrorType.UNAUTHENTICATED)
+        return _aborting(
+            handler, "Unauthorized: a valid API key is required", ErrorType.UNAUTHENTICATED
+        )
 
     def _authorized(self, metadata) -> bool:
         token = b""
         for key, value in metadata or ():
             if key == "authorization":
-                scheme, _, credential = (value if isinstance(value, str) else value.decode()).partition(" ")
+                scheme, _, credential = (
+                    value if isinstance(value, str) else value.decode()
+                ).partition(" ")
                 if scheme.lower() == "bearer":
                     token = credential.strip().encode()
         ok = False

@@ -26,11 +26,15 @@ class OpenAIRpcs:
         async with self.request(context, "ChatCompletions") as record:
             try:
                 chat = parse_chat_request(request.data, self.validator.tokenizer)
-                valid = await self.validate(chat.generate, stream=chat.stream, arrival=record.arrival)
+                valid = await self.validate(
+                    chat.generate, stream=chat.stream, arrival=record.arrival
+                )
             except ValidationError as exc:  # OpenAIRequestError included
                 await abort(context, exc.message, ErrorType.VALIDATION, exc.param)
             record.validated(valid)
-            renderer = ChatRenderer(self.served.info.model_id, f"textgen-{self.served.info.version}", chat)
+            renderer = ChatRenderer(
+                self.served.info.model_id, f"textgen-{self.served.info.version}", chat
+            )
             async with self.admitted(context, valid):
                 if chat.stream:
                     async for body in self._chat_stream(renderer, valid, context, record):
@@ -63,7 +67,10 @@ class OpenAIRpcs:
             info = self.served.info
             try:
                 req = parse_completion_request(request.data, info.max_client_batch_size)
-                valid = [await self.validate(g, stream=req.stream, arrival=record.arrival) for g in req.generates]
+                valid = [
+                    await self.validate(g, stream=req.stream, arrival=record.arrival)
+                    for g in req.generates
+                ]
             except ValidationError as exc:  # OpenAIRequestError included
                 await abort(context, exc.message, ErrorType.VALIDATION, exc.param)
             record.validated(valid[0])

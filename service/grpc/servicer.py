@@ -102,7 +102,9 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
                         sent_any = True
                         if event.finish is not None:
                             record.finished(event.finish)
-                            context.set_trailing_metadata(_timing_metadata(valid, event.finish, arrival))
+                            context.set_trailing_metadata(
+                                _timing_metadata(valid, event.finish, arrival)
+                            )
             except EngineError as exc:
                 if sent_any:
                     # an HTTP/1.1 client can't see a status after the first frame
@@ -128,11 +130,15 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
     async def _validate(self, request, context, *, stream: bool, arrival: float) -> ValidRequest:
         """A TGI RPC's protobuf request, validated, or the RPC ends with the error."""
         try:
-            return await self.validate(convert.generate_request(request), stream=stream, arrival=arrival)
+            return await self.validate(
+                convert.generate_request(request), stream=stream, arrival=arrival
+            )
         except ValidationError as exc:
             await abort(context, exc.message, exc.error_type, exc.param)
 
-    async def validate(self, request: GenerateRequest, *, stream: bool, arrival: float) -> ValidRequest:
+    async def validate(
+        self, request: GenerateRequest, *, stream: bool, arrival: float
+    ) -> ValidRequest:
         """Validate (and tokenize); long prompts and grammars (compiled on first sight)
         on the validation workers, so one 2 MB prompt or large schema doesn't stall every
         other stream while it is processed."""
@@ -141,7 +147,9 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
             return self.validator.validate(request, stream=stream, arrival_time=arrival)
         return await asyncio.get_running_loop().run_in_executor(
             self.validation_workers,
-            functools.partial(self.validator.validate, request, stream=stream, arrival_time=arrival),
+            functools.partial(
+                self.validator.validate, request, stream=stream, arrival_time=arrival
+            ),
         )
 
     async def _generate_best_of(self, valid: ValidRequest) -> list[list[TokenEvent]]:
@@ -250,5 +258,3 @@ def _timing_metadata(valid: ValidRequest, finish, arrival: float) -> tuple[tuple
 
 def _ms(seconds: float) -> str:
     return str(int(seconds * 1000))
-
-

@@ -17,7 +17,24 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 # Seconds: from 1 ms to ~2 min, roughly doubling.
-DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+DURATION_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+)
 # Tokens: prompt and output lengths.
 TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -53,32 +70,56 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
 
-        def histogram(name: str, doc: str, buckets=DURATION_BUCKETS, labels: tuple[str, ...] = ()) -> Histogram:
+        def histogram(
+            name: str, doc: str, buckets=DURATION_BUCKETS, labels: tuple[str, ...] = ()
+        ) -> Histogram:
             return Histogram(name, doc, labelnames=labels, buckets=buckets, registry=r)
 
-        self.request_count = self._register(ExactNameCounter("tgi_request_count", "Requests received"))
-        self.request_success = self._register(ExactNameCounter("tgi_request_success", "Requests that completed"))
+        self.request_count = self._register(
+            ExactNameCounter("tgi_request_count", "Requests received")
+        )
+        self.request_success = self._register(
+            ExactNameCounter("tgi_request_success", "Requests that completed")
+        )
         self.request_failure = self._register(
             ExactNameCounter("tgi_request_failure", "Requests that failed, by error type", ("err",))
         )
         self.request_duration = histogram("tgi_request_duration", "Request duration (s)")
-        self.validation_duration = histogram("tgi_request_validation_duration", "Validation duration (s)")
+        self.validation_duration = histogram(
+            "tgi_request_validation_duration", "Validation duration (s)"
+        )
         self.queue_duration = histogram("tgi_request_queue_duration", "Time in the queue (s)")
-        self.inference_duration = histogram("tgi_request_inference_duration", "Inference duration (s)")
+        self.inference_duration = histogram(
+            "tgi_request_inference_duration", "Inference duration (s)"
+        )
         self.mean_time_per_token = histogram(
             "tgi_request_mean_time_per_token_duration", "Mean time per generated token (s)"
         )
         self.input_length = histogram("tgi_request_input_length", "Prompt tokens", TOKEN_BUCKETS)
-        self.generated_tokens = histogram("tgi_request_generated_tokens", "Generated tokens", TOKEN_BUCKETS)
-        self.max_new_tokens = histogram("tgi_request_max_new_tokens", "max_new_tokens asked", TOKEN_BUCKETS)
-        self.batch_forward_duration = histogram(
-            "tgi_batch_forward_duration", "One engine step's forward and sampling (s)", labels=("method",)
+        self.generated_tokens = histogram(
+            "tgi_request_generated_tokens", "Generated tokens", TOKEN_BUCKETS
         )
-        self.batch_size = histogram("textgen_batch_size", "Sequences per engine step", BATCH_BUCKETS)
-        self.time_to_first_token = histogram("textgen_time_to_first_token_seconds", "Arrival to first token (s)")
-        self.inter_token_latency = histogram("textgen_inter_token_latency_seconds", "Time between tokens (s)")
+        self.max_new_tokens = histogram(
+            "tgi_request_max_new_tokens", "max_new_tokens asked", TOKEN_BUCKETS
+        )
+        self.batch_forward_duration = histogram(
+            "tgi_batch_forward_duration",
+            "One engine step's forward and sampling (s)",
+            labels=("method",),
+        )
+        self.batch_size = histogram(
+            "textgen_batch_size", "Sequences per engine step", BATCH_BUCKETS
+        )
+        self.time_to_first_token = histogram(
+            "textgen_time_to_first_token_seconds", "Arrival to first token (s)"
+        )
+        self.inter_token_latency = histogram(
+            "textgen_inter_token_latency_seconds", "Time between tokens (s)"
+        )
         self.cancelled = Counter(
-            "textgen_requests_cancelled", "Requests the client abandoned (TGI's `dropped`)", registry=r
+            "textgen_requests_cancelled",
+            "Requests the client abandoned (TGI's `dropped`)",
+            registry=r,
         )
         self._engine_stats = None
 
@@ -104,14 +145,34 @@ class _EngineCollector:
         s = self.stats_fn()
         yield _gauge("tgi_queue_size", "Requests waiting for their first forward", s.waiting)
         yield _gauge("tgi_batch_current_size", "Sequences running", s.running)
-        yield _gauge("tgi_batch_current_max_tokens", "KV-cache capacity in tokens", self.max_batch_total_tokens)
+        yield _gauge(
+            "tgi_batch_current_max_tokens",
+            "KV-cache capacity in tokens",
+            self.max_batch_total_tokens,
+        )
         yield _gauge("textgen_kv_cache_blocks_used", "KV-cache blocks in use", s.kv_blocks_used)
-        yield _gauge("textgen_kv_cache_blocks_total", "KV-cache blocks in the pool", s.kv_blocks_total)
+        yield _gauge(
+            "textgen_kv_cache_blocks_total", "KV-cache blocks in the pool", s.kv_blocks_total
+        )
         queried = s.prefix_cache_queried_tokens
-        yield _gauge("textgen_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", s.prefix_cache_hit_tokens)
-        yield _gauge("textgen_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", queried)
-        yield _gauge("textgen_prefix_cache_hit_ratio", "Share of looked-up prompt tokens found cached", s.prefix_cache_hit_tokens / queried if queried else 0.0)
-        yield _gauge("textgen_preemptions", "Sequences preempted (recomputed) so far", s.preemptions)
+        yield _gauge(
+            "textgen_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache",
+            s.prefix_cache_hit_tokens,
+        )
+        yield _gauge(
+            "textgen_prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            queried,
+        )
+        yield _gauge(
+            "textgen_prefix_cache_hit_ratio",
+            "Share of looked-up prompt tokens found cached",
+            s.prefix_cache_hit_tokens / queried if queried else 0.0,
+        )
+        yield _gauge(
+            "textgen_preemptions", "Sequences preempted (recomputed) so far", s.preemptions
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -108,7 +108,12 @@ class RequestRecorder:
         phases = [
             ("validation", t0, t0 + record.validation_time, {"input_tokens": record.input_length}),
             ("queue", t0 + record.validation_time, t0 + f.queue_time, {}),
-            ("prefill", t0 + f.queue_time, t0 + f.queue_time + f.prefill_time, {"input_tokens": f.input_length}),
+            (
+                "prefill",
+                t0 + f.queue_time,
+                t0 + f.queue_time + f.prefill_time,
+                {"input_tokens": f.input_length},
+            ),
             (
                 "decode",
                 t0 + f.queue_time + f.prefill_time,
@@ -153,7 +158,9 @@ class RequestRecorder:
                 finish_reason=f.reason.value,
                 queue_time=round(f.queue_time, 6),
                 inference_time=round(f.inference_time, 6),
-                time_per_token=round(f.inference_time / f.generated_tokens, 6) if f.generated_tokens else 0.0,
+                time_per_token=round(f.inference_time / f.generated_tokens, 6)
+                if f.generated_tokens
+                else 0.0,
             )
         request_log.info(json.dumps(line))
 

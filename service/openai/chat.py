@@ -113,7 +113,9 @@ def _names(data: dict, plan: ToolPlan | None) -> dict[str, str]:
     return {
         "inputs": "messages",
         "max_new_tokens": (
-            "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
+            "max_completion_tokens"
+            if data.get("max_completion_tokens") is not None
+            else "max_tokens"
         ),
         "top_n_tokens": "top_logprobs",
         "grammar": "tools" if plan is not None else "response_format",
@@ -140,7 +142,9 @@ def response_format(data: dict) -> Grammar | None:
     if kind == "json_schema" and "json_schema" in fmt:
         spec = fmt["json_schema"]
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            raise OpenAIRequestError("`response_format.json_schema` must have a `name`", "response_format")
+            raise OpenAIRequestError(
+                "`response_format.json_schema` must have a `name`", "response_format"
+            )
         # strict or not, the output follows the schema: constrained decoding costs nothing extra
         return _grammar("json", spec.get("schema", {}))
     if kind in ("json", "json_schema", "regex") and "value" in fmt:  # TGI's shape
@@ -160,7 +164,9 @@ def _lark_answer(answer_format: Grammar | None) -> str | None:
         return None
     kind, schema = grammar_spec(answer_format)
     if kind == "regex":
-        raise OpenAIRequestError("with `tools`, `response_format` must be a JSON schema", "response_format")
+        raise OpenAIRequestError(
+            "with `tools`, `response_format` must be a JSON schema", "response_format"
+        )
     return "%json " + json.dumps(schema, separators=(",", ":"))
 
 
@@ -169,8 +175,13 @@ def _message(m, index: int) -> dict:
         raise OpenAIRequestError(f"`messages[{index}]` must be an object", "messages")
     role = m.get("role")
     if role not in _ROLES:
-        raise OpenAIRequestError(f"`messages[{index}].role` must be one of {sorted(_ROLES)}", "messages")
-    out = {"role": "system" if role == "developer" else role, "content": _content(m.get("content"), index)}
+        raise OpenAIRequestError(
+            f"`messages[{index}].role` must be one of {sorted(_ROLES)}", "messages"
+        )
+    out = {
+        "role": "system" if role == "developer" else role,
+        "content": _content(m.get("content"), index),
+    }
     for key in ("name", "tool_call_id"):
         if isinstance(m.get(key), str):
             out[key] = m[key]
@@ -187,14 +198,20 @@ def _content(content, index: int) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 raise OpenAIRequestError(
-                    f"`messages[{index}].content` parts must be text parts ({{\"type\": \"text\", \"text\": ...}})",
+                    f'`messages[{index}].content` parts must be text parts ({{"type": "text", "text": ...}})',
                     "messages",
                 )
             parts.append(part["text"])
         return "".join(parts)
-    raise OpenAIRequestError(f"`messages[{index}].content` must be a string or a list of parts", "messages")
+    raise OpenAIRequestError(
+        f"`messages[{index}].content` must be a string or a list of parts", "messages"
+    )
 
 
 # responses ------------------------------------------------------------------------
@@ -207,7 +224,8 @@ def logprob_entry(event: TokenEvent) -> dict:
         "logprob": token.logprob,
         "bytes": list(token.text.encode()),
         "top_logprobs": [
-            {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())} for t in event.top_tokens
+            {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
+            for t in event.top_tokens
         ],
     }
 
@@ -229,7 +247,11 @@ class ChatRenderer:
         reason = finish_reason(finish)
         parsed = parse_output(self.request.tools, text) if self.request.tools else None
         if parsed is not None and parsed.is_calls and parsed.calls:
-            message = {"role": "assistant", "content": None, "tool_calls": [_call_dict(c) for c in parsed.calls]}
+            message = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [_call_dict(c) for c in parsed.calls],
+            }
             reason = tool_finish_reason(reason, parsed)
         choice = {
             "index": 0,
@@ -285,10 +307,6 @@ class ChatRenderer:
         return {"content": [logprob_entry(e) for e in events if not e.token.special]}
 
 
-
-
-
-
 def tool_finish_reason(reason: str, parsed: ToolCallParser) -> str:
     """An answer whose calls are all complete ends with "tool_calls"; one cut short (by
     max_tokens or a stop sequence inside the arguments) keeps its own reason."""
@@ -296,7 +314,11 @@ def tool_finish_reason(reason: str, parsed: ToolCallParser) -> str:
 
 
 def _call_dict(call) -> dict:
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
 
 
 @dataclass
@@ -349,7 +371,9 @@ class ChatStream:
             if not self.started:
                 self.started = True
                 if "tool_calls" in delta:  # OpenAI's first chunk of a call carries its head
-                    out.append(self.renderer.delta_chunk({"role": "assistant", "content": None, **delta}))
+                    out.append(
+                        self.renderer.delta_chunk({"role": "assistant", "content": None, **delta})
+                    )
                     continue
                 out.append(self.renderer.first_chunk())
             if "content" in delta:

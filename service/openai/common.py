@@ -77,7 +77,13 @@ def sampling_parameters(data: dict) -> tuple[dict, tuple[str, ...]]:
     for token, bias in (optional_field(data, "logit_bias", dict) or {}).items():
         token = str(token)
         number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
-        if not (token.isascii() and token.isdigit() and int(token) < 2**32 and number and math.isfinite(bias)):
+        if not (
+            token.isascii()
+            and token.isdigit()
+            and int(token) < 2**32
+            and number
+            and math.isfinite(bias)
+        ):
             raise OpenAIRequestError("`logit_bias` maps token ids to finite numbers", "logit_bias")
         logit_bias[int(token)] = float(bias)
     params["logit_bias"] = logit_bias
@@ -105,7 +111,14 @@ def json_object(body: bytes) -> dict:
     return data
 
 
-_TYPE_NAMES = {list: "an array", dict: "an object", int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+_TYPE_NAMES = {
+    list: "an array",
+    dict: "an object",
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    str: "a string",
+}
 
 
 # Integers land in int32 proto fields unless a field says otherwise.

@@ -63,7 +63,8 @@ def parse_completion_request(body: bytes, max_prompts: int) -> CompletionRequest
     return CompletionRequest(
         prompts=prompts,
         generates=tuple(
-            GenerateRequest(p, GenerateParameters(**params), names=COMPLETION_NAMES) for p in prompts
+            GenerateRequest(p, GenerateParameters(**params), names=COMPLETION_NAMES)
+            for p in prompts
         ),
         stream=bool(optional_field(data, "stream", bool) or False),
         include_usage=bool(options.get("include_usage", False)),
@@ -78,9 +79,13 @@ def _prompts(prompt, max_prompts: int) -> tuple[str, ...]:
         raise OpenAIRequestError("`prompt` is required", "prompt")
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise OpenAIRequestError("`prompt` must be a string or a non-empty list of strings", "prompt")
+        raise OpenAIRequestError(
+            "`prompt` must be a string or a non-empty list of strings", "prompt"
+        )
     if len(prompts) > max_prompts:
-        raise OpenAIRequestError(f"`prompt` supports up to {max_prompts} prompts. Given: {len(prompts)}", "prompt")
+        raise OpenAIRequestError(
+            f"`prompt` supports up to {max_prompts} prompts. Given: {len(prompts)}", "prompt"
+        )
     return tuple(prompts)
 
 
@@ -93,7 +98,12 @@ def legacy_logprobs(events: list[TokenEvent], offset: int) -> dict:
         tokens.append(e.token.text)
         token_logprobs.append(e.token.logprob)
         top.append({t.text: t.logprob for t in e.top_tokens})
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
 @dataclass
@@ -121,9 +131,13 @@ class CompletionRenderer:
         body["usage"] = total_usage([events[-1].finish for events in runs])
         return json_bytes(body)
 
-    def chunk(self, index: int, text: str, event: TokenEvent | None = None, reason: str | None = None) -> bytes:
+    def chunk(
+        self, index: int, text: str, event: TokenEvent | None = None, reason: str | None = None
+    ) -> bytes:
         logprobs = self._logprobs([event], 0) if event is not None else None
-        body = self._envelope([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}])
+        body = self._envelope(
+            [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]
+        )
         if self.request.include_usage:
             body["usage"] = None
         return sse_bytes(body)
@@ -152,4 +166,8 @@ class CompletionRenderer:
 def total_usage(finishes: list[FinishInfo]) -> dict:
     prompt = sum(f.input_length for f in finishes)
     completion = sum(f.generated_tokens for f in finishes)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
