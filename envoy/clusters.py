@@ -114,7 +114,7 @@ def replica_cluster(
 # once (threshold or not): out of the rotation at the next check, within 1 s. A dead
 # one (kill -9: its port refuses) is a network failure, which counts against
 # HEALTH_UNHEALTHY_THRESHOLD: out after two checks, 1-2 s (measured 1.6-1.9 s in
-# tests/test_replicas.py). A replica merely busy must miss two whole
+# tests/integration/test_replicas.py). A replica merely busy must miss two whole
 # HEALTH_CHECK_TIMEOUTs in a row to be dropped. What Envoy sends a dead or draining
 # replica before then fails with connect-failure or UNAVAILABLE and is retried.
 HEALTH_CHECK_INTERVAL = "1s"
@@ -157,7 +157,7 @@ MIN_RETRY_CONCURRENCY = 16
 def retry_policy(generation: bool) -> dict:
     """Resend a request that a replica refused, or could not take, to another one.
 
-    TRAPS, measured on Envoy 1.40 (tests/test_replicas.py):
+    TRAPS, measured on Envoy 1.40 (tests/integration/test_replicas.py):
     - Envoy retries only until the response starts: once response headers are sent
       downstream, a failure is the client's. A replica that refuses (overloaded,
       draining) must answer trailers-only, before any initial metadata: the servicer

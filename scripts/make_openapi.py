@@ -1,7 +1,7 @@
 """Write envoy/openapi.json: the OpenAPI 3.1 description of textgen's HTTP face.
 
 Derived from TGI's published spec (tests/data/tgi-openapi.json), restricted to the
-routes Envoy serves (textgen.envoy.config.ROUTES; tests/test_fuzz.py checks that they
+routes Envoy serves (textgen.envoy.config.ROUTES; tests/integration/test_fuzz.py checks that they
 match), with TGI's request and response schemas kept and adjusted where textgen differs:
 
 - TGI routes: `GenerateParameters` gains presence_penalty, logit_bias, ignore_eos and
@@ -18,7 +18,7 @@ match), with TGI's request and response schemas kept and adjusted where textgen 
   textgen.envoy.config.HTTP_STATUS_BY_ERROR_TYPE.
 
 Usage: python scripts/make_openapi.py [--out FILE]   (default: envoy/openapi.json;
-tests/test_fuzz.py checks the committed file is this script's output).
+tests/integration/test_fuzz.py checks the committed file is this script's output).
 TGI publishes OpenAPI 3.0.3; the schemas are written here in that dialect (TGI's,
 `nullable`) and converted at the end to OpenAPI 3.1 (JSON Schema 2020-12), which can
 say what an SSE event carries: each event's `data` is JSON (`contentMediaType`) of a
@@ -457,7 +457,7 @@ def paths31(paths_: dict) -> dict:
 # OpenAI's face ---------------------------------------------------------------------
 
 
-# How a field that is accepted but changes nothing says so (tests/test_face_fields.py
+# How a field that is accepted but changes nothing says so (tests/integration/test_face_fields.py
 # reads it): every other declared field changes the answer or is refused.
 COMPATIBILITY_ONLY = "Accepted for compatibility only: it has no effect."
 

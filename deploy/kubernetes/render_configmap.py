@@ -1,7 +1,7 @@
 """Render envoy-configmap.yaml: the front proxy's Envoy bootstrap (textgen.envoy.config,
 front=True) over the replicas' headless Service, resolved by STRICT_DNS.
 
-Run it after changing api/ or envoy/ (tests/test_deploy.py fails while the committed
+Run it after changing api/ or envoy/ (tests/deploy/test_deploy.py fails while the committed
 file differs):
 
     .venv/bin/python deploy/kubernetes/render_configmap.py

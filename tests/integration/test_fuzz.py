@@ -59,7 +59,7 @@ from textgen.service.grpc.errors import DOMAIN, STATUS_BY_ERROR_TYPE
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # the description as the package ships it (package data of textgen.envoy)
 OPENAPI = Path(str(importlib.resources.files("textgen.envoy") / "openapi.json"))
 

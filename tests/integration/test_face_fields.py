@@ -16,7 +16,7 @@ from conftest import ServerThread, tiny_settings
 
 pytestmark = pytest.mark.timeout(60)
 
-OPENAPI = json.loads((Path(__file__).parent.parent / "envoy" / "openapi.json").read_text())
+OPENAPI = json.loads((Path(__file__).parents[2] / "envoy" / "openapi.json").read_text())
 SCHEMAS = OPENAPI["components"]["schemas"]
 COMPATIBILITY_ONLY = "Accepted for compatibility only"
 PROMPT = "The quick brown fox"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GENERATED = ["service/proto", "sdk/_generated", "envoy/textgen.binpb"]
 BUF = REPO / ".tools" / "node_modules" / ".bin" / "buf"
 

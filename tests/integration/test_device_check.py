@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "device_check.py"
 SECTIONS = {"env", "bandwidth", "serving"}
 
 

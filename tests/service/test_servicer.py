@@ -1,0 +1,189 @@
+"""The TGI servicer against a fake engine, over a real in-process gRPC server and
+client: how engine events and failures become messages and statuses, with no model.
+The fake engine plays a script of TokenEvents (and failures) per request."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from textgen.service.admission import Admission
+from textgen.service.engine.types import (
+    EngineError,
+    EngineRequest,
+    FinishInfo,
+    FinishReason,
+    TokenEvent,
+    TokenInfo,
+)
+from textgen.service.errors import ErrorType
+from textgen.service.grpc.server import build_server
+from textgen.service.grpc.servicer import ServedModel, TextGenerationServicer
+from textgen.service.observability.metrics import Metrics
+from textgen.service.observability.requests import RequestRecorder
+from textgen.service.proto import generate_pb2 as pb
+from textgen.service.proto import text_generation_service_pb2 as svc_pb
+from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
+from textgen.service.validation import Limits, Validator
+from tiny_model import build_tokenizer
+
+pytestmark = pytest.mark.timeout(30)
+
+LIMITS = Limits(
+    max_input_tokens=63,
+    max_total_tokens=64,
+    max_best_of=2,
+    max_stop_sequences=4,
+    max_top_n_tokens=5,
+    vocab_size=400,
+)
+
+
+def events(texts: list[str], logprob: float = -1.0) -> list[TokenEvent]:
+    """One event per text; the last one finishes (length)."""
+    out = []
+    for i, text in enumerate(texts, 1):
+        finish = None
+        if i == len(texts):
+            finish = FinishInfo(FinishReason.LENGTH, "".join(texts), len(texts), 4, 0, 0.0, 0.01)
+        out.append(TokenEvent(i, TokenInfo(i, text, logprob, False), text, finish=finish))
+    return out
+
+
+# per request: events to yield, exceptions to raise, asyncio.Events to wait for, in order
+Script = Callable[[EngineRequest], list]
+
+
+class FakeEngine:
+    healthy = True
+
+    def __init__(self) -> None:
+        self.script: Script = lambda request: events(["Hello", " world"])
+        self.requests: list[EngineRequest] = []
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
+        self.requests.append(request)
+        for item in self.script(request):
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, asyncio.Event):
+                await item.wait()
+                continue
+            yield item
+
+
+@pytest.fixture
+async def served():
+    engine = FakeEngine()
+    tokenizer = build_tokenizer()
+    servicer = TextGenerationServicer(
+        engine,
+        Validator(tokenizer, LIMITS),
+        ServedModel(svc_pb.InfoResponse(model_id="fake"), created=0),
+        Admission(limit=1),
+        RequestRecorder(Metrics()),
+    )
+    server, _, port = build_server(servicer, "127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    yield engine, servicer, svc_grpc.TextGenerationServiceStub(channel)
+    await channel.close()
+    await server.stop(0)
+
+
+def request(**parameters) -> pb.GenerateRequest:
+    return pb.GenerateRequest(inputs="The quick", parameters=pb.GenerateParameters(**parameters))
+
+
+def error_info(error: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
+    status = rpc_status.from_call(error)
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info)
+    return info
+
+
+async def test_stream_messages_follow_the_engine_events(served):
+    engine, _, stub = served
+    messages = [m async for m in stub.GenerateStream(request(return_full_text=True))]
+    assert [(m.index, m.token.text) for m in messages] == [(1, "Hello"), (2, " world")]
+    last = messages[-1]
+    assert last.generated_text == "The quickHello world"  # return_full_text
+    assert last.details.finish_reason == "length" and last.details.generated_tokens == 2
+    assert not messages[0].HasField("details")
+    assert engine.requests[0].stopping.max_new_tokens > 0
+
+
+async def test_failure_after_the_first_token_is_in_band_then_aborted(served):
+    engine, _, stub = served
+    engine.script = lambda r: [*events(["a", "b"])[:1], EngineError("boom")]
+    call = stub.GenerateStream(request())
+    received = []
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for message in call:
+            received.append(message)
+    assert received[0].token.text == "a"
+    assert (received[-1].error, received[-1].error_type) == ("boom", "incomplete_generation")
+    assert info.value.code() == grpc.StatusCode.ABORTED
+    assert error_info(info.value).reason == "incomplete_generation"
+
+
+async def test_failure_before_any_token_is_a_typed_status(served):
+    engine, _, stub = served
+    engine.script = lambda r: [EngineError("engine down", ErrorType.UNAVAILABLE)]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Generate(request())
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_info(info.value).reason == "unavailable"
+
+
+async def test_validation_error_names_the_field(served):
+    engine, _, stub = served
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Generate(request(top_k=0))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "`top_k` must be strictly positive"
+    detail = error_info(info.value)
+    assert detail.reason == "validation" and detail.metadata["param"] == "top_k"
+    assert engine.requests == []  # nothing reached the engine
+
+
+async def test_draining_refuses_new_work(served):
+    _, servicer, stub = served
+    servicer.draining = True
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Generate(request())
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_full_server_answers_overloaded_at_once(served):
+    engine, _, stub = served
+    release = asyncio.Event()
+    first, last = events(["x", "y"])
+    engine.script = lambda r: [first, release, last]
+    # one stream holds the one permit, mid-generation
+    held = stub.GenerateStream(request())
+    assert (await held.read()).token.text == "x"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Generate(request())
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error_info(info.value).reason == "overloaded"
+    release.set()
+    assert (await held.read()).token.text == "y"
+    # the permit is back once the stream ended
+    assert (await stub.Generate(request())).generated_text == "xy"
+
+
+async def test_best_of_returns_the_likeliest_run(served):
+    engine, _, stub = served
+    engine.script = lambda r: events(
+        ["x", "y"], logprob=-0.1 if r.request_id.endswith("-1") else -3.0
+    )
+    out = await stub.Generate(request(best_of=2, do_sample=True, details=True))
+    seeds = {r.sampling.seed for r in engine.requests}
+    assert len(engine.requests) == 2 and len(seeds) == 2  # each run its own seed
+    assert out.details.tokens[0].logprob == pytest.approx(-0.1)
+    assert len(out.details.best_of_sequences) == 1

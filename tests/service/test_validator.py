@@ -1,0 +1,134 @@
+"""The validator on its own (no server, no model): TGI's rules on the plain request
+type, the names each face gives a refused field, TGI's defaults, and the grammar paths.
+tests/integration/test_validation.py checks the same rules end to end over gRPC."""
+
+from __future__ import annotations
+
+import pytest
+from textgen.service.grammar_compiler import GrammarCompiler
+from textgen.service.openai.chat import parse_chat_request
+from textgen.service.openai.completions import parse_completion_request
+from textgen.service.request import GenerateParameters, GenerateRequest, Grammar
+from textgen.service.validation import Limits, ValidationError, Validator
+from tiny_model import build_tokenizer
+
+pytestmark = pytest.mark.timeout(30)
+
+LIMITS = Limits(
+    max_input_tokens=63,
+    max_total_tokens=64,
+    max_best_of=2,
+    max_stop_sequences=4,
+    max_top_n_tokens=5,
+    vocab_size=400,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def validator(tokenizer) -> Validator:
+    eos = frozenset({tokenizer.eos_token_id})
+    return Validator(tokenizer, LIMITS, GrammarCompiler(tokenizer, LIMITS.vocab_size, eos))
+
+
+def refused(validator: Validator, request: GenerateRequest, *, stream=False) -> ValidationError:
+    with pytest.raises(ValidationError) as info:
+        validator.validate(request, stream=stream)
+    return info.value
+
+
+def tgi(**parameters) -> GenerateRequest:
+    return GenerateRequest("The quick brown fox", GenerateParameters(**parameters))
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message", "param"),
+    [
+        ({"max_new_tokens": 0}, "`max_new_tokens` must be strictly positive", "max_new_tokens"),
+        ({"temperature": 0.0}, "`temperature` must be strictly positive", "temperature"),
+        ({"top_p": 1.0}, "`top_p` must be > 0.0 and < 1.0", "top_p"),
+        ({"top_k": 0}, "`top_k` must be strictly positive", "top_k"),
+        ({"stop": ("",)}, "`stop` sequences must not be empty", "stop"),
+        ({"best_of": 2}, "you must use sampling when `best_of` is > 1", "best_of"),
+        ({"logit_bias": {400: 1.0}}, "`logit_bias` token id 400 is outside", "logit_bias"),
+        ({"watermark": True}, "`watermark` is not supported", "watermark"),
+        ({"adapter_id": "lora"}, "`adapter_id`: LoRA adapters are not supported", "adapter_id"),
+        ({"max_time": 0.0}, "`max_time` must be strictly positive", "max_time"),
+        ({"truncate": 64}, "`truncate` must be strictly positive and less than 63", "truncate"),
+        (
+            {"grammar": Grammar("regex", 5)},
+            "grammar is not valid: a `regex` grammar's value must be a string",
+            "grammar",
+        ),
+    ],
+)
+def test_tgi_rules_name_tgi_fields(validator, parameters, message, param):
+    error = refused(validator, tgi(**parameters))
+    assert error.message.startswith(message) and error.param == param
+    assert error.error_type == "validation"
+
+
+def test_too_long_for_max_total_tokens(validator):
+    error = refused(validator, tgi(max_new_tokens=64))
+    assert error.message.startswith("`inputs` tokens + `max_new_tokens` must be <= 64. Given: ")
+
+
+def test_streaming_refuses_best_of_and_prompt_details(validator):
+    assert refused(validator, tgi(best_of=2, do_sample=True), stream=True).param == "best_of"
+    error = refused(validator, tgi(decoder_input_details=True), stream=True)
+    assert error.message == "`decoder_input_details` == true is not supported when streaming tokens"
+
+
+def test_defaults_are_tgis(validator):
+    valid = validator.validate(tgi(), stream=False)
+    request = valid.engine_request
+    # greedy, and max_new_tokens fills max_total_tokens after the prompt
+    assert request.sampling.do_sample is False
+    assert request.stopping.max_new_tokens == LIMITS.max_total_tokens - len(request.prompt_ids)
+    # any sampling parameter turns sampling on (TGI); a seed is drawn when unset
+    sampled = validator.validate(tgi(temperature=0.5), stream=False).engine_request.sampling
+    assert sampled.do_sample and sampled.temperature == 0.5 and sampled.seed >= 0
+
+
+def test_lark_grammar_replaces_the_tgi_grammar(validator):
+    lark = 'start: "yes" | "no"\n'
+    request = GenerateRequest(
+        "Q?", GenerateParameters(grammar=Grammar("regex", "[0-9]+")), lark=lark
+    )
+    compiled = validator.validate(request, stream=False).engine_request.grammar
+    assert compiled == validator.grammars.lark(lark)
+    assert validator.validate(
+        tgi(grammar=Grammar("regex", "[0-9]+")), stream=False
+    ).engine_request.grammar
+
+
+def test_openai_requests_name_openai_fields(validator, tokenizer):
+    """The same rules, reached through OpenAI's JSON: the error speaks the client's names."""
+    chat = parse_chat_request(
+        b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}', tokenizer
+    )
+    error = refused(validator, chat.generate)
+    assert error.param == "max_tokens"
+    assert "`messages` tokens + `max_tokens` must be <= 64" in error.message
+    chat = parse_chat_request(
+        b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100}',
+        tokenizer,
+    )
+    assert refused(validator, chat.generate).param == "max_completion_tokens"
+    chat = parse_chat_request(
+        b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 9}',
+        tokenizer,
+    )
+    error = refused(validator, chat.generate)
+    assert (error.param, error.message) == (
+        "top_logprobs",
+        "`top_logprobs` must be >= 0 and <= 5. Given: 9",
+    )
+    completion = parse_completion_request(b'{"prompt": "hi", "logprobs": 7}', 4)
+    assert refused(validator, completion.generates[0]).param == "logprobs"
+    completion = parse_completion_request(b'{"prompt": "hi", "temperature": 0.00001}', 4)
+    assert refused(validator, completion.generates[0]).param == "temperature"
