@@ -1,11 +1,10 @@
 """`textgen bench`: a load generator for a running server (or one it starts).
 
 N concurrent GenerateStream calls over gRPC; reports output tokens/s, time to first
-token and inter-token latency percentiles, as a table and as JSON. With
---baseline it also measures, in the same run and on the same model, the ceiling
-of plain transformers (a batched forward loop with a DynamicCache at the same
-batch size, prefill included, the faster of float32 and bfloat16) and naive
-sequential `model.generate`, and prints the engine's throughput as ratios of both.
+token and inter-token latency percentiles, as a table and as JSON. In the same run,
+after the served load and on the same prompts, `--core` measures the engine core alone
+and `--baseline` plain transformers (bench_baselines.py), and the report gives the
+served figures as ratios of theirs.
 """
 
 from __future__ import annotations
@@ -19,6 +18,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from .bench_baselines import ServedConfig, measure_baselines, measure_core_alone
 
 PROMPTS = [
     "What is the capital of France?",
@@ -63,7 +64,8 @@ class Report:
     itl_p50_ms: float
     itl_p95_ms: float
     errors: int
-    baseline: dict | None = None
+    baseline: dict | None = None  # --baseline: plain transformers, and served / theirs
+    core: dict | None = None  # --core: the engine core alone, and served / core
     constrained: dict | None = None  # --grammar: the same load with the grammar, and the ratio
 
 
@@ -160,96 +162,6 @@ def summarize(args, results: list[RequestResult], duration: float) -> Report:
     )
 
 
-# baselines ------------------------------------------------------------------------
-
-
-def measure_baselines(
-    model_id: str | None, prompts: list[str], batch: int, max_new_tokens: int
-) -> dict:
-    """Plain transformers on the same model: the batched forward ceiling (both dtypes,
-    the faster counts) and naive sequential generate."""
-    import torch
-    from textgen.service.models import load_model
-
-    out: dict = {"ceiling_tokens_per_s": {}, "naive_generate_tokens_per_s": None}
-    batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
-    for dtype in ("float32", "bfloat16"):
-        loaded = load_model(model_id, dtype=dtype, device="auto")
-        out["ceiling_tokens_per_s"][dtype] = round(
-            _forward_ceiling(loaded.model, loaded.tokenizer, batch_prompts, max_new_tokens), 2
-        )
-        if dtype == "float32":
-            out["naive_generate_tokens_per_s"] = round(
-                _naive_generate(loaded.model, loaded.tokenizer, batch_prompts[:2], max_new_tokens),
-                2,
-            )
-        del loaded
-    best = max(out["ceiling_tokens_per_s"], key=out["ceiling_tokens_per_s"].get)
-    out["ceiling_dtype"] = best
-    out["ceiling"] = out["ceiling_tokens_per_s"][best]
-    torch.set_grad_enabled(True)
-    return out
-
-
-def _forward_ceiling(model, tokenizer, prompts: list[str], max_new_tokens: int) -> float:
-    """Left-padded prefill, then greedy decode steps with a DynamicCache: no sampling
-    logic, no stopping, no scheduling — what the model's forward pass allows."""
-    import torch
-
-    tokenizer.padding_side = "left"
-    enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
-    ids, mask = enc["input_ids"], enc["attention_mask"]
-    with torch.inference_mode():
-        _ceiling_run(model, ids, mask, 2)  # warm-up
-        start = time.perf_counter()
-        _ceiling_run(model, ids, mask, max_new_tokens)
-        elapsed = time.perf_counter() - start
-    return len(prompts) * max_new_tokens / elapsed
-
-
-def _ceiling_run(model, ids, mask, steps: int) -> None:
-    import torch
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    for _ in range(steps - 1):
-        next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        positions = positions[:, -1:] + 1
-        out = model(
-            input_ids=next_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-        )
-    out.logits[:, -1].argmax(-1).tolist()
-
-
-def _naive_generate(model, tokenizer, prompts: list[str], max_new_tokens: int) -> float:
-    import torch
-
-    tokens = 0
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(model.device)
-            out = model.generate(
-                ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False
-            )
-            tokens += out.shape[1] - ids.shape[1]
-    return tokens / (time.perf_counter() - start)
-
-
 # presentation and entry point -----------------------------------------------------
 
 
@@ -264,13 +176,18 @@ def format_table(report: Report) -> str:
         ("ITL p50 / p95 (ms)", f"{report.itl_p50_ms} / {report.itl_p95_ms}"),
         ("errors", report.errors),
     ]
+    if report.core:
+        c = report.core
+        rows.append((f"core alone, {c['dtype']} (tok/s)", c["output_tokens_per_s"]))
+        rows.append(("core decode step p50 (ms)", c["decode_step_p50_ms"]))
+        rows.append(("served / core alone", c["served_over_core"]))
+        rows.append(("served ITL p50 / core step", c.get("itl_p50_over_core_step")))
     if report.baseline:
         b = report.baseline
-        for dtype, value in b["ceiling_tokens_per_s"].items():
-            rows.append((f"transformers forward ceiling, {dtype} (tok/s)", value))
+        rows.append((f"transformers greedy loop, {b['dtype']} (tok/s)", b["loop_tokens_per_s"]))
         rows.append(("naive sequential generate (tok/s)", b["naive_generate_tokens_per_s"]))
-        rows.append(("engine / ceiling", b["engine_over_ceiling"]))
-        rows.append(("engine / naive generate", b["engine_over_naive"]))
+        rows.append(("served / transformers loop", b["served_over_loop"]))
+        rows.append(("served / naive generate", b["served_over_naive"]))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -287,7 +204,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-id",
         default=None,
-        help="model for --serve and --baseline (default: the embedded model)",
+        help="model for --serve, --core and --baseline (default: the embedded model); with "
+        "--target, name the model the server serves",
     )
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument(
@@ -301,7 +219,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="a text file (one prompt a line) or JSONL with a `prompt` field",
     )
     parser.add_argument(
-        "--baseline", action="store_true", help="also measure plain transformers on the same model"
+        "--baseline",
+        action="store_true",
+        help="after the load, measure plain transformers' greedy loop on the same model, "
+        "prompts and dtype",
+    )
+    parser.add_argument(
+        "--core",
+        action="store_true",
+        help="after the load, run the same requests through the engine core alone (same "
+        "dtype and limits, no serving): served / core, and the ITL against the core's step",
     )
     parser.add_argument("--json", default=None, help="write the report here as JSON")
     parser.add_argument("--timeout", type=float, default=600)
@@ -326,16 +253,31 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts)
     server = _start_server(args) if args.serve else None
     try:
+        config = asyncio.run(served_config(args))
         report = asyncio.run(run_load(args, prompts))
         if args.grammar:
             report.constrained = _constrained_rounds(args, prompts, report)
     finally:
         if server is not None:
-            _stop_server(server)
+            _stop_server(server)  # the comparisons run on a quiet machine
+    requests = args.requests or args.concurrency
+    if args.core:
+        core = measure_core_alone(
+            config,
+            prompts,
+            concurrency=args.concurrency,
+            requests=requests,
+            max_new_tokens=args.max_new_tokens,
+            ignore_eos=args.ignore_eos,
+        )
+        core["served_over_core"] = round(report.output_tokens_per_s / core["output_tokens_per_s"], 3)
+        if core["decode_step_p50_ms"]:
+            core["itl_p50_over_core_step"] = round(report.itl_p50_ms / core["decode_step_p50_ms"], 3)
+        report.core = core
     if args.baseline:
-        base = measure_baselines(args.model_id, prompts, args.concurrency, args.max_new_tokens)
-        base["engine_over_ceiling"] = round(report.output_tokens_per_s / base["ceiling"], 3)
-        base["engine_over_naive"] = round(
+        base = measure_baselines(config, prompts, args.concurrency, args.max_new_tokens)
+        base["served_over_loop"] = round(report.output_tokens_per_s / base["loop_tokens_per_s"], 3)
+        base["served_over_naive"] = round(
             report.output_tokens_per_s / base["naive_generate_tokens_per_s"], 3
         )
         report.baseline = base
@@ -351,6 +293,22 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(asdict(report), indent=2))
     return 1 if report.errors or (report.constrained or {}).get("errors") else 0
+
+
+async def served_config(args) -> ServedConfig:
+    """How the server runs (its Info): the comparisons use its dtype and limits."""
+    from textgen.sdk import AsyncClient
+
+    async with AsyncClient(args.target, timeout=args.timeout) as client:
+        info = await client.info()
+    return ServedConfig(
+        model_id=args.model_id,
+        dtype=info.model_dtype,
+        max_batch_total_tokens=info.max_batch_total_tokens,
+        max_batch_prefill_tokens=info.max_batch_prefill_tokens,
+        max_batch_size=info.max_batch_size,
+        block_size=info.kv_cache_block_size,
+    )
 
 
 def _constrained_rounds(args, prompts: list[str], first: Report) -> dict:

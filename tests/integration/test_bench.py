@@ -60,3 +60,32 @@ def test_bench_grammar_run_reports_the_constrained_ratio(tiny_server, tmp_path):
     assert constrained["over_unconstrained"] == pytest.approx(
         sum(constrained["ratios"]) / 2, abs=1e-3
     )
+
+
+def test_bench_compares_with_the_core_alone_and_plain_transformers(tiny_server, tmp_path):
+    """--core and --baseline run after the load, on the same model, prompts and dtype,
+    and the report gives the served figures as ratios of theirs."""
+    import json
+
+    from textgen.service.bench import run
+
+    out = tmp_path / "report.json"
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(
+        ["--target", tiny_server.target, "--model-id", tiny_server.settings.model_id,
+         "--concurrency", "2", "--requests", "3", "--max-new-tokens", "6", "--ignore-eos",
+         "--core", "--baseline", "--json", str(out)]
+    )  # fmt: skip
+    assert run(args) == 0
+    report = json.loads(out.read_text())
+    core, base = report["core"], report["baseline"]
+    assert core["dtype"] == base["dtype"] == "float32"  # the served engine's
+    assert core["output_tokens"] == report["output_tokens"] == 3 * 6
+    assert core["decode_step_p50_ms"] > 0
+    served = report["output_tokens_per_s"]
+    assert core["served_over_core"] == pytest.approx(served / core["output_tokens_per_s"], rel=1e-2)
+    assert base["served_over_loop"] == pytest.approx(served / base["loop_tokens_per_s"], rel=1e-2)
+    assert report["itl_p50_ms"] / core["decode_step_p50_ms"] == pytest.approx(
+        core["itl_p50_over_core_step"], rel=1e-2
+    )

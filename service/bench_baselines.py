@@ -1,0 +1,187 @@
+"""What `textgen bench` compares the served engine with, on the same prompts, measured
+in the same run after the served load (nothing else running):
+
+- the engine core alone (`--core`): the same requests through `PagedCore.step()` in this
+  process, with the served engine's dtype and limits: no gRPC, no event loop, no thread
+  handoff. served / core is what the serving path costs; the core's decode step is what
+  one stream's inter-token latency can be at best;
+- plain transformers (`--baseline`): a left-padded batched prefill, then greedy decode
+  steps with a DynamicCache, in the served dtype (the loop anyone writes first), and
+  naive sequential `model.generate`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServedConfig:
+    """How the served engine ran (from its Info), so the comparisons run alike."""
+
+    model_id: str | None
+    dtype: str  # "bfloat16", "float32", ...
+    max_batch_total_tokens: int
+    max_batch_prefill_tokens: int
+    max_batch_size: int
+    block_size: int
+
+
+# the engine core alone --------------------------------------------------------------
+
+
+def measure_core_alone(
+    config: ServedConfig,
+    prompts: list[str],
+    *,
+    concurrency: int,
+    requests: int,
+    max_new_tokens: int,
+    ignore_eos: bool,
+) -> dict:
+    """The served load (`requests` requests, `concurrency` at a time, each worker taking
+    the next prompt when its request ends) through the core: tokens/s, and the median
+    step time of the steps that only decoded (one stream: its best inter-token latency)."""
+    import torch
+    from textgen.service.engine.paged_core import PagedCore
+    from textgen.service.engine.sequence import Sequence
+    from textgen.service.engine.types import EngineRequest, SamplingParams, StoppingParams
+    from textgen.service.models import load_model
+
+    loaded = load_model(config.model_id, dtype=config.dtype, device="auto")
+    core = PagedCore(
+        loaded.model,
+        max_batch_total_tokens=config.max_batch_total_tokens,
+        max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+        max_batch_size=config.max_batch_size,
+        block_size=config.block_size,
+    )
+    prompt_ids = [loaded.tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+
+    def sequence(index: int, new_tokens: int) -> Sequence:
+        request = EngineRequest(
+            request_id=str(index),
+            prompt_ids=tuple(prompt_ids[index % len(prompt_ids)]),
+            sampling=SamplingParams(),
+            stopping=StoppingParams(max_new_tokens=new_tokens, ignore_eos=ignore_eos),
+        )
+        return Sequence(request, loaded.eos_token_ids)
+
+    def run(count: int, new_tokens: int) -> tuple[float, int, list[float]]:
+        pending = [sequence(i, new_tokens) for i in range(count)]
+        running: list[Sequence] = []
+        decode_steps: list[float] = []
+        tokens = 0
+        start = time.perf_counter()
+        while pending or running:
+            while pending and len(running) < concurrency:
+                running.append(pending.pop(0))
+                core.add(running[-1])
+            decoding = all(not s.in_prefill for s in running)
+            step_start = time.perf_counter()
+            outputs = core.step()
+            if decoding and outputs:
+                decode_steps.append(time.perf_counter() - step_start)
+            tokens += len(outputs)
+            running = [s for s in running if not s.is_finished]
+        return time.perf_counter() - start, tokens, decode_steps
+
+    with torch.inference_mode():
+        run(concurrency, 2)  # warm up at full width, as the served load does
+        elapsed, tokens, decode_steps = run(requests, max_new_tokens)
+    return {
+        "dtype": config.dtype,
+        "output_tokens": tokens,
+        "output_tokens_per_s": round(tokens / elapsed, 2),
+        "decode_step_p50_ms": round(1000 * statistics.median(decode_steps), 2)
+        if decode_steps
+        else None,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+# plain transformers -----------------------------------------------------------------
+
+
+def measure_baselines(
+    config: ServedConfig, prompts: list[str], batch: int, max_new_tokens: int
+) -> dict:
+    """Plain transformers on the same model and prompts, in the served dtype: the
+    batched greedy loop and naive sequential generate."""
+    import torch
+    from textgen.service.models import load_model
+
+    batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+    loaded = load_model(config.model_id, dtype=config.dtype, device="auto")
+    out = {
+        "dtype": config.dtype,
+        "loop_tokens_per_s": round(
+            _greedy_loop(loaded.model, loaded.tokenizer, batch_prompts, max_new_tokens), 2
+        ),
+        "naive_generate_tokens_per_s": round(
+            _naive_generate(loaded.model, loaded.tokenizer, batch_prompts[:2], max_new_tokens), 2
+        ),
+    }
+    torch.set_grad_enabled(True)
+    return out
+
+
+def _greedy_loop(model, tokenizer, prompts: list[str], max_new_tokens: int) -> float:
+    """Left-padded prefill, then greedy decode steps with a DynamicCache: no sampling
+    logic, no stopping, no scheduling: what the model's forward pass allows."""
+    import torch
+
+    tokenizer.padding_side = "left"
+    enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    with torch.inference_mode():
+        _loop_run(model, ids, mask, 2)  # warm-up
+        start = time.perf_counter()
+        _loop_run(model, ids, mask, max_new_tokens)
+        elapsed = time.perf_counter() - start
+    return len(prompts) * max_new_tokens / elapsed
+
+
+def _loop_run(model, ids, mask, steps: int) -> None:
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    for _ in range(steps - 1):
+        next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        positions = positions[:, -1:] + 1
+        out = model(
+            input_ids=next_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
+    out.logits[:, -1].argmax(-1).tolist()
+
+
+def _naive_generate(model, tokenizer, prompts: list[str], max_new_tokens: int) -> float:
+    import torch
+
+    tokens = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(model.device)
+            out = model.generate(
+                ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False
+            )
+            tokens += out.shape[1] - ids.shape[1]
+    return tokens / (time.perf_counter() - start)
