@@ -69,7 +69,9 @@ local function top_level_literal(s, key)
   end
 end
 
-local JSON_ESCAPES = {['"'] = '\\"', ['\\'] = '\\\\', ['\n'] = '\\n', ['\r'] = '\\r', ['\t'] = '\\t'}
+local JSON_ESCAPES = {
+  ['"'] = '\\"', ['\\'] = '\\\\', ['\n'] = '\\n', ['\r'] = '\\r', ['\t'] = '\\t'
+}
 
 local function json_string(s)
   local escaped = s:gsub('[%c"\\]', function(c)
@@ -95,7 +97,8 @@ end
 -- `{"field":X}` -> `X`: the transcoder prints the one-field message compactly.
 local function unwrap(body, field)
   if body == nil then return end
-  local inner = body:getBytes(0, body:length()):match('^%s*{%s*"' .. field .. '"%s*:%s*(.-)%s*}%s*$')
+  local pattern = '^%s*{%s*"' .. field .. '"%s*:%s*(.-)%s*}%s*$'
+  local inner = body:getBytes(0, body:length()):match(pattern)
   if inner ~= nil then body:setBytes(inner) end
 end
 
@@ -103,9 +106,11 @@ end
 -- `stream` and pick the route. Returns the face of the answer.
 local function route_compat(request_handle, path)
   local body = request_handle:body()
-  local stream = body ~= nil and top_level_literal(body:getBytes(0, body:length()), "stream") == "true"
+  local stream = body ~= nil
+    and top_level_literal(body:getBytes(0, body:length()), "stream") == "true"
+  local route = stream and "/generate_stream" or "/generate"
   -- TRAP: wrappers taken before body() are dead once it has yielded: get them again.
-  request_handle:headers():replace(":path", (stream and "/generate_stream" or "/generate") .. path:sub(2))
+  request_handle:headers():replace(":path", route .. path:sub(2))
   request_handle:clearRouteCache()
   return stream and "tgi" or "compat"
 end

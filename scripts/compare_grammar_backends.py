@@ -123,5 +123,8 @@ else:
     fill()
     spent = walk(fill, consume, 32, rng)
 print(
-    f"{which}: tokenizer setup {t_tok * 1000:.0f} ms, compile/schema {t_compile * 1000:.1f} ms, new matcher {t_new * 1000:.2f} ms, mask step b32 {spent / STEPS * 1000:.2f} ms"
+    f"{which}: tokenizer setup {t_tok * 1000:.0f} ms, "
+    f"compile/schema {t_compile * 1000:.1f} ms, "
+    f"new matcher {t_new * 1000:.2f} ms, "
+    f"mask step b32 {spent / STEPS * 1000:.2f} ms"
 )

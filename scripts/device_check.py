@@ -965,7 +965,8 @@ def section_model(size, prof, device, dtype, bandwidth, graphs_enabled, rec, res
     facts = model_facts(model)
     entry["facts"] = facts
     log(
-        f"   {size}: {facts['params_human']} params, {facts['dtype']}, built in {entry['build_s']} s"
+        f"   {size}: {facts['params_human']} params, {facts['dtype']}, "
+        f"built in {entry['build_s']} s"
     )
     rec.save()
 
@@ -996,7 +997,8 @@ def section_model(size, prof, device, dtype, bandwidth, graphs_enabled, rec, res
             _free_memory()
             g = row["graph"]
             log(
-                f"   decode b={batch}: eager step {row['eager_step_ms']} ms (fwd {row['eager_forward_ms']}), "
+                f"   decode b={batch}: eager step {row['eager_step_ms']} ms "
+                f"(fwd {row['eager_forward_ms']}), "
                 f"graph step {g.get('step_ms', g.get('status'))}, floor {row['hbm_floor_ms']} ms"
             )
         except Skip as exc:
@@ -1197,7 +1199,8 @@ def section_serving(prof, device, dtype, child_env, rec, results) -> dict:
                     run["report"] = json.loads(report.read_text())
                     r = run["report"]
                     log(
-                        f"   bench c={conc}: {r['output_tokens_per_s']} tok/s, TTFT p50 {r['ttft_p50_ms']} ms, "
+                        f"   bench c={conc}: {r['output_tokens_per_s']} tok/s, "
+                        f"TTFT p50 {r['ttft_p50_ms']} ms, "
                         f"ITL p50 {r['itl_p50_ms']} ms, errors {r['errors']}"
                     )
                 else:
@@ -1231,7 +1234,10 @@ def render_markdown(results: dict) -> str:
     meta = results.get("meta", {})
     env = results.get("env", {})
     lines = [
-        f"# textgen device check: {env.get('device_name', '?')} ({meta.get('profile', '?')} profile)",
+        (
+            f"# textgen device check: {env.get('device_name', '?')} "
+            f"({meta.get('profile', '?')} profile)"
+        ),
         "",
         f"- date: {meta.get('date', '?')}",
         f"- command: `{meta.get('command', '?')}`",
@@ -1259,7 +1265,8 @@ def render_markdown(results: dict) -> str:
         lines += [
             (
                 f"## {size}: {f.get('params_human', '?')} params, {f.get('dtype', '?')}, "
-                f"{f.get('layers', '?')} layers, {f.get('heads', '?')}/{f.get('kv_heads', '?')} heads, "
+                f"{f.get('layers', '?')} layers, "
+                f"{f.get('heads', '?')}/{f.get('kv_heads', '?')} heads, "
                 f"vocab {f.get('vocab', '?')}"
             ),
             "",
@@ -1270,21 +1277,27 @@ def render_markdown(results: dict) -> str:
                 continue
             if "eager" not in eq:
                 lines += [
-                    f"Greedy equality ({label}): {eq.get('status')} {eq.get('reason', eq.get('error', ''))}",
+                    (
+                        f"Greedy equality ({label}): {eq.get('status')} "
+                        f"{eq.get('reason', eq.get('error', ''))}"
+                    ),
                     "",
                 ]
                 continue
             e = eq["eager"]
             text = (
-                f"Greedy equality ({label}) vs `model.generate`, prompts {eq['workload']['prompt_lengths']}, "
-                f"{eq['workload']['added_mid_run']} added mid-run: engine {e['matched']}/{e['total']} "
-                f"sequences equal ({e['tokens_matched_before_divergence']}/{e['tokens_total']} tokens "
+                f"Greedy equality ({label}) vs `model.generate`, "
+                f"prompts {eq['workload']['prompt_lengths']}, "
+                f"{eq['workload']['added_mid_run']} added mid-run: "
+                f"engine {e['matched']}/{e['total']} sequences equal "
+                f"({e['tokens_matched_before_divergence']}/{e['tokens_total']} tokens "
                 "before the first divergence)"
             )
             g = eq.get("graphs")
             if g and "matched" in g:
                 text += (
-                    f"; with {g['mode'].replace('_', ' ')} ({g.get('graph_steps')} decode steps replayed) "
+                    f"; with {g['mode'].replace('_', ' ')} "
+                    f"({g.get('graph_steps')} decode steps replayed) "
                     f"{g['matched']}/{g['total']} equal, {g['equal_to_eager_engine']}/{g['total']} "
                     "equal to the eager engine"
                 )
@@ -1296,35 +1309,43 @@ def render_markdown(results: dict) -> str:
                 lines += [
                     "Mismatches (eager): "
                     + "; ".join(
-                        f"prompt {r['prompt_len']} at step {r.get('first_divergence')}, reference logit gap "
-                        f"{r.get('ref_gap_to_engine_token')} (top-2 gap {r.get('ref_top2_gap')})"
+                        f"prompt {r['prompt_len']} at step {r.get('first_divergence')}, "
+                        f"reference logit gap {r.get('ref_gap_to_engine_token')} "
+                        f"(top-2 gap {r.get('ref_top2_gap')})"
                         for r in bad
                     )
-                    + f". Median top-2 logit gap of the reference: {eq.get('reference_median_top2_gap')}.",
+                    + (
+                        ". Median top-2 logit gap of the reference: "
+                        f"{eq.get('reference_median_top2_gap')}."
+                    ),
                     "",
                 ]
         decode = m.get("decode") or []
         if decode:
             lines += [
                 (
-                    "| batch | context | eager step ms | eager fwd ms | graph step ms | graph replay ms "
-                    "| HBM floor ms | floor/eager step | floor/graph step | tok/s eager | tok/s graph |"
+                    "| batch | context | eager step ms | eager fwd ms | graph step ms "
+                    "| graph replay ms | HBM floor ms | floor/eager step | floor/graph step "
+                    "| tok/s eager | tok/s graph |"
                 ),
                 "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
             ]
             for r in decode:
                 if "eager_step_ms" not in r:
                     lines.append(
-                        f"| {r['batch']} | {r.get('status')}: {r.get('reason', r.get('error', ''))} |"
+                        f"| {r['batch']} | {r.get('status')}: "
+                        f"{r.get('reason', r.get('error', ''))} |"
                     )
                     continue
                 g = r.get("graph", {})
                 gs = g.get("step_ms") if g.get("status") == "ok" else g.get("status", "–")
                 gr = g.get("replay_ms") if g.get("status") == "ok" else "–"
                 lines.append(
-                    f"| {r['batch']} | {_fmt(r['eager_context_mean'], 0)} | {_fmt(r['eager_step_ms'])} "
-                    f"| {_fmt(r['eager_forward_ms'])} | {_fmt(gs)} | {_fmt(gr)} | {_fmt(r['hbm_floor_ms'], 3)} "
-                    f"| {_fmt(r['floor_over_eager_step'], 3)} | {_fmt(g.get('floor_over_step'), 3)} "
+                    f"| {r['batch']} | {_fmt(r['eager_context_mean'], 0)} "
+                    f"| {_fmt(r['eager_step_ms'])} | {_fmt(r['eager_forward_ms'])} "
+                    f"| {_fmt(gs)} | {_fmt(gr)} | {_fmt(r['hbm_floor_ms'], 3)} "
+                    f"| {_fmt(r['floor_over_eager_step'], 3)} "
+                    f"| {_fmt(g.get('floor_over_step'), 3)} "
                     f"| {_fmt(r['decode_tok_s_eager'], 0)} | {_fmt(g.get('decode_tok_s'), 0)} |"
                 )
             lines.append("")
@@ -1345,7 +1366,8 @@ def render_markdown(results: dict) -> str:
                 lines += [
                     "Graph replay vs eager forward on the same step: max |logit diff| "
                     + ", ".join(
-                        f"{c['max_abs_logit_diff']:.3g} ({c['same_argmax_rows']}/{c['rows']} same argmax)"
+                        f"{c['max_abs_logit_diff']:.3g} "
+                        f"({c['same_argmax_rows']}/{c['rows']} same argmax)"
                         for c in checks
                     ),
                     "",
@@ -1358,7 +1380,8 @@ def render_markdown(results: dict) -> str:
                         f"batch {b}: {st.get('step_ms')} ms/step, max |logit diff| vs eager "
                         f"{st['check_vs_eager']['max_abs_logit_diff']:.3g}"
                         if st.get("status") == "ok"
-                        else f"batch {b}: {st.get('status')}: {st.get('error', st.get('reason', ''))}"
+                        else f"batch {b}: {st.get('status')}: "
+                        f"{st.get('error', st.get('reason', ''))}"
                         for b, st in static
                     ),
                     "",
@@ -1378,23 +1401,32 @@ def render_markdown(results: dict) -> str:
     s = results.get("serving")
     if s:
         lines += [
-            f"## Serving: `textgen serve --no-envoy` ({s.get('model')}), `textgen bench --ignore-eos`",
+            (
+                f"## Serving: `textgen serve --no-envoy` ({s.get('model')}), "
+                "`textgen bench --ignore-eos`"
+            ),
             "",
             f"Server ready in {s.get('ready_s', '–')} s.",
             "",
-            "| concurrency | requests | new tokens | output tok/s | TTFT p50 / p95 ms | ITL p50 / p95 ms | errors |",
+            (
+                "| concurrency | requests | new tokens | output tok/s "
+                "| TTFT p50 / p95 ms | ITL p50 / p95 ms | errors |"
+            ),
             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for run in s.get("runs", []):
             r = run.get("report")
             if not r:
                 lines.append(
-                    f"| {run['concurrency']} | {run.get('status')}: {str(run.get('reason', run.get('error', '')))[:200]} |"
+                    f"| {run['concurrency']} | {run.get('status')}: "
+                    f"{str(run.get('reason', run.get('error', '')))[:200]} |"
                 )
                 continue
             lines.append(
-                f"| {r['concurrency']} | {r['requests']} | {r['max_new_tokens']} | {r['output_tokens_per_s']} "
-                f"| {r['ttft_p50_ms']} / {r['ttft_p95_ms']} | {r['itl_p50_ms']} / {r['itl_p95_ms']} | {r['errors']} |"
+                f"| {r['concurrency']} | {r['requests']} | {r['max_new_tokens']} "
+                f"| {r['output_tokens_per_s']} "
+                f"| {r['ttft_p50_ms']} / {r['ttft_p95_ms']} "
+                f"| {r['itl_p50_ms']} / {r['itl_p95_ms']} | {r['errors']} |"
             )
         lines.append("")
     sections = results.get("sections", {})

@@ -343,7 +343,9 @@ def tgi_schemas(tgi: dict) -> dict:
     s["StreamResponse"] = stream
     s["StreamError"] = {
         "type": "object",
-        "description": "The last SSE event of a stream that failed after it started (TGI's in-band error).",
+        "description": (
+            "The last SSE event of a stream that failed after it started (TGI's in-band error)."
+        ),
         "required": ["error", "error_type"],
         "properties": {
             "error": {"type": "string"},
@@ -540,7 +542,9 @@ def _openai_sampling() -> dict:
         "logit_bias": {
             "type": "object",
             "nullable": True,
-            "description": "Token id (a decimal string, inside the vocabulary) to a bias in [-100, 100].",
+            "description": (
+                "Token id (a decimal string, inside the vocabulary) to a bias in [-100, 100]."
+            ),
             "propertyNames": TOKEN_ID,
             "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
         },
@@ -873,7 +877,9 @@ def openai_schemas(tgi: dict) -> dict:
             "type": "string",
             "nullable": True,
             "maxLength": 0,
-            "description": "Fill-in-the-middle is not supported: a non-empty suffix is refused (422).",
+            "description": (
+                "Fill-in-the-middle is not supported: a non-empty suffix is refused (422)."
+            ),
         },
         "best_of": _bounded("integer", "Only 1 is supported.", minimum=1, maximum=1),
     }
@@ -1098,7 +1104,8 @@ def paths(tgi_paths: dict) -> dict:
                 summary="OpenAI chat completions",
                 request="ChatRequest",
                 ok=ok(
-                    "A chat completion, or an SSE stream of chunks ending `data: [DONE]` when `stream` is true",
+                    "A chat completion, or an SSE stream of chunks ending `data: [DONE]` "
+                    "when `stream` is true",
                     {json_: ref("ChatCompletion"), sse: sse_event("ChatStreamEvent", done=True)},
                 ),
                 errors=GENERATION_ERRORS,
@@ -1112,7 +1119,8 @@ def paths(tgi_paths: dict) -> dict:
                 summary="OpenAI (legacy) completions",
                 request="CompletionRequest",
                 ok=ok(
-                    "A completion, or an SSE stream of chunks ending `data: [DONE]` when `stream` is true",
+                    "A completion, or an SSE stream of chunks ending `data: [DONE]` "
+                    "when `stream` is true",
                     {
                         json_: ref("CompletionFinal"),
                         sse: sse_event("CompletionStreamEvent", done=True),

@@ -238,8 +238,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grammar",
         default=None,
-        help='a JSON file holding a TGI grammar ({"type": "json", "value": <schema>}): the load runs '
-        "twice, without and with it, and the report gives the constrained/unconstrained ratio",
+        help='a JSON file holding a TGI grammar ({"type": "json", "value": <schema>}): '
+        "the load runs twice, without and with it, and the report gives the "
+        "constrained/unconstrained ratio",
     )
     parser.add_argument(
         "--rounds",

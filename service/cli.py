@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="send the prompt as a chat message (the model's chat template, applied by the server); --no-chat sends it raw",
+        help="send the prompt as a chat message (the model's chat template, applied by the "
+        "server); --no-chat sends it raw",
     )
     gen.add_argument("--target", default="127.0.0.1:50051", help="gRPC address HOST:PORT")
     gen.add_argument("--api-key", default=None)

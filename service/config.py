@@ -65,7 +65,8 @@ class Settings:
             )
         if total > max_position_embeddings:
             raise ValueError(
-                f"--max-total-tokens ({total}) exceeds the model's context ({max_position_embeddings})"
+                f"--max-total-tokens ({total}) exceeds the model's context "
+                f"({max_position_embeddings})"
             )
         return max_input, total
 
@@ -207,7 +208,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "keepalive-interval",
         type=_positive_float,
         default=d.keepalive_interval,
-        help="seconds between HTTP/2 keepalive pings on an idle gRPC connection: Envoy's to this server; the server accepts clients' pings a third of this apart",
+        help="seconds between HTTP/2 keepalive pings on an idle gRPC connection: Envoy's to "
+        "this server; the server accepts clients' pings a third of this apart",
     )
     flag(
         "otlp-endpoint",

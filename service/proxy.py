@@ -229,7 +229,8 @@ async def _wait_ready(envoy: Envoy, admin_path: Path, timeout: float) -> str:
     while time.monotonic() < deadline:
         if envoy.exited.done():
             raise EnvoyError(
-                f"envoy exited with code {envoy.process.returncode} while starting:\n{envoy.output_tail()}"
+                f"envoy exited with code {envoy.process.returncode} while starting:\n"
+                f"{envoy.output_tail()}"
             )
         if admin_url is None and admin_path.exists() and admin_path.read_text().strip():
             admin_url = f"http://{admin_path.read_text().strip()}"

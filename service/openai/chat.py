@@ -204,7 +204,8 @@ def _content(content, index: int) -> str:
                 or not isinstance(part.get("text"), str)
             ):
                 raise OpenAIRequestError(
-                    f'`messages[{index}].content` parts must be text parts ({{"type": "text", "text": ...}})',
+                    f"`messages[{index}].content` parts must be text parts "
+                    '({"type": "text", "text": ...})',
                     "messages",
                 )
             parts.append(part["text"])

@@ -36,7 +36,8 @@ _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _ID_ALPHABET = string.ascii_letters + string.digits
 
 TOOLS_INTRO = "You may call one or more functions to assist with the user query."
-TOOLS_SYSTEM_PROMPT = """# Tools
+TOOLS_SYSTEM_PROMPT = (
+    """# Tools
 
 {intro}
 
@@ -45,10 +46,12 @@ You are provided with function signatures within <tools></tools> XML tags:
 {tools}
 </tools>
 
-For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+For each function call, return a json object with function name and arguments within """
+    """<tool_call></tool_call> XML tags:
 <tool_call>
 {{"name": <function-name>, "arguments": <args-json-object>}}
 </tool_call>"""
+)
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,8 @@ def parse_tools(data: dict) -> ToolPlan | None:
             )
         return ToolPlan(tuple(chosen), "function", parallel=False)
     raise OpenAIRequestError(
-        '`tool_choice` must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+        '`tool_choice` must be "none", "auto", "required" or '
+        '{"type": "function", "function": {"name": ...}}',
         "tool_choice",
     )
 
@@ -251,7 +255,9 @@ def _native(m: dict) -> dict:
 
 def _written_call(call: dict) -> str:
     f = call["function"]
-    return f'{CALL_OPEN}{{"name": {json.dumps(f["name"])}, "arguments": {f["arguments"] or "{}"}}}{CALL_CLOSE}'
+    name = json.dumps(f["name"])
+    arguments = f["arguments"] or "{}"
+    return f'{CALL_OPEN}{{"name": {name}, "arguments": {arguments}}}{CALL_CLOSE}'
 
 
 def check_tool_calls(calls, index: int) -> list[dict]:
@@ -267,7 +273,8 @@ def check_tool_calls(calls, index: int) -> list[dict]:
             and isinstance(f.get("arguments", ""), str)
         ):
             raise OpenAIRequestError(
-                f'`{where}` items must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}',
+                f"`{where}` items must be "
+                '{"id", "type": "function", "function": {"name", "arguments"}}',
                 "messages",
             )
     return calls

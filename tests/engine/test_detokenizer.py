@@ -1,6 +1,7 @@
 """Incremental detokenization: the streamed deltas add up to the full decode (in the
-prompt's context) and never contain a broken character, for byte-level BPE and for sentencepiece-style byte
-fallback, on emoji, CJK and accented text. Stop strings match across tokens."""
+prompt's context) and never contain a broken character, for byte-level BPE and for
+sentencepiece-style byte fallback, on emoji, CJK and accented text. Stop strings match
+across tokens."""
 
 from __future__ import annotations
 

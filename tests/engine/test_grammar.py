@@ -41,7 +41,8 @@ def model(tokenizer):
     torch.manual_seed(3)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        initializer_range=0.2,
     )  # fmt: skip
     return LlamaForCausalLM(config).eval()
 
@@ -56,8 +57,8 @@ def core_for(model, compiler) -> PagedCore:
     import copy
 
     return PagedCore(
-        copy.deepcopy(model), max_batch_total_tokens=8192, max_batch_prefill_tokens=512, max_batch_size=32,
-        grammars=GrammarMasks(compiler.ll_tokenizer, compiler.vocab_size),
+        copy.deepcopy(model), max_batch_total_tokens=8192, max_batch_prefill_tokens=512,
+        max_batch_size=32, grammars=GrammarMasks(compiler.ll_tokenizer, compiler.vocab_size),
     )  # fmt: skip
 
 

@@ -48,8 +48,8 @@ def test_bench_grammar_run_reports_the_constrained_ratio(tiny_server, tmp_path):
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
     args = parser.parse_args(
-        ["--target", tiny_server.target, "--concurrency", "3", "--max-new-tokens", "8", "--ignore-eos",
-         "--grammar", str(grammar), "--rounds", "2", "--json", str(out)]
+        ["--target", tiny_server.target, "--concurrency", "3", "--max-new-tokens", "8",
+         "--ignore-eos", "--grammar", str(grammar), "--rounds", "2", "--json", str(out)]
     )  # fmt: skip
     assert run(args) == 0
     report = json.loads(out.read_text())

@@ -58,7 +58,8 @@ def test_chat_answer_contains_paris(embedded_server):
 def test_templated_generate_and_stream_agree(embedded_server):
     target, _ = embedded_server
     prompt = (
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
+        "trained by Hugging Face<|im_end|>\n"
         f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
     )
     with Client(target, timeout=120) as client:

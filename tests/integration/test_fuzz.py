@@ -378,7 +378,8 @@ def call_generate_stream(stub, request) -> grpc.RpcError | None:
         if messages:
             last = messages[-1]
             assert last.HasField("error") and last.error_type in STATUS_BY_ERROR_TYPE, (
-                f"stream broke after {len(messages)} messages without an in-band error: {describe(request)}"
+                f"stream broke after {len(messages)} messages without an in-band error: "
+                f"{describe(request)}"
             )
         return err
     assert messages, f"empty stream: {describe(request)}"
@@ -741,7 +742,8 @@ def check_http(
     if status >= 300:
         error_type, _ = typed_error(path, response.content)
         assert (status, error_type) in REFUSALS_HTTP, (
-            f"{status} {error_type}: not a refusal of bad input (a crash or an engine failure): {what}"
+            f"{status} {error_type}: not a refusal of bad input "
+            f"(a crash or an engine failure): {what}"
         )
         assert HTTP_STATUS_BY_ERROR_TYPE[error_type] == status or status == 413
     elif media_type == "text/event-stream":
@@ -788,7 +790,10 @@ HOSTILE_BODIES = [
     ),
     (
         "/generate",
-        '{"inputs": "hi", "parameters": {"max_new_tokens": 2, "repetition_penalty": "NaN", "details": true}}',
+        (
+            '{"inputs": "hi", "parameters": '
+            '{"max_new_tokens": 2, "repetition_penalty": "NaN", "details": true}}'
+        ),
     ),
     ("/generate", '{"inputs": "hi", "parameters": {"max_new_tokens": 2, "top_p": "-Infinity"}}'),
     ("/generate", '{"inputs": "hi", "parameters": {"max_new_tokens": 1e400}}'),
@@ -820,7 +825,10 @@ HOSTILE_BODIES = [
     ),
     (
         "/v1/chat/completions",
-        '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "seed": 1180591620717411303424}',
+        (
+            '{"messages": [{"role": "user", "content": "hi"}], '
+            '"max_tokens": 2, "seed": 1180591620717411303424}'
+        ),
     ),
     (
         "/v1/chat/completions",
@@ -828,7 +836,10 @@ HOSTILE_BODIES = [
     ),
     (
         "/v1/chat/completions",
-        '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": true, "top_logprobs": 4294967296}',
+        (
+            '{"messages": [{"role": "user", "content": "hi"}], '
+            '"max_tokens": 2, "logprobs": true, "top_logprobs": 4294967296}'
+        ),
     ),
     ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "logit_bias": {"99999999999": 1}}'),
     ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "logit_bias": {"\\u00b2": 1}}'),

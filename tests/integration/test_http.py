@@ -290,8 +290,8 @@ def test_embedded_model_over_http():
 def test_textgen_serve_starts_and_supervises_envoy(tiny_model_dir):
     """The CLI starts the replica and Envoy, logs the HTTP URL and a curl line;
     when Envoy dies the whole service stops (exit 1), not half up."""
-    args = ["--model-id", str(tiny_model_dir), "--dtype", "float32", "--grpc-port", "0", "--port", "0",
-            "--max-batch-total-tokens", "4096"]  # fmt: skip
+    args = ["--model-id", str(tiny_model_dir), "--dtype", "float32", "--grpc-port", "0",
+            "--port", "0", "--max-batch-total-tokens", "4096"]  # fmt: skip
     with textgen_serve(*args, until="curl -N") as served:
         assert served.http_url and served.envoy_pid, served.log
         assert f"curl -N {served.http_url}/generate_stream" in served.log

@@ -158,8 +158,8 @@ def test_fifty_disconnects_return_everything(tiny_model_dir):
 
 
 def test_sigterm_drains_live_streams_and_exits_zero(tiny_model_dir):
-    args = ["--model-id", str(tiny_model_dir), "--dtype", "float32", "--grpc-port", "0", "--port", "0",
-            "--max-batch-total-tokens", "8192"]  # fmt: skip
+    args = ["--model-id", str(tiny_model_dir), "--dtype", "float32", "--grpc-port", "0",
+            "--port", "0", "--max-batch-total-tokens", "8192"]  # fmt: skip
     with textgen_serve(*args) as served:
         assert served.grpc_target and served.http_url, served.log
         served.drain_log()

@@ -174,7 +174,8 @@ def test_sampled_constrained_requests_follow_the_schema(server):
     for seed in range(3):
         out = generate(
             server, chat_prompt("Describe a person as JSON."), max_new_tokens=80, do_sample=True,
-            temperature=1.0, top_k=50, top_p=0.95, seed=seed, grammar={"type": "json", "value": schema},
+            temperature=1.0, top_k=50, top_p=0.95, seed=seed,
+            grammar={"type": "json", "value": schema},
         )  # fmt: skip
         jsonschema.validate(json.loads(out["generated_text"]), schema)
 
@@ -273,12 +274,16 @@ def test_response_format_json_schema_and_json_object(client):
     schema = _obj({"city": NAME, "temperature_c": {"type": "number"}})
     out = client.chat.completions.create(
         model="tgi", messages=ASK_WEATHER, max_tokens=80, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": schema, "strict": True}},
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "weather", "schema": schema, "strict": True},
+        },
     )  # fmt: skip
     jsonschema.validate(json.loads(out.choices[0].message.content), schema)
     out = client.chat.completions.create(
-        model="tgi", messages=[{"role": "user", "content": 'Reply with the JSON object {"ok": true}.'}], max_tokens=200,
-        temperature=0, response_format={"type": "json_object"},
+        model="tgi",
+        messages=[{"role": "user", "content": 'Reply with the JSON object {"ok": true}.'}],
+        max_tokens=200, temperature=0, response_format={"type": "json_object"},
     )  # fmt: skip
     assert isinstance(json.loads(out.choices[0].message.content), dict)
 
@@ -405,8 +410,8 @@ def test_named_tool_choice_calls_that_tool(client):
 def test_tool_choice_none_and_auto_answer_in_text(client):
     for choice in ("none", "auto"):
         out = client.chat.completions.create(
-            model="tgi", messages=[{"role": "user", "content": "Tell me a short joke."}], tools=TOOLS,
-            tool_choice=choice, max_tokens=30, temperature=0,
+            model="tgi", messages=[{"role": "user", "content": "Tell me a short joke."}],
+            tools=TOOLS, tool_choice=choice, max_tokens=30, temperature=0,
         )  # fmt: skip
         message = out.choices[0].message
         assert message.tool_calls is None and message.content, choice
@@ -437,8 +442,9 @@ def test_bad_tools_and_formats_are_openai_errors(client, extra):
 
 def test_text_answer_beside_tools_streams_with_its_logprobs(client):
     kwargs = {
-        "model": "tgi", "messages": [{"role": "user", "content": "Tell me a short joke."}], "tools": TOOLS,
-        "tool_choice": "auto", "max_tokens": 20, "temperature": 0, "logprobs": True,
+        "model": "tgi", "messages": [{"role": "user", "content": "Tell me a short joke."}],
+        "tools": TOOLS, "tool_choice": "auto", "max_tokens": 20, "temperature": 0,
+        "logprobs": True,
     }  # fmt: skip
     full = client.chat.completions.create(**kwargs).choices[0]
     chunks = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]

@@ -71,7 +71,10 @@ CASES = [
         "max_new_tokens beyond max_total_tokens",
         "hi",
         {"max_new_tokens": MAX_TOTAL},
-        f"`inputs` tokens + `max_new_tokens` must be <= {MAX_TOTAL}. Given: {{n}} `inputs` tokens and {MAX_TOTAL} `max_new_tokens`",
+        (
+            f"`inputs` tokens + `max_new_tokens` must be <= {MAX_TOTAL}. "
+            f"Given: {{n}} `inputs` tokens and {MAX_TOTAL} `max_new_tokens`"
+        ),
     ),
     (
         "too many stops",

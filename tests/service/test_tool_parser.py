@@ -14,7 +14,8 @@ TOOLS = [
     {"type": "function", "function": {"name": "add"}},
 ]
 TWO_CALLS = (
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris \\" {", "days": [1, {"a": 2}]}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_weather", "arguments": '
+    '{"city": "Pa}ris \\" {", "days": [1, {"a": 2}]}}\n</tool_call>\n'
     '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
 )
 
@@ -46,7 +47,8 @@ def test_any_split_gives_the_same_calls(step):
     ]
     for index, call in enumerate(parser.calls):
         pieces = [d["tool_calls"][0]["function"]["arguments"] for d in deltas
-                  if d["tool_calls"][0]["index"] == index and "id" not in d["tool_calls"][0]]  # fmt: skip
+                  if d["tool_calls"][0]["index"] == index
+                  and "id" not in d["tool_calls"][0]]  # fmt: skip
         assert "".join(pieces) == call.arguments
         json.loads(call.arguments)
 
@@ -89,7 +91,8 @@ def test_history_written_in_tags_for_templates_without_tools():
     messages = [
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
         {"role": "tool", "tool_call_id": "call_2", "content": "cloudy"},
     ]  # fmt: skip
@@ -97,11 +100,15 @@ def test_history_written_in_tags_for_templates_without_tools():
     assert out[0]["role"] == "system" and "<tools>" in out[0]["content"]
     assert out[2] == {
         "role": "assistant",
-        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        "content": (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        ),
     }
     assert out[3] == {
         "role": "user",
-        "content": "<tool_response>\n18C\n</tool_response>\n<tool_response>\ncloudy\n</tool_response>",
+        "content": (
+            "<tool_response>\n18C\n</tool_response>\n<tool_response>\ncloudy\n</tool_response>"
+        ),
     }
     native = prepare_messages(messages, plan(), native=True)
     assert native[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
