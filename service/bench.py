@@ -271,9 +271,13 @@ def run(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             ignore_eos=args.ignore_eos,
         )
-        core["served_over_core"] = round(report.output_tokens_per_s / core["output_tokens_per_s"], 3)
+        core["served_over_core"] = round(
+            report.output_tokens_per_s / core["output_tokens_per_s"], 3
+        )
         if core["decode_step_p50_ms"]:
-            core["itl_p50_over_core_step"] = round(report.itl_p50_ms / core["decode_step_p50_ms"], 3)
+            core["itl_p50_over_core_step"] = round(
+                report.itl_p50_ms / core["decode_step_p50_ms"], 3
+            )
         report.core = core
     if args.baseline:
         base = measure_baselines(config, prompts, args.concurrency, args.max_new_tokens)
