@@ -69,6 +69,16 @@ class Replica:
             self.servicer.validation_workers.shutdown(wait=False)
 
 
+async def in_own_thread(fn, *args):
+    """fn(*args) on a thread that ends with it: torch's OpenMP team for that thread ends
+    too, and the engine's is then the only one (engine/loop.py, EngineLoop.start)."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="textgen-load")
+    try:
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+    finally:
+        executor.shutdown(wait=False)
+
+
 def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
     cfg = (
         model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -181,16 +191,13 @@ def served_model(
 
 
 async def start_replica(
-    settings: Settings,
-    loaded: LoadedModel | None = None,
-    tracer_provider: TracerProvider | None = None,
+    settings: Settings, tracer_provider: TracerProvider | None = None
 ) -> Replica:
-    """Load (unless given), build and start one replica; returns once it serves.
-    Tracing is on when a tracer provider is given or --otlp-endpoint is set."""
-    if loaded is None:
-        loaded = await asyncio.to_thread(
-            load_model, settings.model_id, settings.revision, settings.dtype, settings.device
-        )
+    """Load, build and start one replica; returns once it serves. Tracing is on when a
+    tracer provider is given or --otlp-endpoint is set."""
+    loaded = await in_own_thread(
+        load_model, settings.model_id, settings.revision, settings.dtype, settings.device
+    )
     max_input, max_total = settings.resolved_limits(loaded.max_position_embeddings)
     limits = Limits(
         max_input_tokens=max_input,
@@ -209,7 +216,7 @@ async def start_replica(
     metrics = Metrics()
     engine = EngineLoop(core, loaded.tokenizer, loaded.eos_token_ids, metrics=metrics)
     metrics.watch_engine(engine.stats, capacity)
-    engine.start()
+    await asyncio.to_thread(engine.start)  # warms the core up on the engine's thread
     if tracer_provider is None and settings.otlp_endpoint:
         tracer_provider = otlp_tracer_provider(settings.otlp_endpoint)
     tracer = tracer_provider.get_tracer("textgen") if tracer_provider else None

@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .bench_baselines import ServedConfig, measure_baselines, measure_core_alone
+from .bench_baselines import CoreAlone, PlainLoop, ServedConfig
 
 PROMPTS = [
     "What is the capital of France?",
@@ -78,19 +78,28 @@ def load_prompts(path: str | None) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-async def _one(client, prompt: str, args, progress, grammar: dict | None) -> RequestResult:
-    from textgen.sdk import TextGenError
+def _request(prompt: str, max_new_tokens: int, ignore_eos: bool, grammar: dict | None):
+    from google.protobuf import json_format
+    from textgen.service.proto import generate_pb2 as pb
+
+    params = pb.GenerateParameters(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+    if grammar is not None:
+        params.grammar.type = grammar["type"]
+        json_format.ParseDict(grammar["value"], params.grammar.value)
+    return pb.GenerateRequest(inputs=prompt, parameters=params)
+
+
+async def _one(stub, prompt: str, args, progress, grammar: dict | None) -> RequestResult:
+    import grpc
 
     result = RequestResult()
+    request = _request(prompt, args.max_new_tokens, args.ignore_eos, grammar)
     start = last = time.perf_counter()
     try:
-        async for message in client.generate_stream(
-            prompt,
-            max_new_tokens=args.max_new_tokens,
-            ignore_eos=args.ignore_eos,
-            details=False,
-            grammar=grammar,
-        ):
+        async for message in stub.GenerateStream(request, timeout=args.timeout):
+            if message.error_type:  # TGI's in-band error, before the failing status
+                result.error = f"{message.error_type}: {message.error}"
+                break
             now = time.perf_counter()
             if result.output_tokens == 0:
                 result.ttft = now - start
@@ -99,16 +108,20 @@ async def _one(client, prompt: str, args, progress, grammar: dict | None) -> Req
             last = now
             result.output_tokens += 1
             progress.update(1)
-            if message.details is not None:
+            if message.HasField("details"):
                 result.prompt_tokens = message.details.input_length
-    except TextGenError as exc:
-        result.error = f"{exc.error_type}: {exc.message}"
+    except grpc.aio.AioRpcError as exc:
+        result.error = f"{exc.code().name}: {exc.details()}"
     result.latency = time.perf_counter() - start
     return result
 
 
 async def run_load(args, prompts: list[str], grammar: dict | None = None) -> Report:
-    from textgen.sdk import AsyncClient
+    """The load, on grpc.aio with the server's own protobuf classes (upb: a fraction of a
+    microsecond per message, where betterproto2 takes ~10 us): the client shares the CPU
+    with the server it measures, so it takes as little of it as it can."""
+    import grpc
+    from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
     from tqdm import tqdm
 
     n = args.requests or args.concurrency
@@ -116,18 +129,21 @@ async def run_load(args, prompts: list[str], grammar: dict | None = None) -> Rep
     for i in range(n):
         work.put_nowait(prompts[i % len(prompts)])
     results: list[RequestResult] = []
-    async with AsyncClient(args.target, timeout=args.timeout) as client:
+    async with grpc.aio.insecure_channel(args.target) as channel:
+        stub = svc_grpc.TextGenerationServiceStub(channel)
         # warm up at full width (allocations, grammar compilation), so that the measured
         # load, and a --grammar run after it, both start from a warm server
-        warm = [prompts[i % len(prompts)] for i in range(args.concurrency)]
-        await asyncio.gather(*(client.generate(p, max_new_tokens=2, grammar=grammar) for p in warm))
+        warm = [
+            _request(prompts[i % len(prompts)], 2, False, grammar) for i in range(args.concurrency)
+        ]
+        await asyncio.gather(*(stub.Generate(r, timeout=args.timeout) for r in warm))
         with tqdm(
             total=n * args.max_new_tokens, unit="tok", desc="bench", file=sys.stderr
         ) as progress:
 
             async def worker() -> None:
                 while not work.empty():
-                    results.append(await _one(client, work.get_nowait(), args, progress, grammar))
+                    results.append(await _one(stub, work.get_nowait(), args, progress, grammar))
 
             start = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
@@ -246,7 +262,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--rounds",
         type=int,
         default=1,
-        help="with --grammar: alternate plain and constrained loads this many times",
+        help="with --grammar: alternate plain and constrained loads this many times; with "
+        "--core or --baseline: alternate served and comparison runs (the ratios reported "
+        "are medians)",
     )
 
 
@@ -258,34 +276,11 @@ def run(args: argparse.Namespace) -> int:
         report = asyncio.run(run_load(args, prompts))
         if args.grammar:
             report.constrained = _constrained_rounds(args, prompts, report)
+        if args.core or args.baseline:
+            _comparison_rounds(args, prompts, config, report)
     finally:
         if server is not None:
-            _stop_server(server)  # the comparisons run on a quiet machine
-    requests = args.requests or args.concurrency
-    if args.core:
-        core = measure_core_alone(
-            config,
-            prompts,
-            concurrency=args.concurrency,
-            requests=requests,
-            max_new_tokens=args.max_new_tokens,
-            ignore_eos=args.ignore_eos,
-        )
-        core["served_over_core"] = round(
-            report.output_tokens_per_s / core["output_tokens_per_s"], 3
-        )
-        if core["decode_step_p50_ms"]:
-            core["itl_p50_over_core_step"] = round(
-                report.itl_p50_ms / core["decode_step_p50_ms"], 3
-            )
-        report.core = core
-    if args.baseline:
-        base = measure_baselines(config, prompts, args.concurrency, args.max_new_tokens)
-        base["served_over_loop"] = round(report.output_tokens_per_s / base["loop_tokens_per_s"], 3)
-        base["served_over_naive"] = round(
-            report.output_tokens_per_s / base["naive_generate_tokens_per_s"], 3
-        )
-        report.baseline = base
+            _stop_server(server)
     print(format_table(report))
     if report.constrained:
         c = report.constrained
@@ -314,6 +309,66 @@ async def served_config(args) -> ServedConfig:
         max_batch_size=info.max_batch_size,
         block_size=info.kv_cache_block_size,
     )
+
+
+def _comparison_rounds(args, prompts: list[str], config: ServedConfig, report: Report) -> None:
+    """The same load through the engine core alone (--core) and plain transformers'
+    greedy loop (--baseline), in this process while the server idles, alternating with
+    the served load for --rounds rounds: each is compared with the served load just
+    before it and the median ratios are reported (a shared machine's speed drifts
+    between loads). Fills report.core and report.baseline."""
+    core_alone = CoreAlone(config, prompts) if args.core else None
+    loop = PlainLoop(config) if args.baseline else None
+    requests = args.requests or args.concurrency
+    served, core_rounds, loop_rounds = report, [], []
+    for round_ in range(args.rounds):
+        if round_:
+            served = asyncio.run(run_load(args, prompts))
+        if core_alone is not None:
+            core = core_alone.run(
+                concurrency=args.concurrency,
+                requests=requests,
+                max_new_tokens=args.max_new_tokens,
+                ignore_eos=args.ignore_eos,
+            )
+            core["served_output_tokens_per_s"] = served.output_tokens_per_s
+            core["served_over_core"] = _ratio(
+                served.output_tokens_per_s, core["output_tokens_per_s"]
+            )
+            if core["decode_step_p50_ms"]:
+                core["served_itl_p50_ms"] = served.itl_p50_ms
+                core["itl_p50_over_core_step"] = _ratio(
+                    served.itl_p50_ms, core["decode_step_p50_ms"]
+                )
+            core_rounds.append(core)
+        if loop is not None:
+            plain = loop.run(prompts, args.concurrency, args.max_new_tokens)
+            plain["served_output_tokens_per_s"] = served.output_tokens_per_s
+            plain["served_over_loop"] = _ratio(
+                served.output_tokens_per_s, plain["loop_tokens_per_s"]
+            )
+            loop_rounds.append(plain)
+    if core_rounds:
+        report.core = _medians(core_rounds, ("served_over_core", "itl_p50_over_core_step"))
+    if loop_rounds:
+        report.baseline = _medians(loop_rounds, ("served_over_loop",))
+        naive = loop.naive_generate(prompts, args.max_new_tokens)
+        report.baseline["naive_generate_tokens_per_s"] = naive
+        report.baseline["served_over_naive"] = _ratio(report.output_tokens_per_s, naive)
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else 0.0
+
+
+def _medians(rounds: list[dict], keys: tuple[str, ...]) -> dict:
+    """The last round's figures, every round's, and the median of each ratio."""
+    out = dict(rounds[-1])
+    out["rounds"] = rounds
+    for key in keys:
+        if all(key in r for r in rounds):
+            out[key] = statistics.median(r[key] for r in rounds)
+    return out
 
 
 def _constrained_rounds(args, prompts: list[str], first: Report) -> dict:

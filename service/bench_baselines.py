@@ -12,6 +12,7 @@ in the same run after the served load (nothing else running):
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from dataclasses import dataclass
@@ -32,100 +33,118 @@ class ServedConfig:
 # the engine core alone --------------------------------------------------------------
 
 
-def measure_core_alone(
-    config: ServedConfig,
-    prompts: list[str],
-    *,
-    concurrency: int,
-    requests: int,
-    max_new_tokens: int,
-    ignore_eos: bool,
-) -> dict:
-    """The served load (`requests` requests, `concurrency` at a time, each worker taking
-    the next prompt when its request ends) through the core: tokens/s, and the median
-    step time of the steps that only decoded (one stream: its best inter-token latency)."""
-    import torch
-    from textgen.service.engine.paged_core import PagedCore
-    from textgen.service.engine.sequence import Sequence
-    from textgen.service.engine.types import EngineRequest, SamplingParams, StoppingParams
-    from textgen.service.models import load_model
+class CoreAlone:
+    """The engine core in this process, built like the served one (dtype and limits):
+    load once, then `run()` the served load through it as often as needed."""
 
-    loaded = load_model(config.model_id, dtype=config.dtype, device="auto")
-    core = PagedCore(
-        loaded.model,
-        max_batch_total_tokens=config.max_batch_total_tokens,
-        max_batch_prefill_tokens=config.max_batch_prefill_tokens,
-        max_batch_size=config.max_batch_size,
-        block_size=config.block_size,
-    )
-    prompt_ids = [loaded.tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+    def __init__(self, config: ServedConfig, prompts: list[str]) -> None:
+        from textgen.service.engine.paged_core import PagedCore
+        from textgen.service.models import load_model
 
-    def sequence(index: int, new_tokens: int) -> Sequence:
-        request = EngineRequest(
-            request_id=str(index),
-            prompt_ids=tuple(prompt_ids[index % len(prompt_ids)]),
-            sampling=SamplingParams(),
-            stopping=StoppingParams(max_new_tokens=new_tokens, ignore_eos=ignore_eos),
+        self.config = config
+        loaded = load_model(config.model_id, dtype=config.dtype, device="auto")
+        self.eos_token_ids = loaded.eos_token_ids
+        self.core = PagedCore(
+            loaded.model,
+            max_batch_total_tokens=config.max_batch_total_tokens,
+            max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+            max_batch_size=config.max_batch_size,
+            block_size=config.block_size,
         )
-        return Sequence(request, loaded.eos_token_ids)
+        # as validation tokenizes them
+        self.prompt_ids = [
+            loaded.tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts
+        ]
+        self._requests = 0
 
-    def run(count: int, new_tokens: int) -> tuple[float, int, list[float]]:
-        pending = [sequence(i, new_tokens) for i in range(count)]
-        running: list[Sequence] = []
+    def run(
+        self, *, concurrency: int, requests: int, max_new_tokens: int, ignore_eos: bool
+    ) -> dict:
+        """The served load (`requests` requests, `concurrency` at a time, each worker
+        taking the next prompt when its request ends): tokens/s, and the median time of
+        the steps that only decoded (for one stream, its best inter-token latency)."""
+        import torch
+
+        with torch.inference_mode():
+            self._load(concurrency, concurrency, 2, ignore_eos)  # warm, as the served load is
+            elapsed, tokens, decode_steps = self._load(
+                concurrency, requests, max_new_tokens, ignore_eos
+            )
+        return {
+            "dtype": self.config.dtype,
+            "output_tokens": tokens,
+            "output_tokens_per_s": round(tokens / elapsed, 2),
+            "decode_step_p50_ms": round(1000 * statistics.median(decode_steps), 2)
+            if decode_steps
+            else None,
+            "torch_threads": torch.get_num_threads(),
+        }
+
+    def _load(
+        self, concurrency: int, count: int, new_tokens: int, ignore_eos: bool
+    ) -> tuple[float, int, list[float]]:
+        pending = [self._sequence(i, new_tokens, ignore_eos) for i in range(count)]
+        running = []
         decode_steps: list[float] = []
         tokens = 0
         start = time.perf_counter()
         while pending or running:
             while pending and len(running) < concurrency:
                 running.append(pending.pop(0))
-                core.add(running[-1])
+                self.core.add(running[-1])
             decoding = all(not s.in_prefill for s in running)
             step_start = time.perf_counter()
-            outputs = core.step()
+            outputs = self.core.step()
             if decoding and outputs:
                 decode_steps.append(time.perf_counter() - step_start)
             tokens += len(outputs)
             running = [s for s in running if not s.is_finished]
         return time.perf_counter() - start, tokens, decode_steps
 
-    with torch.inference_mode():
-        run(concurrency, 2)  # warm up at full width, as the served load does
-        elapsed, tokens, decode_steps = run(requests, max_new_tokens)
-    return {
-        "dtype": config.dtype,
-        "output_tokens": tokens,
-        "output_tokens_per_s": round(tokens / elapsed, 2),
-        "decode_step_p50_ms": round(1000 * statistics.median(decode_steps), 2)
-        if decode_steps
-        else None,
-        "torch_threads": torch.get_num_threads(),
-    }
+    def _sequence(self, index: int, new_tokens: int, ignore_eos: bool):
+        from textgen.service.engine.sequence import Sequence
+        from textgen.service.engine.types import EngineRequest, SamplingParams, StoppingParams
+
+        self._requests += 1
+        request = EngineRequest(
+            request_id=f"core-{self._requests}",
+            prompt_ids=tuple(self.prompt_ids[index % len(self.prompt_ids)]),
+            sampling=SamplingParams(),
+            stopping=StoppingParams(max_new_tokens=new_tokens, ignore_eos=ignore_eos),
+        )
+        return Sequence(request, self.eos_token_ids)
 
 
 # plain transformers -----------------------------------------------------------------
 
 
-def measure_baselines(
-    config: ServedConfig, prompts: list[str], batch: int, max_new_tokens: int
-) -> dict:
-    """Plain transformers on the same model and prompts, in the served dtype: the
-    batched greedy loop and naive sequential generate."""
-    import torch
-    from textgen.service.models import load_model
+class PlainLoop:
+    """Plain transformers on the same model, in the served dtype: load once, then
+    `run()` the batched greedy loop on the served load's prompts as often as needed."""
 
-    batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
-    loaded = load_model(config.model_id, dtype=config.dtype, device="auto")
-    out = {
-        "dtype": config.dtype,
-        "loop_tokens_per_s": round(
-            _greedy_loop(loaded.model, loaded.tokenizer, batch_prompts, max_new_tokens), 2
-        ),
-        "naive_generate_tokens_per_s": round(
-            _naive_generate(loaded.model, loaded.tokenizer, batch_prompts[:2], max_new_tokens), 2
-        ),
-    }
-    torch.set_grad_enabled(True)
-    return out
+    def __init__(self, config: ServedConfig) -> None:
+        from textgen.service.models import load_model
+
+        self.config = config
+        self.loaded = load_model(config.model_id, dtype=config.dtype, device="auto")
+
+    def run(self, prompts: list[str], batch: int, max_new_tokens: int) -> dict:
+        """The greedy loop on `batch` prompts (the served load's first ones)."""
+        batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+        loaded = self.loaded
+        return {
+            "dtype": self.config.dtype,
+            "loop_tokens_per_s": round(
+                _greedy_loop(loaded.model, loaded.tokenizer, batch_prompts, max_new_tokens), 2
+            ),
+        }
+
+    def naive_generate(self, prompts: list[str], max_new_tokens: int) -> float:
+        """Sequential `model.generate` on two prompts: tokens/s."""
+        loaded = self.loaded
+        return round(
+            _naive_generate(loaded.model, loaded.tokenizer, prompts[:2], max_new_tokens), 2
+        )
 
 
 def _greedy_loop(model, tokenizer, prompts: list[str], max_new_tokens: int) -> float:
@@ -148,15 +167,19 @@ def _loop_run(model, ids, mask, steps: int) -> None:
     import torch
     from transformers import DynamicCache
 
-    cache = DynamicCache()
+    # transformers 5.x renamed past_key_values to cache (the old name warns until 5.40)
+    cache_arg = (
+        "cache" if "cache" in inspect.signature(model.forward).parameters else ("past_key_values")
+    )
+    cache = {cache_arg: DynamicCache()}
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(
         input_ids=ids,
         attention_mask=mask,
         position_ids=positions,
-        past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
+        **cache,
     )
     for _ in range(steps - 1):
         next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -166,8 +189,8 @@ def _loop_run(model, ids, mask, steps: int) -> None:
             input_ids=next_ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
+            **cache,
         )
     out.logits[:, -1].argmax(-1).tolist()
 

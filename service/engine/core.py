@@ -36,6 +36,9 @@ class EngineCore(Protocol):
 
     def has_work(self) -> bool: ...
 
+    def warm_up(self) -> None:
+        """Allocate and run once what the first request would (on the engine's thread)."""
+
     def step(self) -> list[StepOutput]:
         """Run one forward over the scheduled batch and sample. Sequences that hit EOS
         or max_new_tokens come back finished and are already freed."""

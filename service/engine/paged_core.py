@@ -59,7 +59,6 @@ class PagedCore:
             max_batch_size=max_batch_size,
         )
         self.runner = ModelRunner(model, KVCachePool(num_blocks, block_size))
-        self.runner.warmup()
         self.sampler = Sampler()
         self.grammars = grammars
         self._steps = 0
@@ -93,6 +92,11 @@ class PagedCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def warm_up(self) -> None:
+        """Allocate every layer's KV pool (out of memory shows at startup) and run the
+        lazy initialisations: one 1-token forward (EngineLoop calls it on its thread)."""
+        self.runner.warmup()
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:

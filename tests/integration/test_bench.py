@@ -63,9 +63,11 @@ def test_bench_grammar_run_reports_the_constrained_ratio(tiny_server, tmp_path):
 
 
 def test_bench_compares_with_the_core_alone_and_plain_transformers(tiny_server, tmp_path):
-    """--core and --baseline run after the load, on the same model, prompts and dtype,
-    and the report gives the served figures as ratios of theirs."""
+    """--core and --baseline alternate with the served load (--rounds), on the same
+    model, prompts and dtype; each round's ratio is against the served load just before
+    it, and the report gives their medians."""
     import json
+    import statistics
 
     from textgen.service.bench import run
 
@@ -75,17 +77,28 @@ def test_bench_compares_with_the_core_alone_and_plain_transformers(tiny_server, 
     args = parser.parse_args(
         ["--target", tiny_server.target, "--model-id", tiny_server.settings.model_id,
          "--concurrency", "2", "--requests", "3", "--max-new-tokens", "6", "--ignore-eos",
-         "--core", "--baseline", "--json", str(out)]
+         "--core", "--baseline", "--rounds", "2", "--json", str(out)]
     )  # fmt: skip
     assert run(args) == 0
     report = json.loads(out.read_text())
     core, base = report["core"], report["baseline"]
     assert core["dtype"] == base["dtype"] == "float32"  # the served engine's
-    assert core["output_tokens"] == report["output_tokens"] == 3 * 6
-    assert core["decode_step_p50_ms"] > 0
-    served = report["output_tokens_per_s"]
-    assert core["served_over_core"] == pytest.approx(served / core["output_tokens_per_s"], rel=1e-2)
-    assert base["served_over_loop"] == pytest.approx(served / base["loop_tokens_per_s"], rel=1e-2)
-    assert report["itl_p50_ms"] / core["decode_step_p50_ms"] == pytest.approx(
-        core["itl_p50_over_core_step"], rel=1e-2
+    assert len(core["rounds"]) == len(base["rounds"]) == 2
+    for r in core["rounds"]:
+        assert r["output_tokens"] == report["output_tokens"] == 3 * 6
+        assert r["decode_step_p50_ms"] > 0
+        ratio = r["served_output_tokens_per_s"] / r["output_tokens_per_s"]
+        assert r["served_over_core"] == pytest.approx(ratio, rel=1e-2)
+        assert r["itl_p50_over_core_step"] == pytest.approx(
+            r["served_itl_p50_ms"] / r["decode_step_p50_ms"], rel=1e-2
+        )
+    for r in base["rounds"]:
+        ratio = r["served_output_tokens_per_s"] / r["loop_tokens_per_s"]
+        assert r["served_over_loop"] == pytest.approx(ratio, rel=1e-2)
+    assert core["served_over_core"] == statistics.median(
+        r["served_over_core"] for r in core["rounds"]
     )
+    assert base["served_over_loop"] == statistics.median(
+        r["served_over_loop"] for r in base["rounds"]
+    )
+    assert base["naive_generate_tokens_per_s"] > 0
