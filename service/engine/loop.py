@@ -151,7 +151,7 @@ class EngineLoop:
         nothing waits."""
         try:
             self.core.warm_up()
-        except Exception as exc:  # start() raises it in the caller
+        except Exception as exc:  # noqa: BLE001 - start() raises it in the caller
             self.last_error = exc
             return
         finally:
