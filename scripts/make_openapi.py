@@ -378,6 +378,10 @@ def tgi_schemas(tgi: dict) -> dict:
         "kv_cache_block_size": ("integer", "Tokens per KV-cache block."),
         "kv_cache_blocks": ("integer", "Blocks in the KV-cache pool."),
         "max_position_embeddings": ("integer", "The model's own context length."),
+        "torch_threads": (
+            "integer",
+            "torch's intra-op threads on the engine's thread (--torch-threads).",
+        ),
     }
     for name, (kind, description) in ours.items():
         info["properties"][name] = {"type": kind, "description": description}

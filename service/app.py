@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from . import __version__
 from .admission import Admission
 from .config import Settings
+from .cpus import available_cpus
 from .engine.grammar import GrammarMasks
 from .engine.loop import EngineLoop
 from .engine.paged_core import PagedCore
@@ -161,7 +162,7 @@ def request_interceptors(settings: Settings, metrics: Metrics) -> list:
 
 
 def served_model(
-    settings: Settings, loaded: LoadedModel, limits: Limits, capacity: int, core
+    settings: Settings, loaded: LoadedModel, limits: Limits, capacity: int, core, engine
 ) -> ServedModel:
     stats = core.stats()
     info = svc_pb.InfoResponse(
@@ -184,6 +185,7 @@ def served_model(
         kv_cache_block_size=stats.kv_block_size,
         kv_cache_blocks=stats.kv_blocks_total,
         max_position_embeddings=loaded.max_position_embeddings,
+        torch_threads=engine.torch_threads or 0,
     )
     if loaded.resolved.sha:
         info.model_sha = loaded.resolved.sha
@@ -214,7 +216,10 @@ async def start_replica(
     )
     core = build_core(settings, loaded, capacity, grammars)
     metrics = Metrics()
-    engine = EngineLoop(core, loaded.tokenizer, loaded.eos_token_ids, metrics=metrics)
+    torch_threads = settings.torch_threads or available_cpus()
+    engine = EngineLoop(
+        core, loaded.tokenizer, loaded.eos_token_ids, metrics=metrics, torch_threads=torch_threads
+    )
     metrics.watch_engine(engine.stats, capacity)
     await asyncio.to_thread(engine.start)  # warms the core up on the engine's thread
     if tracer_provider is None and settings.otlp_endpoint:
@@ -223,7 +228,7 @@ async def start_replica(
     servicer = TextGenerationServicer(
         engine,
         Validator(loaded.tokenizer, limits, grammars),
-        served_model(settings, loaded, limits, capacity, core),
+        served_model(settings, loaded, limits, capacity, core, engine),
         Admission(
             settings.max_concurrent_requests,
             settings.max_queued_requests,

@@ -39,6 +39,7 @@ class Settings:
     max_batch_total_tokens: int | None = None  # KV-cache capacity; None: sized from memory
     max_batch_size: int = 256
     validation_workers: int = 2  # threads validating long prompts and compiling grammars
+    torch_threads: int = 0  # intra-op threads of the engine; 0: the CPUs we may use (cpus.py)
     api_key: str | None = None
     api_key_file: str | None = None  # one key per line
     auth_health_and_metrics: bool = False  # True: health and metrics need a key too
@@ -187,6 +188,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     # TGI's --waiting-served-ratio and --max-waiting-tokens have no counterpart: prefill
     # chunks ride in the decodes' forward, so nothing needs rationing (engine/scheduler.py)
+    flag(
+        "torch-threads",
+        type=int,
+        default=d.torch_threads,
+        help="torch's intra-op threads on the engine's thread (0: the CPUs this process may "
+        "use: its affinity, capped by a container's CPU quota)",
+    )
     flag(
         "validation-workers",
         type=_positive_int,

@@ -568,6 +568,12 @@ class InfoResponse(betterproto2.Message):
     The model's own context length.
     """
 
+    torch_threads: "int" = betterproto2.field(23, betterproto2.TYPE_UINT32)
+    """
+    torch's intra-op threads on the engine's thread (--torch-threads; by default the
+    CPUs the process may use: its affinity, capped by a cgroup CPU quota).
+    """
+
 
 default_message_pool.register_message("textgen.v1", "InfoResponse", InfoResponse)
 
