@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .bench_baselines import CoreAlone, PlainLoop, ServedConfig
+from .bench_baselines import WARM_UP_TOKENS, CoreAlone, PlainLoop, ServedConfig
 
 PROMPTS = [
     "What is the capital of France?",
@@ -78,6 +78,11 @@ def load_prompts(path: str | None) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
+async def _drain(call) -> None:
+    async for _ in call:
+        pass
+
+
 def _request(prompt: str, max_new_tokens: int, ignore_eos: bool, grammar: dict | None):
     from google.protobuf import json_format
     from textgen.service.proto import generate_pb2 as pb
@@ -131,12 +136,14 @@ async def run_load(args, prompts: list[str], grammar: dict | None = None) -> Rep
     results: list[RequestResult] = []
     async with grpc.aio.insecure_channel(args.target) as channel:
         stub = svc_grpc.TextGenerationServiceStub(channel)
-        # warm up at full width (allocations, grammar compilation), so that the measured
-        # load, and a --grammar run after it, both start from a warm server
+        # warm up with a short load at full width (allocations, grammar compilation, the
+        # connection's flow-control windows), so that the measured load, and a --grammar
+        # or --core run after it, all start from a warm server
         warm = [
-            _request(prompts[i % len(prompts)], 2, False, grammar) for i in range(args.concurrency)
+            _request(prompts[i % len(prompts)], WARM_UP_TOKENS, True, grammar)
+            for i in range(args.concurrency)
         ]
-        await asyncio.gather(*(stub.Generate(r, timeout=args.timeout) for r in warm))
+        await asyncio.gather(*(_drain(stub.GenerateStream(r, timeout=args.timeout)) for r in warm))
         with tqdm(
             total=n * args.max_new_tokens, unit="tok", desc="bench", file=sys.stderr
         ) as progress:

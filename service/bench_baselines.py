@@ -17,6 +17,10 @@ import statistics
 import time
 from dataclasses import dataclass
 
+# New tokens per stream of the warm-up load before every measured one (served and
+# core alone alike): allocations, caches, a connection's flow-control windows.
+WARM_UP_TOKENS = 16
+
 
 @dataclass(frozen=True)
 class ServedConfig:
@@ -66,7 +70,7 @@ class CoreAlone:
         import torch
 
         with torch.inference_mode():
-            self._load(concurrency, concurrency, 2, ignore_eos)  # warm, as the served load is
+            self._load(concurrency, concurrency, WARM_UP_TOKENS, True)  # as the served load
             elapsed, tokens, decode_steps = self._load(
                 concurrency, requests, max_new_tokens, ignore_eos
             )
