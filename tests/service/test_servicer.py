@@ -28,19 +28,12 @@ from textgen.service.observability.requests import RequestRecorder
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2 as svc_pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
-from textgen.service.validation import Limits, Validator
+from textgen.service.validation import Validator
 from tiny_model import build_tokenizer
 
-pytestmark = pytest.mark.timeout(30)
+from .limits import LIMITS
 
-LIMITS = Limits(
-    max_input_tokens=63,
-    max_total_tokens=64,
-    max_best_of=2,
-    max_stop_sequences=4,
-    max_top_n_tokens=5,
-    vocab_size=400,
-)
+pytestmark = pytest.mark.timeout(30)
 
 
 def events(texts: list[str], logprob: float = -1.0) -> list[TokenEvent]:

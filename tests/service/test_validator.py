@@ -9,19 +9,12 @@ from textgen.service.grammar_compiler import GrammarCompiler
 from textgen.service.openai.chat import parse_chat_request
 from textgen.service.openai.completions import parse_completion_request
 from textgen.service.request import GenerateParameters, GenerateRequest, Grammar
-from textgen.service.validation import Limits, ValidationError, Validator
+from textgen.service.validation import ValidationError, Validator
 from tiny_model import build_tokenizer
 
-pytestmark = pytest.mark.timeout(30)
+from .limits import LIMITS
 
-LIMITS = Limits(
-    max_input_tokens=63,
-    max_total_tokens=64,
-    max_best_of=2,
-    max_stop_sequences=4,
-    max_top_n_tokens=5,
-    vocab_size=400,
-)
+pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.fixture(scope="module")
