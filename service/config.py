@@ -83,6 +83,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -190,7 +197,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     # chunks ride in the decodes' forward, so nothing needs rationing (engine/scheduler.py)
     flag(
         "torch-threads",
-        type=int,
+        type=_non_negative_int,
         default=d.torch_threads,
         help="torch's intra-op threads on the engine's thread (0: the CPUs this process may "
         "use: its affinity, capped by a container's CPU quota)",
