@@ -239,6 +239,7 @@ def generate_parameters(tgi: dict) -> dict:
         " for benchmarks).",
         "default": False,
     }
+    props["priority"] = _priority()
     props["max_time"] = _bounded(
         "number",
         "Stop after this many seconds from arrival; finish_reason is then `time_limit`.",
@@ -468,9 +469,23 @@ def paths31(paths_: dict) -> dict:
 COMPATIBILITY_ONLY = "Accepted for compatibility only: it has no effect."
 
 
+def _priority() -> dict:
+    return _bounded(
+        "integer",
+        "Scheduling priority (vLLM's convention): lower is served sooner, ties in arrival"
+        " order; a full bounded queue refuses the lowest first. Unset: the"
+        " `x-textgen-priority` header's, else 0.",
+        fmt="int32",
+        minimum=-(2**31),
+        maximum=INT32_MAX,
+        example=0,
+    )
+
+
 def _openai_sampling() -> dict:
     """The sampling fields chat and completions share (service/openai/common.py)."""
     return {
+        "priority": _priority(),
         "model": {
             "type": "string",
             "nullable": True,

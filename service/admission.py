@@ -3,16 +3,19 @@
 TGI's rule by default: `max_concurrent_requests` permits, taken without waiting;
 when none is free the request fails at once with `overloaded`. Users who prefer
 queueing to rejection set `max_queued_requests` (and optionally a bound on the
-prompt tokens those hold): such requests wait, first come first served, and only a
-full queue answers `overloaded`. A permit lives as long as its stream.
+prompt tokens those hold): such requests wait by priority (lower is sooner), then
+first come first served, and only a full queue answers `overloaded`, to the lowest
+priority first: a request that outranks the last waiter takes its place. A permit
+lives as long as its stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
-from collections import deque
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 
 class Overloaded(Exception):
@@ -23,6 +26,7 @@ class Overloaded(Exception):
 class _Waiter:
     future: asyncio.Future
     tokens: int
+    rank: tuple[int, int] = field(default=(0, 0))  # (priority, arrival): first is served first
 
 
 class Admission:
@@ -31,8 +35,9 @@ class Admission:
         self.max_queued = max_queued
         self.max_queued_tokens = max_queued_tokens  # 0: no token bound
         self.in_flight = 0
-        self._queue: deque[_Waiter] = deque()
+        self._queue: list[_Waiter] = []  # in rank order
         self._queued_tokens = 0
+        self._arrivals = itertools.count()
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -48,18 +53,18 @@ class Admission:
         except TimeoutError:
             return False
 
-    async def acquire(self, tokens: int = 0) -> None:
+    async def acquire(self, tokens: int = 0, priority: int = 0) -> None:
         """Take a permit, waiting in the bounded queue if there is one; raises
-        Overloaded when neither a permit nor a place in the queue is free."""
+        Overloaded when neither a permit nor a place in the queue is free (a waiter of
+        a lower priority gives up its place, and gets Overloaded, if that makes room)."""
         if self.in_flight < self.limit and not self._queue:
             self._take()
             return
-        if len(self._queue) >= self.max_queued or (
-            self.max_queued_tokens and self._queued_tokens + tokens > self.max_queued_tokens
-        ):
-            raise Overloaded("Model is overloaded")
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), tokens)
-        self._queue.append(waiter)
+        waiter = _Waiter(
+            asyncio.get_running_loop().create_future(), tokens, (priority, next(self._arrivals))
+        )
+        self._make_room(waiter)
+        bisect.insort(self._queue, waiter, key=lambda w: w.rank)
         self._queued_tokens += tokens
         self._idle.clear()
         try:
@@ -71,13 +76,37 @@ class Admission:
                 self._forget(waiter)
             raise
 
+    def _make_room(self, waiter: _Waiter) -> None:
+        """Refuse `waiter`, or else the last-ranked waiters of a lower priority, as many as
+        it takes to fit it (none is refused if even that would not do)."""
+        count, tokens = len(self._queue), self._queued_tokens
+        victims = []
+        for last in reversed(self._queue):
+            if not self._full(count, tokens + waiter.tokens) or last.rank[0] <= waiter.rank[0]:
+                break
+            victims.append(last)
+            count, tokens = count - 1, tokens - last.tokens
+        if self._full(count, tokens + waiter.tokens):
+            raise Overloaded("Model is overloaded")
+        for victim in victims:
+            self._queue.remove(victim)
+            self._queued_tokens -= victim.tokens
+            if not victim.future.done():
+                victim.future.set_exception(Overloaded("Model is overloaded"))
+
+    def _full(self, count: int, tokens: int) -> bool:
+        """Whether `count` waiters holding `tokens` prompt tokens exceed a bound."""
+        return count + 1 > self.max_queued or bool(
+            self.max_queued_tokens and tokens > self.max_queued_tokens
+        )
+
     def _take(self) -> None:
         self.in_flight += 1
         self._idle.clear()
 
     def release(self) -> None:
         while self._queue:
-            waiter = self._queue.popleft()
+            waiter = self._queue.pop(0)
             self._queued_tokens -= waiter.tokens
             if not waiter.future.done():
                 waiter.future.set_result(None)  # the permit changes hands; in_flight stays

@@ -220,7 +220,10 @@ async def start_replica(
     engine = EngineLoop(
         core, loaded.tokenizer, loaded.eos_token_ids, metrics=metrics, torch_threads=torch_threads
     )
-    metrics.watch_engine(engine.stats, capacity)
+    admission = Admission(
+        settings.max_concurrent_requests, settings.max_queued_requests, settings.max_queued_tokens
+    )
+    metrics.watch_engine(engine.stats, capacity, queued_fn=lambda: admission.queued)
     await asyncio.to_thread(engine.start)  # warms the core up on the engine's thread
     if tracer_provider is None and settings.otlp_endpoint:
         tracer_provider = otlp_tracer_provider(settings.otlp_endpoint)
@@ -229,11 +232,7 @@ async def start_replica(
         engine,
         Validator(loaded.tokenizer, limits, grammars),
         served_model(settings, loaded, limits, capacity, core, engine),
-        Admission(
-            settings.max_concurrent_requests,
-            settings.max_queued_requests,
-            settings.max_queued_tokens,
-        ),
+        admission,
         RequestRecorder(metrics, tracer),
         ThreadPoolExecutor(settings.validation_workers, thread_name_prefix="textgen-validation"),
     )

@@ -50,6 +50,7 @@ class GenerateParameters:
     ignore_eos: bool = False
     max_time: float | None = None
     adapter_id: str | None = None
+    priority: int | None = None  # lower is served sooner; None: the face's default (0)
 
 
 # TGI's own names: the identity.

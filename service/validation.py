@@ -27,6 +27,8 @@ _FLOAT_FIELDS = (
     "top_p", "typical_p", "max_time",
 )  # fmt: skip
 
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
 # Random seeds stay below 2^53 so the JSON face (a double) prints them exactly.
 _MAX_RANDOM_SEED = 2**53 - 1
 
@@ -113,6 +115,7 @@ class Validator:
             decoder_input_details=p.decoder_input_details,
             arrival_time=arrival,
             grammar=grammar,
+            priority=self._priority(check, p.priority),
         )
         return ValidRequest(
             engine_request=engine_request,
@@ -262,6 +265,14 @@ class Validator:
             return compile_[kind](source)
         except GrammarError as exc:
             raise ValidationError(f"grammar is not valid: {exc}", check.name("grammar")) from exc
+
+    @staticmethod
+    def _priority(check: _Checker, priority: int | None) -> int:
+        if priority is None:
+            return 0
+        if not INT32_MIN <= priority <= INT32_MAX:
+            raise check.error("priority", f"must be a 32-bit integer. Given: {priority}")
+        return priority
 
     def _truncate(self, check: _Checker, truncate: int | None) -> int | None:
         if truncate is not None and not 0 < truncate <= self.limits.max_input_tokens:

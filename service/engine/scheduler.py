@@ -1,13 +1,15 @@
 """Continuous batching: at each step decide which sequences run and how many tokens each
 computes. Pure Python: it sees sequences and the block manager, never a tensor.
 
-Policy, in order, every step:
-1. Decodes. Every running sequence with one token left to compute gets it. If the KV pool
-   can't hold it, the youngest running sequence is preempted (recompute) until it can.
-2. Prefill chunks of running sequences whose prompt (or recompute) is not done yet, oldest
+Policy, in order, every step. "First" means by rank: the request's priority (lower is
+sooner, vLLM's convention), then arrival order.
+1. Decodes. Every running sequence with one token left to compute gets it, first first. If
+   the KV pool can't hold it, the last-ranked running sequence (the lowest priority, the
+   youngest among those) is preempted (recompute) until it can.
+2. Prefill chunks of running sequences whose prompt (or recompute) is not done yet, first
    first, within the per-step prefill budget `max_batch_prefill_tokens`.
-3. Admission of waiting sequences, FCFS, while the prefill budget, `max_batch_size` and the
-   free blocks allow. A long prompt is split into chunks across steps.
+3. Admission of waiting sequences, first first, while the prefill budget, `max_batch_size`
+   and the free blocks allow. A long prompt is split into chunks across steps.
 
 Starvation policy. TGI's `waiting_served_ratio` / `max_waiting_tokens` exist because its
 prefill is a separate forward that stalls every running decode for the whole prompt, so it
@@ -16,13 +18,15 @@ computes at most `max_batch_prefill_tokens` prompt tokens, so a decode's stall i
 that budget whatever arrives. We therefore admit waiting sequences at every step the budget
 and KV pool allow: new requests never wait behind a long generation, and running ones never
 lose more than one budgeted chunk of time per step. Waiting requests are served strictly in
-arrival order (no skipping ahead of a large request that doesn't fit yet), and preempted
-sequences go back to the front of the queue, so nothing starves.
+rank order (no skipping ahead of a large request that doesn't fit yet), and a preempted
+sequence keeps its rank, so nothing of a priority starves behind later arrivals. A
+higher priority does not preempt running sequences: it goes ahead of every waiting one.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import itertools
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, num_blocks_for_tokens
@@ -60,15 +64,18 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
         self.max_batch_size = max_batch_size
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admission order: the last is the youngest
+        # Both ranked: (priority, arrival). The last running one is the first preempted.
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
         self.num_preemptions = 0  # cumulative
+        self._arrivals = itertools.count()
 
     # queue management --------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        seq.arrival_order = next(self._arrivals)
+        _insert(self.waiting, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -108,7 +115,8 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq)
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
-        # Oldest first; victims come from the tail, so a scheduled decode is never preempted.
+        # First-ranked first; victims come from the tail, so a scheduled decode is never
+        # preempted.
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or _remaining(seq) != 1:
                 continue
@@ -151,7 +159,7 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
-            seq = self.waiting[0]
+            seq = self.waiting[0]  # the first ranked: no skipping ahead of it
             # Prompt logprobs need the logits of every prompt position: no prefix reuse.
             hits = None if seq.request.decoder_input_details else bm.match_prefix(seq)
             num_to_compute = seq.num_tokens - len(hits or ()) * bm.block_size
@@ -162,11 +170,11 @@ class Scheduler:
             if num_blocks_for_tokens(num_to_compute, bm.block_size) > free_blocks:
                 break
             num_new = min(num_to_compute, budget)
-            self.waiting.popleft()
+            self.waiting.pop(0)
             bm.allocate(seq, hits)
             bm.append_slots(seq, num_new)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            _insert(self.running, seq)
             out.scheduled.append((seq, num_new))
             out.num_prefill_tokens += num_new
             budget -= num_new
@@ -180,10 +188,17 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        # Victims are taken youngest first, so pushing each to the front keeps the older
-        # ones ahead: arrival order survives preemption.
-        self.waiting.appendleft(seq)
+        _insert(self.waiting, seq)  # its rank is kept: ahead of what arrived after it
         out.preempted.append(seq)
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    return seq.request.priority, seq.arrival_order
+
+
+def _insert(ranked: list[Sequence], seq: Sequence) -> None:
+    """Insert `seq` into a list kept in rank order."""
+    bisect.insort(ranked, seq, key=_rank)
 
 
 def _remaining(seq: Sequence) -> int:

@@ -55,6 +55,7 @@ class EngineRequest:
     arrival_time: float = 0.0  # time.monotonic() when the RPC arrived
     # an llguidance grammar the output must follow (engine/grammar.py), None: unconstrained
     grammar: str | None = None
+    priority: int = 0  # lower is scheduled sooner (vLLM's convention); ties: arrival order
 
 
 @dataclass(frozen=True, slots=True)

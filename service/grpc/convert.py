@@ -14,7 +14,7 @@ from ..request import GenerateParameters, GenerateRequest, Grammar
 _OPTIONAL = (
     "best_of", "frequency_penalty", "max_new_tokens", "repetition_penalty",
     "return_full_text", "seed", "temperature", "top_k", "top_n_tokens", "top_p",
-    "truncate", "typical_p", "presence_penalty", "max_time", "adapter_id",
+    "truncate", "typical_p", "presence_penalty", "max_time", "adapter_id", "priority",
 )  # fmt: skip
 
 

@@ -27,7 +27,7 @@ class OpenAIRpcs:
             try:
                 chat = parse_chat_request(request.data, self.validator.tokenizer)
                 valid = await self.validate(
-                    chat.generate, stream=chat.stream, arrival=record.arrival
+                    chat.generate, stream=chat.stream, arrival=record.arrival, context=context
                 )
             except ValidationError as exc:  # OpenAIRequestError included
                 await abort(context, exc.message, ErrorType.VALIDATION, exc.param)
@@ -68,7 +68,9 @@ class OpenAIRpcs:
             try:
                 req = parse_completion_request(request.data, info.max_client_batch_size)
                 valid = [
-                    await self.validate(g, stream=req.stream, arrival=record.arrival)
+                    await self.validate(
+                        g, stream=req.stream, arrival=record.arrival, context=context
+                    )
                     for g in req.generates
                 ]
             except ValidationError as exc:  # OpenAIRequestError included

@@ -71,8 +71,9 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
     @contextlib.asynccontextmanager
     async def admitted(self, context, *valid: ValidRequest):
         """Hold an admission permit for the block, or end the RPC with `overloaded`."""
+        tokens = sum(len(v.engine_request.prompt_ids) for v in valid)
         try:
-            await self.admission.acquire(sum(len(v.engine_request.prompt_ids) for v in valid))
+            await self.admission.acquire(tokens, priority=valid[0].engine_request.priority)
         except Overloaded as exc:
             await abort(context, str(exc), ErrorType.OVERLOADED)
         try:
@@ -131,17 +132,24 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
         """A TGI RPC's protobuf request, validated, or the RPC ends with the error."""
         try:
             return await self.validate(
-                convert.generate_request(request), stream=stream, arrival=arrival
+                convert.generate_request(request), stream=stream, arrival=arrival, context=context
             )
         except ValidationError as exc:
             await abort(context, exc.message, exc.error_type, exc.param)
 
     async def validate(
-        self, request: GenerateRequest, *, stream: bool, arrival: float
+        self, request: GenerateRequest, *, stream: bool, arrival: float, context=None
     ) -> ValidRequest:
         """Validate (and tokenize); long prompts and grammars (compiled on first sight)
         on the validation workers, so one 2 MB prompt or large schema doesn't stall every
-        other stream while it is processed."""
+        other stream while it is processed. A request without a priority takes the
+        `x-textgen-priority` header's (a mesh may set it at the edge)."""
+        if request.parameters.priority is None and context is not None:
+            priority = header_priority(context)
+            if priority is not None:
+                request = replace(
+                    request, parameters=replace(request.parameters, priority=priority)
+                )
         grammar = request.lark is not None or request.parameters.grammar is not None
         if len(request.inputs) < LONG_PROMPT_CHARS and not grammar:
             return self.validator.validate(request, stream=stream, arrival_time=arrival)
@@ -227,6 +235,24 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
             owned_by="textgen",
         )
         return svc_pb.ListModelsResponse(object="list", data=[model])
+
+
+# A request's priority when its parameters name none: set by a client or by a mesh's edge.
+PRIORITY_HEADER = "x-textgen-priority"
+
+
+def header_priority(context) -> int | None:
+    """The `x-textgen-priority` metadata (an HTTP header through Envoy) as an integer."""
+    for key, value in context.invocation_metadata() or ():
+        if key == PRIORITY_HEADER:
+            text = value.decode(errors="replace") if isinstance(value, bytes) else value
+            try:
+                return int(text.strip())
+            except ValueError:
+                raise ValidationError(
+                    f"`{PRIORITY_HEADER}` must be an integer. Given: {text!r}", PRIORITY_HEADER
+                ) from None
+    return None
 
 
 def _tgi_headers(valid: ValidRequest, finish, arrival: float) -> tuple[tuple[str, str], ...]:

@@ -116,6 +116,18 @@ class Metrics:
         self.inter_token_latency = histogram(
             "textgen_inter_token_latency_seconds", "Time between tokens (s)"
         )
+        # by priority class (priority_label: a bounded set of labels for any integer)
+        self.requests_by_priority = Counter(
+            "textgen_requests_by_priority",
+            "Requests that completed, by priority (lower is served sooner)",
+            ["priority"],
+            registry=r,
+        )
+        self.queue_duration_by_priority = histogram(
+            "textgen_request_queue_duration_by_priority",
+            "Time in the queue (s), by priority",
+            labels=("priority",),
+        )
         self.cancelled = Counter(
             "textgen_requests_cancelled",
             "Requests the client abandoned (TGI's `dropped`)",
@@ -127,22 +139,37 @@ class Metrics:
         self.registry.register(collector)
         return collector
 
-    def watch_engine(self, stats_fn, max_batch_total_tokens: int) -> None:
-        """Gauges read from the engine at scrape time."""
+    def watch_engine(self, stats_fn, max_batch_total_tokens: int, queued_fn=None) -> None:
+        """Gauges read from the engine (and the admission queue's length, `queued_fn`)
+        at scrape time."""
         self._engine_stats = stats_fn
-        self.registry.register(_EngineCollector(stats_fn, max_batch_total_tokens))
+        self.registry.register(_EngineCollector(stats_fn, max_batch_total_tokens, queued_fn))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _EngineCollector:
-    def __init__(self, stats_fn, max_batch_total_tokens: int) -> None:
+    def __init__(self, stats_fn, max_batch_total_tokens: int, queued_fn=None) -> None:
         self.stats_fn = stats_fn
         self.max_batch_total_tokens = max_batch_total_tokens
+        self.queued_fn = queued_fn or (lambda: 0)
 
     def collect(self):
         s = self.stats_fn()
+        # what a gateway's endpoint picker scrapes (the Gateway API Inference Extension's
+        # model-server protocol): queued and running requests, KV-cache use as a fraction
+        yield _gauge(
+            "textgen_requests_waiting",
+            "Requests waiting: for an admission permit, or for their first forward",
+            self.queued_fn() + s.waiting,
+        )
+        yield _gauge("textgen_requests_running", "Sequences running in the engine", s.running)
+        yield _gauge(
+            "textgen_kv_cache_usage_ratio",
+            "Share of the KV-cache blocks in use (0 to 1)",
+            s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0,
+        )
         yield _gauge("tgi_queue_size", "Requests waiting for their first forward", s.waiting)
         yield _gauge("tgi_batch_current_size", "Sequences running", s.running)
         yield _gauge(
@@ -173,6 +200,18 @@ class _EngineCollector:
         yield _gauge(
             "textgen_preemptions", "Sequences preempted (recomputed) so far", s.preemptions
         )
+
+
+PRIORITY_LABEL_RANGE = 10  # priorities beyond +-10 share the labels "<-10" and ">10"
+
+
+def priority_label(priority: int) -> str:
+    """A metric label for a priority: the value itself within +-10, else its side."""
+    if priority < -PRIORITY_LABEL_RANGE:
+        return f"<-{PRIORITY_LABEL_RANGE}"
+    if priority > PRIORITY_LABEL_RANGE:
+        return f">{PRIORITY_LABEL_RANGE}"
+    return str(priority)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -21,7 +21,7 @@ from opentelemetry import trace
 
 from ..engine.types import FinishInfo
 from ..errors import ErrorType
-from .metrics import Metrics
+from .metrics import Metrics, priority_label
 
 current_error_type: contextvars.ContextVar[ErrorType | None] = contextvars.ContextVar(
     "textgen_error_type", default=None
@@ -38,6 +38,7 @@ class RequestRecord:
     input_length: int = 0
     max_new_tokens: int = 0
     validation_time: float = 0.0
+    priority: int = 0
     finishes: tuple[FinishInfo, ...] = ()
 
     def validated(self, valid) -> None:
@@ -47,6 +48,7 @@ class RequestRecord:
         self.input_length = len(req.prompt_ids)
         self.max_new_tokens = req.stopping.max_new_tokens
         self.validation_time = valid.validation_time
+        self.priority = req.priority
 
     def finished(self, *finishes: FinishInfo) -> None:
         self.finishes = finishes
@@ -90,8 +92,11 @@ class RequestRecorder:
         m.validation_duration.observe(record.validation_time)
         m.input_length.observe(record.input_length)
         m.max_new_tokens.observe(record.max_new_tokens)
+        priority = priority_label(record.priority)
+        m.requests_by_priority.labels(priority).inc()
         for f in record.finishes:
             m.queue_duration.observe(f.queue_time)
+            m.queue_duration_by_priority.labels(priority).observe(f.queue_time)
             m.inference_duration.observe(f.inference_time)
             m.generated_tokens.observe(f.generated_tokens)
             if f.generated_tokens:

@@ -18,12 +18,13 @@ class OpenAIRequestError(ValidationError):
 
 
 # The request fields both routes read in sampling_parameters(); beside OpenAI's own,
-# the extensions vLLM and TGI users send (`top_k`, `repetition_penalty`, `ignore_eos`).
+# the extensions vLLM and TGI users send (`top_k`, `repetition_penalty`, `ignore_eos`,
+# `priority`).
 SAMPLING_FIELDS = frozenset(
     {
         "max_tokens", "n", "temperature", "top_p", "top_k", "frequency_penalty",
         "presence_penalty", "repetition_penalty", "seed", "stop", "logit_bias", "ignore_eos",
-        "stream", "stream_options",
+        "priority", "stream", "stream_options",
     }
 )  # fmt: skip
 # Accepted so that clients which always send them work, with no effect on the answer
@@ -68,6 +69,7 @@ def sampling_parameters(data: dict) -> tuple[dict, tuple[str, ...]]:
             params["top_k"] = top_k
     params["repetition_penalty"] = optional_field(data, "repetition_penalty", float)
     params["ignore_eos"] = bool(optional_field(data, "ignore_eos", bool))
+    params["priority"] = optional_field(data, "priority", int)  # vLLM's: lower is sooner
     for name in ("frequency_penalty", "presence_penalty"):
         params[name] = optional_field(data, name, float)
     params["seed"] = optional_field(data, "seed", int, bounds=(0, 2**64 - 1))

@@ -17,7 +17,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, inputs: _Optional[str] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ...) -> None: ...
 
 class GenerateParameters(_message.Message):
-    __slots__ = ("best_of", "decoder_input_details", "details", "do_sample", "frequency_penalty", "grammar", "max_new_tokens", "repetition_penalty", "return_full_text", "seed", "stop", "temperature", "top_k", "top_n_tokens", "top_p", "truncate", "typical_p", "watermark", "presence_penalty", "logit_bias", "ignore_eos", "max_time", "adapter_id")
+    __slots__ = ("best_of", "decoder_input_details", "details", "do_sample", "frequency_penalty", "grammar", "max_new_tokens", "repetition_penalty", "return_full_text", "seed", "stop", "temperature", "top_k", "top_n_tokens", "top_p", "truncate", "typical_p", "watermark", "presence_penalty", "logit_bias", "ignore_eos", "max_time", "adapter_id", "priority")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class GenerateParameters(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     MAX_TIME_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     best_of: int
     decoder_input_details: bool
     details: bool
@@ -71,7 +72,8 @@ class GenerateParameters(_message.Message):
     ignore_eos: bool
     max_time: float
     adapter_id: str
-    def __init__(self, best_of: _Optional[int] = ..., decoder_input_details: _Optional[bool] = ..., details: _Optional[bool] = ..., do_sample: _Optional[bool] = ..., frequency_penalty: _Optional[float] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., return_full_text: _Optional[bool] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_n_tokens: _Optional[int] = ..., top_p: _Optional[float] = ..., truncate: _Optional[int] = ..., typical_p: _Optional[float] = ..., watermark: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., ignore_eos: _Optional[bool] = ..., max_time: _Optional[float] = ..., adapter_id: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, best_of: _Optional[int] = ..., decoder_input_details: _Optional[bool] = ..., details: _Optional[bool] = ..., do_sample: _Optional[bool] = ..., frequency_penalty: _Optional[float] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., return_full_text: _Optional[bool] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_n_tokens: _Optional[int] = ..., top_p: _Optional[float] = ..., truncate: _Optional[int] = ..., typical_p: _Optional[float] = ..., watermark: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., ignore_eos: _Optional[bool] = ..., max_time: _Optional[float] = ..., adapter_id: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class Grammar(_message.Message):
     __slots__ = ("type", "value")

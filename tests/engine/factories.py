@@ -20,6 +20,7 @@ def make_seq(
     sampling: SamplingParams | None = None,
     decoder_input_details: bool = False,
     eos_token_ids: frozenset[int] = frozenset(),
+    priority: int = 0,
 ) -> Sequence:
     request = EngineRequest(
         request_id=request_id,
@@ -27,6 +28,7 @@ def make_seq(
         sampling=sampling or SamplingParams(),
         stopping=StoppingParams(max_new_tokens=max_new_tokens, ignore_eos=not eos_token_ids),
         decoder_input_details=decoder_input_details,
+        priority=priority,
     )
     return Sequence(request, eos_token_ids)
 

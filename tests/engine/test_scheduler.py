@@ -172,3 +172,35 @@ def test_finish_frees_waiting_and_running_sequences():
     assert not sched.has_work() and sched.block_manager.num_used_blocks == 0
     assert running.is_finished and waiting.is_finished
     sched.finish(running)  # idempotent: the engine loop may abort a finished sequence
+
+
+def test_waiting_sequences_are_admitted_by_priority_then_arrival():
+    """Lower priority values first (vLLM's convention); arrival order breaks ties."""
+    sched = make_scheduler(max_batch_size=1, prefill_budget=64)
+    running = make_seq([1] * 4, request_id="running", max_new_tokens=3, priority=5)
+    sched.add(running)
+    fake_step(sched)
+    for rid, priority in (("low-1", 1), ("low-2", 1), ("high", -1), ("normal", 0)):
+        sched.add(make_seq([2] * 4, request_id=rid, max_new_tokens=1, priority=priority))
+    assert [s.request_id for s in sched.waiting] == ["high", "normal", "low-1", "low-2"]
+    started = []
+    while sched.has_work():
+        started += [s.request_id for s, n in fake_step(sched).scheduled if n > 1]
+    # the one slot frees when `running` ends; a higher priority never preempts it
+    assert started == ["high", "normal", "low-1", "low-2"]
+
+
+def test_preemption_takes_the_lowest_priority_first():
+    sched = make_scheduler(num_blocks=3, prefill_budget=64)
+    low = make_seq([1] * 4, request_id="low", max_new_tokens=8, priority=3)
+    high = make_seq([2] * 4, request_id="high", max_new_tokens=8, priority=0)
+    sched.add(low)  # older, but less important
+    sched.add(high)
+    fake_step(sched)
+    # each decode of position 4 needs a block, one is free: the low one yields, not the young
+    out = fake_step(sched)
+    assert plan(out) == [("high", 1)] and out.preempted == [low]
+    # preempted, it keeps its rank: still ahead of a later request of its own priority
+    later = make_seq([3] * 4, request_id="later", max_new_tokens=1, priority=3)
+    sched.add(later)
+    assert [s.request_id for s in sched.waiting] == ["low", "later"]

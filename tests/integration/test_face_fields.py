@@ -150,6 +150,22 @@ def ignore_eos(path: str, make, key: str = "logit_bias"):
     return probe
 
 
+def counted_by_priority(path: str, make):
+    """A request's priority shows in the metrics of requests by priority."""
+
+    def probe(server):
+        def count() -> float:
+            text = requests.get(f"{server.http_url}/metrics", timeout=10).text
+            line = 'textgen_requests_by_priority_total{priority="7"} '
+            return next((float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)), 0)
+
+        before = count()
+        accepted(server, path, make(priority=7))
+        assert count() == before + 1
+
+    return probe
+
+
 def logit_bias(path: str, make):
     def probe(server):
         assert accepted(server, path, make()) != accepted(
@@ -223,6 +239,7 @@ PROBES = {
             tgi(ignore_eos=True, max_new_tokens=200, max_time=0.001),
             lambda o: o["details"]["finish_reason"] == "time_limit",
         ),
+        "priority": counted_by_priority("/generate", tgi),
         "presence_penalty": differs(
             "/generate",
             tgi(ignore_eos=True, max_new_tokens=32),
@@ -284,6 +301,7 @@ PROBES = {
         "parallel_tool_calls": refused(
             "/v1/chat/completions", chat(tools=[TOOL], parallel_tool_calls="yes")
         ),
+        "priority": counted_by_priority("/v1/chat/completions", chat),
         "presence_penalty": differs(
             "/v1/chat/completions",
             chat(ignore_eos=True, max_tokens=32),
@@ -354,6 +372,7 @@ PROBES = {
             lambda o: o["usage"]["completion_tokens"] == 3,
         ),
         "n": refused("/v1/completions", completion(n=2)),
+        "priority": counted_by_priority("/v1/completions", completion),
         "presence_penalty": differs(
             "/v1/completions",
             completion(ignore_eos=True, max_tokens=32),

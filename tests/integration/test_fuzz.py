@@ -471,6 +471,7 @@ EDGE_VALUES = {
     "ignore_eos": BOOL_SWEEP,
     "max_time": FLOAT_SWEEP,
     "adapter_id": ["", "lora", "\x00" * 3, "é" * 1000],
+    "priority": INT32_SWEEP,
 }
 
 

@@ -69,3 +69,40 @@ async def test_wait_idle():
     assert not await adm.wait_idle(0.05)
     asyncio.get_running_loop().call_later(0.05, adm.release)
     assert await adm.wait_idle(2)
+
+
+async def test_the_queue_serves_priority_first_and_refuses_the_lowest_first():
+    adm = Admission(limit=1, max_queued=2)
+    await adm.acquire()  # the running request
+    low_1 = asyncio.ensure_future(adm.acquire(priority=5))
+    low_2 = asyncio.ensure_future(adm.acquire(priority=5))
+    await asyncio.sleep(0)
+    assert adm.queued == 2
+    # full: a higher priority takes the place of the last low one, which is refused
+    high = asyncio.ensure_future(adm.acquire(priority=-1))
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded):
+        await low_2
+    # an equal or lower priority is refused itself
+    with pytest.raises(Overloaded):
+        await adm.acquire(priority=5)
+    adm.release()  # the permit goes to the highest priority, not the oldest
+    await high
+    assert not low_1.done()
+    adm.release()
+    await low_1
+    adm.release()
+    assert adm.in_flight == 0 and adm.queued == 0
+
+
+async def test_a_request_too_big_for_the_token_bound_evicts_nobody():
+    adm = Admission(limit=1, max_queued=4, max_queued_tokens=100)
+    await adm.acquire()
+    low = asyncio.ensure_future(adm.acquire(tokens=60, priority=5))
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded):
+        await adm.acquire(tokens=200, priority=-5)  # would not fit even alone
+    assert adm.queued == 1 and not low.done()
+    adm.release()
+    await low
+    adm.release()

@@ -280,6 +280,12 @@ class GenerateParameters(betterproto2.Message):
     TGI's LoRA adapter id. No adapters are served: a non-empty id is refused.
     """
 
+    priority: "int | None" = betterproto2.field(24, betterproto2.TYPE_INT32, optional=True)
+    """
+    Scheduling priority (vLLM's convention): lower is served sooner; unset: the
+    `x-textgen-priority` header's, else 0.
+    """
+
 
 default_message_pool.register_message("textgen.v1", "GenerateParameters", GenerateParameters)
 
