@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from textgen.sdk.keepalive import Keepalive
 
+from .affinity import use_consistent_hashing
 from .limits import MAX_CONNECTIONS
 
 CLUSTER = "textgen_grpc"
@@ -254,6 +255,7 @@ def front_cluster(upstreams: Sequence[Upstream], keepalive: Keepalive) -> dict:
     # of thousands of hosts; a few replicas need every change at once.
     cluster["common_lb_config"]["update_merge_window"] = "0s"
     cluster["outlier_detection"] = _outlier_detection()
+    use_consistent_hashing(cluster)  # prefix affinity: affinity.py
     return cluster
 
 

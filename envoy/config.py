@@ -20,9 +20,10 @@ Traps, measured on Envoy 1.40 (shared/envoy-facts.md) and commented where they b
   filter unwraps the field instead, so the contract's annotation still holds.
 
 `render(..., front=True)` is the front proxy of several replicas (DESIGN.md §8,
-`textgen proxy`): on top of the above, a retry before the first response byte onto
-another replica, faster health checks, outlier detection and a retry budget. The
-traps of retrying through a transcoder are commented at `clusters.retry_policy`.
+`textgen proxy`): on top of the above, prefix affinity (a routing key hashed onto a
+ring of replicas with a bounded load: affinity.py), a retry before the first response
+byte onto another replica, faster health checks, outlier detection and a retry budget.
+The traps of retrying through a transcoder are commented at `clusters.retry_policy`.
 
 Modules: routes.py (the routes, their timeouts), clusters.py (the replicas' cluster;
 the front proxy's retries, outlier detection, circuit breakers), errors.py (the Lua
@@ -39,6 +40,7 @@ from pathlib import Path
 
 from textgen.sdk.keepalive import DEFAULT_KEEPALIVE, Keepalive
 
+from .affinity import affinity_filter
 from .clusters import Upstream, front_cluster, replica_cluster, socket_address
 from .contract import DESCRIPTOR, Contract, contract
 from .errors import (
@@ -165,7 +167,14 @@ def _http_connection_manager(api: Contract, front: bool = False) -> dict:
             # Order matters: decoding runs top-down, encoding bottom-up, so the Lua
             # filter sees requests before the transcoder and responses after it,
             # and marks the request before the body limit can reject it.
-            "http_filters": [_lua_filter(api), _body_limit(), _transcoder(api), _router()],
+            "http_filters": [
+                _lua_filter(api),
+                _body_limit(),
+                _transcoder(api),
+                # the front's routing key, read from the transcoded (gRPC) request
+                *([affinity_filter()] if front else []),
+                _router(),
+            ],
         },
     }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .affinity import hash_policy
 from .clusters import CLUSTER, resend_policy, retry_policy
 
 # A generation route may be silent this long: the whole of a non-streamed answer,
@@ -76,6 +77,8 @@ def _grpc_route(front: bool = False) -> dict:
         },
     }
     out["route"]["retry_policy"] = retry_policy(generation=True) if front else resend_policy()
+    if front:
+        out["route"]["hash_policy"] = hash_policy()
     return out
 
 
@@ -88,6 +91,8 @@ def _http_route(route: Route, front: bool = False) -> dict:
     else:
         action["timeout"] = QUICK_ROUTE_TIMEOUT
     action["retry_policy"] = retry_policy(generation=route.generation) if front else resend_policy()
+    if front and route.generation:
+        action["hash_policy"] = hash_policy()
     out = {
         "match": {
             "path": route.path,

@@ -496,6 +496,13 @@ def _openai_sampling() -> dict:
             "nullable": True,
             "description": f"{COMPATIBILITY_ONLY} No end-user id is kept.",
         },
+        "prompt_cache_key": {
+            "type": "string",
+            "nullable": True,
+            "description": f"{COMPATIBILITY_ONLY} The answer is the same; `textgen proxy`"
+            " routes requests with the same key to the same replica, whose prefix cache"
+            " holds their common prompt.",
+        },
         "top_k": _bounded(
             "integer",
             "Sample among the top_k most probable tokens (when sampling); -1 or 0: all"

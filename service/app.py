@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from . import __version__
 from .admission import Admission
 from .config import Settings
-from .cpus import available_cpus
+from .cpus import default_torch_threads
 from .engine.grammar import GrammarMasks
 from .engine.loop import EngineLoop
 from .engine.paged_core import PagedCore
@@ -216,7 +216,7 @@ async def start_replica(
     )
     core = build_core(settings, loaded, capacity, grammars)
     metrics = Metrics()
-    torch_threads = settings.torch_threads or available_cpus()
+    torch_threads = settings.torch_threads or default_torch_threads()
     engine = EngineLoop(
         core, loaded.tokenizer, loaded.eos_token_ids, metrics=metrics, torch_threads=torch_threads
     )

@@ -199,8 +199,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "torch-threads",
         type=_non_negative_int,
         default=d.torch_threads,
-        help="torch's intra-op threads on the engine's thread (0: the CPUs this process may "
-        "use: its affinity, capped by a container's CPU quota)",
+        help="torch's intra-op threads on the engine's thread (0: OMP_NUM_THREADS if set, "
+        "else the CPUs this process may use: its affinity, capped by a container's CPU quota)",
     )
     flag(
         "validation-workers",

@@ -24,6 +24,15 @@ def available_cpus() -> int:
     return max(1, count)
 
 
+def default_torch_threads() -> int:
+    """The engine's intra-op threads when --torch-threads is unset: OMP_NUM_THREADS when
+    the environment sets it (as torch itself honours it), else available_cpus()."""
+    text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    return available_cpus()
+
+
 def cgroup_cpu_quota() -> float | None:
     """CPUs' worth of time the cgroup may use per period, or None when unlimited/unknown."""
     try:

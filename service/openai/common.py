@@ -28,8 +28,10 @@ SAMPLING_FIELDS = frozenset(
     }
 )  # fmt: skip
 # Accepted so that clients which always send them work, with no effect on the answer
-# (envoy/openapi.json says so): one model is served, and no end-user id is kept.
-COMPATIBLE_FIELDS = frozenset({"model", "user"})
+# (envoy/openapi.json says so): one model is served, no end-user id is kept, and
+# `prompt_cache_key` is read by the front proxy (envoy/affinity.py) to route a
+# conversation to the replica that cached it.
+COMPATIBLE_FIELDS = frozenset({"model", "user", "prompt_cache_key"})
 
 
 def refuse_unknown_fields(data: dict, known: frozenset[str]) -> None:

@@ -154,7 +154,10 @@ def test_front_proxy_validates(tmp_path, upstreams):
     assert result.returncode == 0, result.stdout + result.stderr
     cluster = bootstrap["static_resources"]["clusters"][0]
     assert cluster["type"] == ("STATIC" if upstreams[0].is_ip else "STRICT_DNS")
-    assert cluster["lb_policy"] == "LEAST_REQUEST"
+    # prefix affinity: a ring of replicas, each bounded to 1.25x the mean load
+    assert cluster["lb_policy"] == "RING_HASH"
+    hashing = cluster["common_lb_config"]["consistent_hashing_lb_config"]
+    assert hashing["hash_balance_factor"] == 125
     assert cluster["common_lb_config"]["healthy_panic_threshold"]["value"] == 0
     (check,) = cluster["health_checks"]
     assert check["grpc_health_check"] == {"service_name": ""}
@@ -164,6 +167,27 @@ def test_front_proxy_validates(tmp_path, upstreams):
     assert outlier["split_external_local_origin_errors"] is True
     (limits,) = cluster["circuit_breakers"]["thresholds"]
     assert limits["retry_budget"]["min_retry_concurrency"] >= 16
+
+
+def test_front_proxy_hashes_generations_on_the_routing_key():
+    """Every generating route (and native gRPC) hashes the affinity filter's header, set
+    after the transcoder; metadata routes are spread at random; one replica's Envoy
+    has neither."""
+    from textgen.envoy.affinity import AFFINITY_HEADER
+
+    front = config.render([config.Upstream("127.0.0.1", 1)], front=True)
+    hashed = {r["match"].get("path", "grpc"): r["route"].get("hash_policy") for r in _routes(front)}
+    expected = [{"header": {"header_name": AFFINITY_HEADER}}]
+    assert hashed["grpc"] == expected
+    for route in config.ROUTES:
+        assert hashed[route.path] == (expected if route.generation else None), route.path
+    manager = front["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    names = [f["name"] for f in manager["typed_config"]["http_filters"]]
+    transcoder = names.index("envoy.filters.http.grpc_json_transcoder")
+    assert names[transcoder + 1] == "textgen.affinity" and names[-1] == "envoy.filters.http.router"
+    single = config.render([config.Upstream("127.0.0.1", 1)])
+    assert not any("hash_policy" in r["route"] for r in _routes(single))
+    assert single["static_resources"]["clusters"][0]["lb_policy"] == "LEAST_REQUEST"
 
 
 def test_front_proxy_retries_before_the_first_byte_only():

@@ -144,9 +144,9 @@ def test_info(stub, tiny_server):
     assert info.model_dtype == "float32" and info.model_device_type == "cpu"
     assert info.router == "textgen" and info.version
     # the engine's torch threads: the CPUs this process may use; validation's workers
-    from textgen.service.cpus import available_cpus
+    from textgen.service.cpus import default_torch_threads
 
-    assert info.torch_threads == available_cpus() == tiny_server.engine.torch_threads
+    assert info.torch_threads == default_torch_threads() == tiny_server.engine.torch_threads
     assert info.validation_workers == tiny_server.settings.validation_workers
 
 

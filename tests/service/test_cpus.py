@@ -37,6 +37,13 @@ def test_cgroup_v1_quota(monkeypatch, tmp_path):
     assert cpus.available_cpus() == 1
 
 
+def test_omp_num_threads_is_honoured(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert cpus.default_torch_threads() == 1
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert cpus.default_torch_threads() == cpus.available_cpus()
+
+
 def test_engine_sets_its_threads_on_its_own_thread(tiny_model_dir):
     """OpenMP keeps the thread count per thread: the engine sets it where torch runs."""
     import torch
