@@ -120,19 +120,21 @@ class Watch:
         return self.at
 
 
-def short_request(port: int, i: int) -> tuple[str, str | None]:
+def short_request(port: int, i: int, prompt: str = "hi") -> tuple[str, str | None]:
     """A short generation through the proxy, by turns HTTP unary, HTTP stream, gRPC
-    unary, gRPC stream: ('ok' or the failure, x-envoy-attempt-count)."""
+    unary, gRPC stream: ('ok' or the failure, x-envoy-attempt-count). The proxy routes
+    by the prompt's leading bytes (prefix affinity): distinct prompts spread over the
+    replicas, one prompt sticks to one."""
     params = {"max_new_tokens": 4, "ignore_eos": True}
     kind = i % 4
     if kind in (0, 1):
         path = "/generate" if kind == 0 else "/generate_stream"
-        status, headers, body = http_call(port, path, {"inputs": "hi", "parameters": params})
+        status, headers, body = http_call(port, path, {"inputs": prompt, "parameters": params})
         ok = status == 200 and (kind == 0 or body.count(b"data:") == 4)
         return ("ok" if ok else f"{path} {status}: {body[:200]!r}"), headers.get(
             "x-envoy-attempt-count"
         )
-    request = pb.GenerateRequest(inputs="hi", parameters=pb.GenerateParameters(**params))
+    request = pb.GenerateRequest(inputs=prompt, parameters=pb.GenerateParameters(**params))
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = svc_grpc.TextGenerationServiceStub(channel)
         try:
@@ -299,9 +301,9 @@ def test_overloaded_replica_is_retried_on_the_other(stable, victim, proxy):
         results = []
         for face in ("http", "grpc"):
             face_start = victim.counter('tgi_request_failure{err="overloaded"}')
-            for i in range(24):  # least-request picks the victim about every other time
+            for i in range(24):  # distinct prompts hash to the victim about every other time
                 kind = i % 2 + (0 if face == "http" else 2)
-                results.append((face, *short_request(proxy.http_port, kind)))
+                results.append((face, *short_request(proxy.http_port, kind, f"hi {face} {i}")))
                 retried = [r for r in results if r[0] == face and r[2] == "2"]
                 if len(retried) >= 2 and i >= 3:
                     break
@@ -313,9 +315,8 @@ def test_overloaded_replica_is_retried_on_the_other(stable, victim, proxy):
     assert [r[1] for r in results] == ["ok"] * len(results), results
     refused = victim.counter('tgi_request_failure{err="overloaded"}') - refused_before
     # Every refused request was resent once, straight to the stable replica, never a
-    # third attempt: to Envoy the victim looks as idle as the stable replica (it runs
-    # nothing through it), so a retry's least-request draw lands on it half the time,
-    # and previous_hosts only makes Envoy draw again (HOST_SELECTION_ATTEMPTS times).
+    # third attempt: a retry walks the ring away from the replica it tried
+    # (previous_hosts, up to HOST_SELECTION_ATTEMPTS draws).
     assert {r[2] for r in results} <= {"1", "2"}, results
     retried = sum(r[2] == "2" for r in results)
     assert retried == refused, (retried, refused, results)
@@ -354,7 +355,7 @@ def test_sigterm_drains_without_a_failure(stable, victim, proxy):
         # meanwhile, through the proxy: nothing fails
         during, refused_by_victim = [], None
         while time.monotonic() - signalled < 3.0:
-            during.append(short_request(proxy.http_port, len(during)))
+            during.append(short_request(proxy.http_port, len(during), f"hi {len(during)}"))
             with contextlib.suppress(grpc.RpcError):
                 refused_by_victim = victim.counter('tgi_request_failure{err="unavailable"}')
         out_at = watch.wait(3)
