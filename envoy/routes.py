@@ -38,6 +38,7 @@ ROUTES: tuple[Route, ...] = (
     # OpenAI's routes stream or not depending on the body: both get the stream headers.
     Route("POST", "/v1/chat/completions", generation=True, streaming=True),
     Route("POST", "/v1/completions", generation=True, streaming=True),
+    Route("POST", "/v1/responses", generation=True, streaming=True),
 )
 
 
