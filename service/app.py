@@ -30,6 +30,7 @@ from .models import LoadedModel, load_model
 from .observability.metrics import Metrics
 from .observability.requests import RequestRecorder
 from .observability.tracing import otlp_tracer_provider, server_interceptors
+from .openai.response_store import ResponseStore
 from .proto import text_generation_service_pb2 as svc_pb
 from .proxy import start_envoy
 from .validation import Limits, Validator
@@ -235,6 +236,7 @@ async def start_replica(
         admission,
         RequestRecorder(metrics, tracer),
         ThreadPoolExecutor(settings.validation_workers, thread_name_prefix="textgen-validation"),
+        ResponseStore(int(settings.responses_store_mb * 2**20), settings.responses_store_ttl),
     )
     server, health, port = build_server(
         servicer,

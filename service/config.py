@@ -51,6 +51,9 @@ class Settings:
     # SDK's); the server accepts them a third of this apart (textgen.sdk.keepalive)
     keepalive_interval: float = 30.0
     otlp_endpoint: str | None = None  # OTLP/gRPC collector for traces; None: tracing off
+    # /v1/responses' store (previous_response_id), in this replica's memory; 0 MB: none
+    responses_store_mb: float = 64.0
+    responses_store_ttl: float = 3600.0  # seconds a stored response is kept
 
     @property
     def keepalive(self) -> Keepalive:
@@ -86,6 +89,13 @@ def _positive_int(text: str) -> int:
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 
@@ -230,6 +240,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "otlp-endpoint",
         default=d.otlp_endpoint,
         help="send OpenTelemetry traces to this OTLP/gRPC collector (e.g. http://127.0.0.1:4317)",
+    )
+    flag(
+        "responses-store-mb",
+        type=_non_negative_float,
+        default=d.responses_store_mb,
+        help="memory (MB) for the conversations /v1/responses keeps for previous_response_id, "
+        "per replica; the oldest go first (0: keep none)",
+    )
+    flag(
+        "responses-store-ttl",
+        type=_positive_float,
+        default=d.responses_store_ttl,
+        help="seconds a stored /v1/responses conversation is kept",
     )
     parser.add_argument(
         "--no-envoy",

@@ -8,10 +8,12 @@ import asyncio
 from google.api import httpbody_pb2
 
 from ..engine.types import EngineError
-from ..errors import ErrorType
+from ..errors import ErrorType, incomplete
 from ..openai.chat import ChatRenderer, ChatStream, parse_chat_request
 from ..openai.common import DONE, StopHoldback, finish_reason, sse_error
 from ..openai.completions import CompletionRenderer, parse_completion_request
+from ..openai.responses import parse_responses_request
+from ..openai.responses_output import ResponseRenderer, ResponseStream
 from ..validation import ValidationError
 from .errors import abort
 
@@ -20,7 +22,8 @@ SSE = "text/event-stream"
 
 
 class OpenAIRpcs:
-    """Mixed into TextGenerationServicer (uses its engine, validator, admission)."""
+    """Mixed into TextGenerationServicer (uses its engine, validator, admission and
+    responses_store)."""
 
     async def ChatCompletions(self, request, context):
         async with self.request(context, "ChatCompletions") as record:
@@ -120,6 +123,46 @@ class OpenAIRpcs:
         if req.include_usage:
             yield _body(renderer.usage_chunk(finishes))
         yield _body(DONE)
+
+    async def Responses(self, request, context):
+        async with self.request(context, "Responses") as record:
+            try:
+                req = parse_responses_request(
+                    request.data, self.validator.tokenizer, self.responses_store
+                )
+                valid = await self.validate(req.generate, stream=req.stream, arrival=record.arrival)
+            except ValidationError as exc:  # OpenAIRequestError included
+                await abort(context, exc.message, ErrorType.VALIDATION, exc.param)
+            record.validated(valid)
+            renderer = ResponseRenderer(self.served.info.model_id, req)
+            async with self.admitted(context, valid):
+                if req.stream:
+                    async for body in self._responses_stream(renderer, valid, context, record):
+                        yield body
+                else:
+                    try:
+                        events = [e async for e in self.engine.generate(valid.engine_request)]
+                    except EngineError as exc:
+                        await abort(context, exc.message, exc.error_type)
+                    record.finished(events[-1].finish)
+                    yield httpbody_pb2.HttpBody(content_type=JSON, data=renderer.response(events))
+            if req.store:
+                self.responses_store.put(renderer.id, req.conversation_with(renderer.output))
+
+    async def _responses_stream(self, renderer: ResponseRenderer, valid, context, record):
+        stream = ResponseStream(renderer)
+        for data in stream.start():
+            yield _body(data)
+        try:
+            async for event in self.engine.generate(valid.engine_request):
+                if event.finish is not None:
+                    record.finished(event.finish)
+                for data in stream.events(event):
+                    yield _body(data)
+        except EngineError as exc:
+            error_type = incomplete(exc.error_type)  # response.created was sent
+            yield _body(stream.error(exc.message, error_type))
+            await abort(context, exc.message, error_type)
 
 
 async def _merged(streams):

@@ -16,6 +16,7 @@ from ..engine.loop import EngineLoop
 from ..engine.types import EngineError, TokenEvent
 from ..errors import ErrorType, incomplete
 from ..observability.requests import RequestRecorder
+from ..openai.response_store import ResponseStore
 from ..proto import generate_pb2 as gen_pb
 from ..proto import text_generation_service_pb2 as svc_pb
 from ..proto import text_generation_service_pb2_grpc as svc_grpc
@@ -49,10 +50,13 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
         admission: Admission,
         recorder: RequestRecorder,
         validation_workers: Executor | None = None,
+        responses_store: ResponseStore | None = None,
     ) -> None:
         """validation_workers: where long prompts and grammars are validated (None:
-        asyncio's default executor)."""
+        asyncio's default executor); responses_store: the conversations /v1/responses
+        keeps for previous_response_id (None: the default bounds)."""
         self.engine = engine
+        self.responses_store = responses_store or ResponseStore()
         self.validator = validator
         self.served = served
         self.admission = admission

@@ -3,14 +3,12 @@ events -> OpenAI's `chat.completion` / `chat.completion.chunk` bytes."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from ..engine.types import FinishInfo, TokenEvent
-from ..request import GenerateParameters, GenerateRequest, Grammar
-from ..validation import grammar_spec
+from ..request import GenerateParameters, GenerateRequest
 from .common import (
     DONE,
     SAMPLING_FIELDS,
@@ -27,6 +25,7 @@ from .common import (
     trim_stop,
     usage,
 )
+from .formats import lark_answer, response_format
 from .tools import (
     ToolCallParser,
     ToolPlan,
@@ -67,18 +66,8 @@ def parse_chat_request(body: bytes, tokenizer) -> ChatRequest:
         raise OpenAIRequestError("`messages` must not be empty", "messages")
     plan = parse_tools(data)
     answer_format = response_format(data)
-    native = template_knows_tools(tokenizer)
-    extra = {"tools": [t.openai_dict() for t in plan.tools]} if native and plan is not None else {}
     tool_prompt = optional_field(data, "tool_prompt", str)
-    try:
-        prompt = tokenizer.apply_chat_template(
-            prepare_messages(messages, plan, native, tool_prompt),
-            tokenize=False,
-            add_generation_prompt=True,
-            **extra,
-        )
-    except Exception as exc:
-        raise OpenAIRequestError(f"cannot apply the chat template: {exc}", "messages") from exc
+    prompt = render_prompt(tokenizer, messages, plan, tool_prompt)
     params, stop = sampling_parameters(data)
     if plan is None:
         params["grammar"] = answer_format
@@ -94,7 +83,7 @@ def parse_chat_request(body: bytes, tokenizer) -> ChatRequest:
     generate = GenerateRequest(
         inputs=prompt,
         parameters=GenerateParameters(**params),
-        lark=plan.lark(_lark_answer(answer_format)) if plan is not None else None,
+        lark=plan.lark(lark_answer(answer_format, "response_format")) if plan is not None else None,
         names=_names(data, plan),
     )
     return ChatRequest(
@@ -106,6 +95,29 @@ def parse_chat_request(body: bytes, tokenizer) -> ChatRequest:
         stop=stop,
         tools=plan,
     )
+
+
+def render_prompt(
+    tokenizer,
+    messages: list[dict],
+    plan: ToolPlan | None,
+    tool_prompt: str | None = None,
+    param: str = "messages",
+) -> str:
+    """The conversation (chat messages, checked) through the model's chat template, with
+    the tools natively or described in the system message; `param` is blamed when the
+    template refuses it."""
+    native = template_knows_tools(tokenizer)
+    extra = {"tools": [t.openai_dict() for t in plan.tools]} if native and plan is not None else {}
+    try:
+        return tokenizer.apply_chat_template(
+            prepare_messages(messages, plan, native, tool_prompt),
+            tokenize=False,
+            add_generation_prompt=True,
+            **extra,
+        )
+    except Exception as exc:
+        raise OpenAIRequestError(f"cannot apply the chat template: {exc}", param) from exc
 
 
 def _names(data: dict, plan: ToolPlan | None) -> dict[str, str]:
@@ -120,54 +132,6 @@ def _names(data: dict, plan: ToolPlan | None) -> dict[str, str]:
         "top_n_tokens": "top_logprobs",
         "grammar": "tools" if plan is not None else "response_format",
     }
-
-
-def response_format(data: dict) -> Grammar | None:
-    """OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema",
-    "json_schema": {"name", "schema", "strict"}}), or TGI's grammar in its place
-    ({"type": "json" | "json_schema" | "regex", "value": ...}), as a TGI grammar."""
-    fmt = data.get("response_format")
-    if fmt is None:
-        return None
-    if not isinstance(fmt, dict):
-        raise OpenAIRequestError("`response_format` must be an object", "response_format")
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        # TGI's router takes json_object as an alias of json, its schema in `value`;
-        # LangChain's ChatHuggingFace.with_structured_output sends it in `schema`
-        schema = fmt.get("value", fmt.get("schema"))
-        return _grammar("json", {"type": "object"} if schema is None else schema)
-    if kind == "json_schema" and "json_schema" in fmt:
-        spec = fmt["json_schema"]
-        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            raise OpenAIRequestError(
-                "`response_format.json_schema` must have a `name`", "response_format"
-            )
-        # strict or not, the output follows the schema: constrained decoding costs nothing extra
-        return _grammar("json", spec.get("schema", {}))
-    if kind in ("json", "json_schema", "regex") and "value" in fmt:  # TGI's shape
-        return _grammar(kind, fmt["value"])
-    raise OpenAIRequestError(
-        '`response_format.type` must be "text", "json_object" or "json_schema"', "response_format"
-    )
-
-
-def _grammar(kind: str, value) -> Grammar:
-    return Grammar(type=kind, value=value)  # plain JSON already: it came out of json.loads
-
-
-def _lark_answer(answer_format: Grammar | None) -> str | None:
-    """A response_format as the answer rule of the tool grammar."""
-    if answer_format is None:
-        return None
-    kind, schema = grammar_spec(answer_format)
-    if kind == "regex":
-        raise OpenAIRequestError(
-            "with `tools`, `response_format` must be a JSON schema", "response_format"
-        )
-    return "%json " + json.dumps(schema, separators=(",", ":"))
 
 
 def _message(m, index: int) -> dict:

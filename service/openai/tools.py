@@ -108,43 +108,23 @@ class ToolPlan:
 
 
 def parse_tools(data: dict) -> ToolPlan | None:
-    """`tools`, `tool_choice` and `parallel_tool_calls` -> a plan; None when no tool may be
-    called (no tools, or tool_choice "none")."""
+    """Chat's `tools`, `tool_choice` and `parallel_tool_calls` -> a plan; None when no tool
+    may be called (no tools, or tool_choice "none")."""
     raw_tools = data.get("tools")
     choice = data.get("tool_choice")
     if raw_tools is None:
-        if choice not in (None, "none"):
-            raise OpenAIRequestError(
-                "`tool_choice` is only allowed when `tools` are specified", "tool_choice"
-            )
-        return None
+        return no_tools(choice)
     if not isinstance(raw_tools, list) or not raw_tools:
         raise OpenAIRequestError("`tools` must be a non-empty array", "tools")
     tools = tuple(_tool(t, i) for i, t in enumerate(raw_tools))
-    names = [t.name for t in tools]
-    if len(set(names)) != len(names):
-        raise OpenAIRequestError("`tools` must have distinct function names", "tools")
-    parallel = data.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
-        raise OpenAIRequestError("`parallel_tool_calls` must be a boolean", "parallel_tool_calls")
-    if choice is None or choice == "auto":
-        return ToolPlan(tools, "auto", parallel)
-    if choice == "none":
-        return None
-    if choice == "required":
-        return ToolPlan(tools, "required", parallel)
     if (
         isinstance(choice, dict)
         and choice.get("type") == "function"
         and isinstance(choice.get("function"), dict)
     ):
-        name = choice["function"].get("name")
-        chosen = [t for t in tools if t.name == name]
-        if not chosen:
-            raise OpenAIRequestError(
-                f"`tool_choice` names function {name!r}, which is not in `tools`", "tool_choice"
-            )
-        return ToolPlan(tuple(chosen), "function", parallel=False)
+        return tool_plan(tools, "function", data, function=choice["function"].get("name"))
+    if choice is None or choice in ("auto", "none", "required"):
+        return tool_plan(tools, choice or "auto", data)
     raise OpenAIRequestError(
         '`tool_choice` must be "none", "auto", "required" or '
         '{"type": "function", "function": {"name": ...}}',
@@ -152,7 +132,42 @@ def parse_tools(data: dict) -> ToolPlan | None:
     )
 
 
+def no_tools(choice) -> None:
+    """Without tools, only no tool_choice (or "none") makes sense."""
+    if choice not in (None, "none"):
+        raise OpenAIRequestError(
+            "`tool_choice` is only allowed when `tools` are specified", "tool_choice"
+        )
+
+
+def tool_plan(
+    tools: tuple[Tool, ...], choice: str, data: dict, function: str | None = None
+) -> ToolPlan | None:
+    """The plan for checked `tools` under `choice` ("auto", "none", "required", or
+    "function": the one named `function`), with the request's `parallel_tool_calls`."""
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise OpenAIRequestError("`tools` must have distinct function names", "tools")
+    parallel = data.get("parallel_tool_calls", True)
+    if parallel is None:
+        parallel = True
+    if not isinstance(parallel, bool):
+        raise OpenAIRequestError("`parallel_tool_calls` must be a boolean", "parallel_tool_calls")
+    if choice == "none":
+        return None
+    if choice == "function":
+        chosen = [t for t in tools if t.name == function]
+        if not chosen:
+            raise OpenAIRequestError(
+                f"`tool_choice` names function {function!r}, which is not in `tools`",
+                "tool_choice",
+            )
+        return ToolPlan(tuple(chosen), "function", parallel=False)
+    return ToolPlan(tools, choice, parallel)
+
+
 def _tool(t, index: int) -> Tool:
+    """One of chat's tools: {"type": "function", "function": {"name", ...}}."""
     where = f"tools[{index}]"
     if (
         not isinstance(t, dict)
@@ -162,22 +177,23 @@ def _tool(t, index: int) -> Tool:
         raise OpenAIRequestError(
             f'`{where}` must be {{"type": "function", "function": {{...}}}}', "tools"
         )
-    f = t["function"]
+    return checked_tool(t["function"], f"{where}.function")
+
+
+def checked_tool(f: dict, where: str) -> Tool:
+    """A function's `name`, `description` and `parameters` (a JSON schema), checked;
+    `where` is how the error names the object."""
     name = f.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
-        raise OpenAIRequestError(
-            f"`{where}.function.name` must match ^[a-zA-Z0-9_-]{{1,64}}$", "tools"
-        )
+        raise OpenAIRequestError(f"`{where}.name` must match ^[a-zA-Z0-9_-]{{1,64}}$", "tools")
     description = f.get("description")
     if description is not None and not isinstance(description, str):
-        raise OpenAIRequestError(f"`{where}.function.description` must be a string", "tools")
+        raise OpenAIRequestError(f"`{where}.description` must be a string", "tools")
     parameters = f.get("parameters")
     if parameters is None:  # OpenAI: omitted means a function without parameters
         parameters = {"type": "object", "properties": {}, "additionalProperties": False}
     if not isinstance(parameters, dict):
-        raise OpenAIRequestError(
-            f"`{where}.function.parameters` must be a JSON schema object", "tools"
-        )
+        raise OpenAIRequestError(f"`{where}.parameters` must be a JSON schema object", "tools")
     return Tool(name, description, parameters)
 
 
