@@ -91,6 +91,7 @@ class _Stubs:
         self.list_models = unary("ListModels", ListModelsResponse)
         self.chat_completions = stream("ChatCompletions", HttpBody)
         self.completions = stream("Completions", HttpBody)
+        self.responses = stream("Responses", HttpBody)
 
 
 def _channel_options(options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
@@ -109,11 +110,17 @@ def _raise_in_band_error(message: Any) -> None:
 
 
 def _raise_error_event(event: Any) -> None:
-    """Raise an SSE error event: TGI's `{"error": str, "error_type": str}` or
-    OpenAI's `{"error": {"message": str, "type": str}}`."""
-    if not isinstance(event, dict) or "error" not in event:
+    """Raise an SSE error event: TGI's `{"error": str, "error_type": str}`, OpenAI's
+    `{"error": {"message": str, "type": str}}`, or the Responses API's
+    `{"type": "error", "code": str, "message": str}` (a response object's `"error": null`
+    is no error)."""
+    if not isinstance(event, dict):
         return
-    error = event["error"]
+    if event.get("type") == "error":
+        raise from_stream_error(str(event.get("message", "")), event.get("code"))
+    error = event.get("error")
+    if error is None:
+        return
     if isinstance(error, dict):
         raise from_stream_error(str(error.get("message", error)), error.get("type"))
     raise from_stream_error(str(error), event.get("error_type"))
@@ -335,6 +342,28 @@ class _BaseClient:
         """OpenAI (legacy) completion chunks, sent with stream=true."""
         return self._events(self._stubs.completions, body, timeout, metadata)
 
+    def responses(
+        self,
+        body: Mapping[str, Any],
+        *,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+    ) -> dict[str, Any]:
+        """OpenAI Responses API: `body` is OpenAI's request (sent with stream=false); the
+        `response` object."""
+        return self._json(self._stubs.responses, body, timeout, metadata)
+
+    def responses_stream(
+        self,
+        body: Mapping[str, Any],
+        *,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """OpenAI Responses API events (sent with stream=true), `response.created` to
+        `response.completed` (or `response.incomplete`); an `error` event raises."""
+        return self._events(self._stubs.responses, body, timeout, metadata)
+
     def _rpc(
         self, method: Any, request: Any, timeout: float | None, metadata: Metadata | None
     ) -> _Rpc:
@@ -546,6 +575,22 @@ class AsyncClient(_BaseClient):
             metadata: Metadata | None = None,
         ) -> AsyncIterator[dict[str, Any]]: ...
 
+        async def responses(  # type: ignore[override]
+            self,
+            body: Mapping[str, Any],
+            *,
+            timeout: float | None = None,
+            metadata: Metadata | None = None,
+        ) -> dict[str, Any]: ...
+
+        def responses_stream(  # type: ignore[override]
+            self,
+            body: Mapping[str, Any],
+            *,
+            timeout: float | None = None,
+            metadata: Metadata | None = None,
+        ) -> AsyncIterator[dict[str, Any]]: ...
+
     else:
         # The streams are _BaseClient's as they are; the other calls are awaited.
         generate = _coroutine_function(_BaseClient.generate)
@@ -556,6 +601,7 @@ class AsyncClient(_BaseClient):
         list_models = _coroutine_function(_BaseClient.list_models)
         chat_completions = _coroutine_function(_BaseClient.chat_completions)
         completions = _coroutine_function(_BaseClient.completions)
+        responses = _coroutine_function(_BaseClient.responses)
 
     async def _unary(
         self, rpc: _Rpc, *, then: Callable[[Any], Any] = _same, on_unavailable: Any = _RAISE

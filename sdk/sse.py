@@ -1,7 +1,9 @@
 """Incremental decoding of OpenAI-style server-sent events (`text/event-stream`).
 
 The ChatCompletions and Completions RPCs stream `google.api.HttpBody` messages
-whose bytes, joined, are SSE frames: `data: {...json...}\\n\\n` ... `data: [DONE]\\n\\n`.
+whose bytes, joined, are SSE frames: `data: {...json...}\\n\\n` ... `data: [DONE]\\n\\n`;
+the Responses RPC's frames also name their event (`event: response.created`) and
+end without `[DONE]`.
 A message may hold several frames, part of one, or split a UTF-8 character, so the
 decoder buffers bytes and only decodes complete lines.
 """

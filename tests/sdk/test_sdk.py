@@ -207,6 +207,8 @@ class FakeTextGeneration(TextGenerationServiceServicer):
         for chunk in self.http_chunks:
             yield httpbody_pb2.HttpBody(content_type="text/event-stream", data=chunk)
 
+    Responses = ChatCompletions  # the same HttpBody pass-through
+
 
 @pytest.fixture
 def fake() -> Iterator[FakeTextGeneration]:
@@ -740,6 +742,54 @@ async def test_async_chat_completions_errors(
         await aclient.chat_completions({"messages": []})
 
 
+RESPONSE = {"id": "resp_1", "error": None}
+RESPONSE_EVENTS = [
+    {"type": "response.created", "response": RESPONSE, "sequence_number": 0},
+    {"type": "response.output_text.delta", "delta": "Pa", "sequence_number": 1},
+    {"type": "response.output_text.delta", "delta": "ris", "sequence_number": 2},
+    {"type": "response.completed", "response": RESPONSE, "sequence_number": 3},
+]
+# OpenAI's Responses framing: each event named, no `[DONE]` at the end
+RESPONSES_SSE = b"".join(
+    b"event: " + e["type"].encode() + b"\ndata: " + json.dumps(e).encode() + b"\n\n"
+    for e in RESPONSE_EVENTS
+)
+
+
+def test_responses_stream_over_grpc(client: Client, fake: FakeTextGeneration) -> None:
+    fake.http_chunks = [RESPONSES_SSE[:17], RESPONSES_SSE[17:90], RESPONSES_SSE[90:]]
+    assert list(client.responses_stream({"model": "m", "input": "hi"})) == RESPONSE_EVENTS
+    assert json.loads(fake.requests[-1].data) == {"model": "m", "input": "hi", "stream": True}
+
+
+def test_responses_returns_the_response_object(client: Client, fake: FakeTextGeneration) -> None:
+    # `"error": null` is a response object's field, not an error
+    body = {"id": "resp_1", "object": "response", "status": "completed", "error": None}
+    fake.http_chunks = [json.dumps(body).encode()]
+    assert client.responses({"input": "hi", "stream": True}) == body
+    assert json.loads(fake.requests[-1].data)["stream"] is False
+
+
+def test_responses_error_event_raises_its_class(client: Client, fake: FakeTextGeneration) -> None:
+    error = {"type": "error", "code": "incomplete_generation", "message": "boom", "param": None}
+    fake.http_chunks = [
+        RESPONSES_SSE.split(b"\n\n")[0] + b"\n\n",
+        b"event: error\ndata: " + json.dumps({**error, "sequence_number": 1}).encode() + b"\n\n",
+    ]
+    stream = client.responses_stream({"input": "hi"})
+    assert next(stream) == RESPONSE_EVENTS[0]
+    with pytest.raises(IncompleteGenerationError, match="boom"):
+        next(stream)
+
+
+async def test_async_responses(aclient: AsyncClient, fake: FakeTextGeneration) -> None:
+    fake.http_chunks = [RESPONSES_SSE]
+    events = [event async for event in aclient.responses_stream({"input": "hi"})]
+    assert events == RESPONSE_EVENTS
+    fake.http_chunks = [b'{"object": "response", "error": null}']
+    assert await aclient.responses({"input": "hi"}) == {"object": "response", "error": None}
+
+
 # --- one API, two clients -----------------------------------------------------------
 
 AWAITABLE_METHODS = [
@@ -751,8 +801,14 @@ AWAITABLE_METHODS = [
     "list_models",
     "chat_completions",
     "completions",
+    "responses",
 ]
-STREAM_METHODS = ["generate_stream", "chat_completions_stream", "completions_stream"]
+STREAM_METHODS = [
+    "generate_stream",
+    "chat_completions_stream",
+    "completions_stream",
+    "responses_stream",
+]
 
 
 @pytest.mark.parametrize("name", AWAITABLE_METHODS + STREAM_METHODS + ["__init__"])
@@ -780,6 +836,7 @@ async def test_async_streams_are_async_iterators(aclient: AsyncClient) -> None:
         aclient.generate_stream("Hello"),
         aclient.chat_completions_stream({"messages": []}),
         aclient.completions_stream({"prompt": "Hello"}),
+        aclient.responses_stream({"input": "Hello"}),
     ):
         assert inspect.isasyncgen(stream)
         await stream.aclose()  # never started: no RPC was made
