@@ -12,7 +12,9 @@ match), with TGI's request and response schemas kept and adjusted where textgen 
   `{"error", "error_type"}` event.
 - OpenAI routes (/v1/*): the request fields service/openai parses, with OpenAI's types
   (`stop` a string or a list, `logit_bias` a map, content a string or text parts);
-  OpenAI's response and chunk shapes; OpenAI's error object.
+  OpenAI's response and chunk shapes; OpenAI's error object. /v1/responses (OpenAI's
+  Responses API, responses_schemas()): its request, the response object, and each of
+  its stream's named events (`event: response.created` ..., no `[DONE]`).
 - Errors: every non-2xx answer is typed, `{"error", "error_type"}` on TGI routes and
   `{"error": {"message", "type", "param", "code"}}` under /v1/, with the statuses of
   textgen.envoy.config.HTTP_STATUS_BY_ERROR_TYPE.
@@ -972,6 +974,402 @@ def openai_schemas(tgi: dict) -> dict:
     return s
 
 
+def _responses_request() -> dict:
+    """The Responses API's request (service/openai/responses.py reads these fields)."""
+    shared = _openai_sampling()
+    props = {
+        **{k: shared[k] for k in ("model", "user", "top_k", "repetition_penalty", "stream")},
+        "ignore_eos": {
+            **shared["ignore_eos"],
+            "description": shared["ignore_eos"]["description"].replace(
+                "max_tokens", "max_output_tokens"
+            ),
+        },
+        "temperature": shared["temperature"],
+        "top_p": shared["top_p"],
+        "input": {
+            "oneOf": [
+                {"type": "string"},
+                {"type": "array", "items": ref("ResponseInputItem")},
+            ],
+            "description": "A user message, or the conversation as items: messages (text"
+            " only), function_call and function_call_output. Images, files, audio and other"
+            " item types are refused (422, param `input`).",
+        },
+        "instructions": {
+            "type": "string",
+            "nullable": True,
+            "description": "A system message before the conversation; not carried over by"
+            " previous_response_id.",
+        },
+        "max_output_tokens": _bounded(
+            "integer",
+            "Most tokens to generate; reaching it makes the response `incomplete`"
+            " (incomplete_details.reason `max_output_tokens`). Prompt plus max_output_tokens"
+            " must fit max_total_tokens.",
+            fmt="int32",
+            minimum=0,
+            exclusiveMinimum=True,
+            maximum=INT32_MAX,
+        ),
+        "tools": {
+            "type": "array",
+            "items": ref("ResponseFunctionTool"),
+            "nullable": True,
+            "description": "Function tools; built-in tools (web_search, file_search, ...) are"
+            " refused (422).",
+        },
+        "tool_choice": nullable(ref("ResponseToolChoice")),
+        "parallel_tool_calls": {"type": "boolean", "nullable": True, "default": True},
+        "text": nullable(ref("ResponseTextConfig")),
+        "store": {
+            "type": "boolean",
+            "nullable": True,
+            "default": True,
+            "description": "Keep the conversation in this replica's memory (bounded by"
+            " --responses-store-mb and --responses-store-ttl) for previous_response_id.",
+        },
+        "previous_response_id": {
+            "type": "string",
+            "nullable": True,
+            "description": "Continue a stored response's conversation. Not found (store:"
+            " false, expired, evicted, another replica): 422, param `previous_response_id`.",
+        },
+        "metadata": {
+            "type": "object",
+            "nullable": True,
+            "maxProperties": 16,
+            "propertyNames": {"maxLength": 64},
+            "additionalProperties": {"type": "string", "maxLength": 512},
+            "description": "Echoed in the response object.",
+        },
+        "include": {
+            "type": "array",
+            "nullable": True,
+            "items": {"type": "string", "enum": ["message.output_text.logprobs"]},
+            "description": "`message.output_text.logprobs`: the output text's token logprobs.",
+        },
+        "top_logprobs": _bounded(
+            "integer",
+            "Alternatives per token, 0 to 5; needs include message.output_text.logprobs.",
+            minimum=0,
+            maximum=5,
+        ),
+        "truncation": {
+            "type": "string",
+            "nullable": True,
+            "enum": ["disabled"],
+            "description": "A conversation longer than the context is refused, never cut.",
+        },
+    }
+    return {
+        "type": "object",
+        "required": ["input"],
+        "description": "OpenAI's Responses API request; a field not listed here is refused"
+        " (422) unless null.",
+        "properties": dict(sorted(props.items())),
+        "additionalProperties": False,
+    }
+
+
+def _response_event(kind: str, required: list[str], properties: dict) -> dict:
+    """One stream event's data: its `type`, `sequence_number` and fields."""
+    return {
+        "type": "object",
+        "required": ["type", "sequence_number", *required],
+        "properties": {
+            "type": {"type": "string", "enum": [kind]},
+            "sequence_number": {"type": "integer", "minimum": 0},
+            **properties,
+        },
+    }
+
+
+def responses_schemas() -> dict:
+    """/v1/responses: its request, the response object and the stream's events."""
+    s: dict = {"ResponsesRequest": _responses_request()}
+    text_part = {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {
+            "type": {"type": "string", "enum": ["input_text", "output_text"]},
+            "text": {"type": "string"},
+        },
+    }
+    s["ResponseInputItem"] = {
+        "oneOf": [
+            {
+                "type": "object",
+                "required": ["role", "content"],
+                "description": "A message (`type` may be left out).",
+                "properties": {
+                    "type": {"type": "string", "enum": ["message"]},
+                    "role": {
+                        "type": "string",
+                        "enum": ["user", "system", "developer", "assistant"],
+                    },
+                    "content": {
+                        "oneOf": [{"type": "string"}, {"type": "array", "items": text_part}]
+                    },
+                },
+            },
+            {
+                "type": "object",
+                "required": ["type", "call_id", "name", "arguments"],
+                "description": "A function call the model made (an earlier output item).",
+                "properties": {
+                    "type": {"type": "string", "enum": ["function_call"]},
+                    "call_id": {"type": "string"},
+                    "name": {"type": "string"},
+                    "arguments": {"type": "string"},
+                },
+            },
+            {
+                "type": "object",
+                "required": ["type", "call_id", "output"],
+                "description": "A function call's result.",
+                "properties": {
+                    "type": {"type": "string", "enum": ["function_call_output"]},
+                    "call_id": {"type": "string"},
+                    "output": {
+                        "oneOf": [{"type": "string"}, {"type": "array", "items": text_part}]
+                    },
+                },
+            },
+        ]
+    }
+    s["ResponseFunctionTool"] = {
+        "type": "object",
+        "required": ["type", "name"],
+        "properties": {
+            "type": {"type": "string", "enum": ["function"]},
+            "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+            "description": {"type": "string", "nullable": True},
+            "parameters": {
+                "type": "object",
+                "nullable": True,
+                "description": "A JSON schema of the arguments; the generated arguments follow it.",
+            },
+            "strict": {
+                "type": "boolean",
+                "nullable": True,
+                "description": "Echoed; arguments always follow the schema.",
+            },
+        },
+    }
+    s["ResponseToolChoice"] = {
+        "oneOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {
+                "type": "object",
+                "required": ["type", "name"],
+                "properties": {
+                    "type": {"type": "string", "enum": ["function"]},
+                    "name": {"type": "string"},
+                },
+            },
+        ],
+        "description": "auto (the default): a text answer or calls; required: one or more"
+        " calls; a named function: one call to it; none: a text answer.",
+    }
+    s["ResponseTextConfig"] = {
+        "type": "object",
+        "properties": {
+            "format": {
+                "type": "object",
+                "nullable": True,
+                "required": ["type"],
+                "description": "text, json_object, or json_schema ({name, schema, strict}):"
+                " the output follows the schema.",
+                "properties": {
+                    "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+                    "name": {"type": "string"},
+                    "description": {"type": "string"},
+                    "schema": {"type": "object"},
+                    "strict": {"type": "boolean", "nullable": True},
+                },
+            }
+        },
+        "additionalProperties": False,
+    }
+
+    # the response object
+    output_text = {
+        "type": "object",
+        "required": ["type", "text", "annotations", "logprobs"],
+        "properties": {
+            "type": {"type": "string", "enum": ["output_text"]},
+            "text": {"type": "string"},
+            "annotations": {"type": "array", "maxItems": 0},
+            "logprobs": {"type": "array", "items": ref("ChatCompletionLogprob")},
+        },
+    }
+    s["ResponseOutputText"] = output_text
+    status = {"type": "string", "enum": ["in_progress", "completed", "incomplete"]}
+    s["ResponseOutputMessage"] = {
+        "type": "object",
+        "required": ["type", "id", "status", "role", "content"],
+        "properties": {
+            "type": {"type": "string", "enum": ["message"]},
+            "id": {"type": "string"},
+            "status": status,
+            "role": {"type": "string", "enum": ["assistant"]},
+            "content": {"type": "array", "items": ref("ResponseOutputText")},
+        },
+    }
+    s["ResponseFunctionCall"] = {
+        "type": "object",
+        "required": ["type", "id", "status", "call_id", "name", "arguments"],
+        "properties": {
+            "type": {"type": "string", "enum": ["function_call"]},
+            "id": {"type": "string"},
+            "status": status,
+            "call_id": {"type": "string"},
+            "name": {"type": "string"},
+            "arguments": {"type": "string", "description": "A JSON object, as text."},
+        },
+    }
+    s["ResponseOutputItem"] = {"oneOf": [ref("ResponseOutputMessage"), ref("ResponseFunctionCall")]}
+    count = {"type": "integer", "minimum": 0}
+    s["ResponseUsage"] = {
+        "type": "object",
+        "required": [
+            "input_tokens", "input_tokens_details", "output_tokens", "output_tokens_details",
+            "total_tokens",
+        ],
+        "properties": {
+            "input_tokens": count,
+            "input_tokens_details": {
+                "type": "object",
+                "description": "Prompt-cache hits are not counted per request (0).",
+                "properties": {"cached_tokens": count, "cache_write_tokens": count},
+            },
+            "output_tokens": count,
+            "output_tokens_details": {
+                "type": "object",
+                "properties": {"reasoning_tokens": count},
+            },
+            "total_tokens": count,
+        },
+    }  # fmt: skip
+    s["Response"] = {
+        "type": "object",
+        "required": [
+            "id", "object", "created_at", "status", "error", "incomplete_details",
+            "instructions", "model", "output", "parallel_tool_calls", "tool_choice", "tools",
+            "temperature", "top_p", "usage",
+        ],
+        "description": "OpenAI's response object; `usage` is null until it is done.",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": ["response"]},
+            "created_at": {"type": "integer", "minimum": 0},
+            "status": {"type": "string", "enum": ["in_progress", "completed", "incomplete"]},
+            "background": {"type": "boolean"},
+            "completed_at": {"type": "integer", "nullable": True},
+            "error": {"type": "object", "nullable": True},
+            "incomplete_details": {
+                "type": "object",
+                "nullable": True,
+                "properties": {"reason": {"type": "string", "enum": ["max_output_tokens"]}},
+            },
+            "instructions": {"type": "string", "nullable": True},
+            "max_output_tokens": {"type": "integer", "nullable": True},
+            "max_tool_calls": {"type": "integer", "nullable": True},
+            "model": {"type": "string"},
+            "output": {"type": "array", "items": ref("ResponseOutputItem")},
+            "parallel_tool_calls": {"type": "boolean"},
+            "previous_response_id": {"type": "string", "nullable": True},
+            "reasoning": {"type": "object"},
+            "store": {"type": "boolean"},
+            "temperature": {"type": "number"},
+            "text": {"type": "object"},
+            "tool_choice": {"oneOf": [{"type": "string"}, {"type": "object"}]},
+            "tools": {"type": "array", "items": ref("ResponseFunctionTool")},
+            "top_logprobs": {"type": "integer", "minimum": 0},
+            "top_p": {"type": "number"},
+            "truncation": {"type": "string", "enum": ["disabled"]},
+            "usage": nullable(ref("ResponseUsage")),
+            "user": {"type": "string", "nullable": True},
+            "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+        },
+    }  # fmt: skip
+
+    # the stream's events
+    item = {"item_id": {"type": "string"}, "output_index": count}
+    text_logprobs = {"type": "array", "items": {"type": "object"}}
+    events = {
+        "ResponseCreatedEvent": ("response.created", ["response"], {"response": ref("Response")}),
+        "ResponseInProgressEvent": (
+            "response.in_progress", ["response"], {"response": ref("Response")},
+        ),
+        "ResponseOutputItemAddedEvent": (
+            "response.output_item.added", ["output_index", "item"],
+            {"output_index": count, "item": ref("ResponseOutputItem")},
+        ),
+        "ResponseContentPartAddedEvent": (
+            "response.content_part.added", ["item_id", "output_index", "content_index", "part"],
+            {**item, "content_index": count, "part": ref("ResponseOutputText")},
+        ),
+        "ResponseTextDeltaEvent": (
+            "response.output_text.delta",
+            ["item_id", "output_index", "content_index", "delta", "logprobs"],
+            {**item, "content_index": count, "delta": {"type": "string"},
+             "logprobs": text_logprobs},
+        ),
+        "ResponseTextDoneEvent": (
+            "response.output_text.done",
+            ["item_id", "output_index", "content_index", "text", "logprobs"],
+            {**item, "content_index": count, "text": {"type": "string"}, "logprobs": text_logprobs},
+        ),
+        "ResponseContentPartDoneEvent": (
+            "response.content_part.done", ["item_id", "output_index", "content_index", "part"],
+            {**item, "content_index": count, "part": ref("ResponseOutputText")},
+        ),
+        "ResponseFunctionCallArgumentsDeltaEvent": (
+            "response.function_call_arguments.delta", ["item_id", "output_index", "delta"],
+            {**item, "delta": {"type": "string"}},
+        ),
+        "ResponseFunctionCallArgumentsDoneEvent": (
+            "response.function_call_arguments.done", ["item_id", "output_index", "arguments"],
+            {**item, "arguments": {"type": "string"}},
+        ),
+        "ResponseOutputItemDoneEvent": (
+            "response.output_item.done", ["output_index", "item"],
+            {"output_index": count, "item": ref("ResponseOutputItem")},
+        ),
+        "ResponseCompletedEvent": (
+            "response.completed", ["response"], {"response": ref("Response")},
+        ),
+        "ResponseIncompleteEvent": (
+            "response.incomplete", ["response"], {"response": ref("Response")},
+        ),
+        "ResponseErrorEvent": (
+            "error", ["code", "message", "param"],
+            {
+                "code": {"type": "string", "enum": ERROR_TYPES, "description": "error_type"},
+                "message": {"type": "string"},
+                "param": {"type": "string", "nullable": True},
+            },
+        ),
+    }  # fmt: skip
+    for name, (kind, required, properties) in events.items():
+        s[name] = _response_event(kind, required, properties)
+    s["ResponseStreamEvent"] = {
+        "oneOf": [ref(name) for name in events],
+        "description": "`event: <type>` and `data: {json}` per event, in OpenAI's order:"
+        " response.created, response.in_progress, then per output item"
+        " response.output_item.added, (a message) response.content_part.added,"
+        " response.output_text.delta..., response.output_text.done,"
+        " response.content_part.done, or (a function call)"
+        " response.function_call_arguments.delta..., response.function_call_arguments.done,"
+        " then response.output_item.done; last response.completed, or response.incomplete"
+        " when max_output_tokens cut it short. No `[DONE]`. A stream that fails after it"
+        " started ends with an `error` event.",
+    }
+    return s
+
+
 # paths ------------------------------------------------------------------------------
 
 # (status, error_type, description) of the errors each kind of route can answer.
@@ -1155,6 +1553,20 @@ def paths(tgi_paths: dict) -> dict:
                 errors=GENERATION_ERRORS,
             )
         },
+        "/v1/responses": {
+            "post": operation(
+                tgi_paths,
+                "/v1/responses",
+                "post",
+                summary="OpenAI Responses API",
+                request="ResponsesRequest",
+                ok=ok(
+                    "A response object, or an SSE stream of its events when `stream` is true",
+                    {json_: ref("Response"), sse: sse_event("ResponseStreamEvent")},
+                ),
+                errors=GENERATION_ERRORS,
+            )
+        },
         "/v1/models": {
             "get": operation(
                 tgi_paths,
@@ -1175,7 +1587,11 @@ def version() -> str:
 def build(tgi_spec: Path = TGI_SPEC) -> dict:
     tgi = clean(json.loads(tgi_spec.read_text()))
     tgi_components = tgi["components"]["schemas"]
-    schemas = {**tgi_schemas(tgi_components), **openai_schemas(tgi_components)}
+    schemas = {
+        **tgi_schemas(tgi_components),
+        **openai_schemas(tgi_components),
+        **responses_schemas(),
+    }
     return {
         "openapi": "3.1.0",
         "info": {

@@ -660,6 +660,7 @@ HTTP_EXAMPLES = {
     "/tokenize": (25, 25),
     "/v1/chat/completions": GENERATING,
     "/v1/completions": GENERATING,
+    "/v1/responses": GENERATING,
 }
 HTTP_TARGETS = [
     pytest.param(path, method, mode, id=f"{method} {path} {mode.value}")
@@ -704,9 +705,34 @@ def sse_events(raw: bytes) -> list[bytes]:
     return [line[5:].strip() for line in raw.splitlines() if line.startswith(b"data:")]
 
 
+RESPONSE_ENDS = ("response.completed", "response.incomplete")
+
+
+def check_responses_stream(raw: bytes, what: str) -> None:
+    """The Responses API's events: each named (`event:`) as its data's type, numbered
+    from 0, from response.created to response.completed/incomplete, none an `error`."""
+    frames = [f for f in raw.decode().split("\n\n") if f.strip()]
+    assert frames, f"empty event stream: {what}"
+    events = []
+    for i, frame in enumerate(frames):
+        fields = dict(line.split(": ", 1) for line in frame.splitlines())
+        event = json.loads(fields["data"])
+        assert fields.get("event") == event.get("type"), f"event {i} misnamed: {frame}: {what}"
+        assert event.get("type") != "error", (
+            f"in-band error: accepted input failed in the engine: {event}: {what}"
+        )
+        events.append(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events))), what
+    assert events[0]["type"] == "response.created", what
+    assert events[-1]["type"] in RESPONSE_ENDS, f"stream ended early: {events[-1]}: {what}"
+
+
 def check_stream(path: str, raw: bytes, what: str) -> None:
     """Every `data:` line is JSON: an event of the stream or a typed error; OpenAI's
-    streams end with `data: [DONE]`, TGI's with the event that has details."""
+    streams end with `data: [DONE]` (the Responses API's with response.completed), TGI's
+    with the event that has details."""
+    if path == "/v1/responses":
+        return check_responses_stream(raw, what)
     events = sse_events(raw)
     assert events, f"empty event stream: {what}"
     openai = path.startswith("/v1/")
@@ -847,6 +873,24 @@ HOSTILE_BODIES = [
     ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "logprobs": 1099511627776}'),
     ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "frequency_penalty": NaN}'),
     ("/v1/completions", '{"prompt": ["hi", "yo"], "max_tokens": 2, "stream": true, "echo": true}'),
+    # the Responses API: loose items, numbers beyond the proto fields, NaN
+    ("/v1/responses", '{"input": "hi", "max_output_tokens": 2, "temperature": NaN}'),
+    ("/v1/responses", '{"input": "hi", "max_output_tokens": 1099511627776}'),
+    ("/v1/responses", '{"input": [null, 3, "x"], "max_output_tokens": 2}'),
+    ("/v1/responses", '{"input": [{"type": "function_call", "call_id": 1}]}'),
+    ("/v1/responses", '{"input": [{"role": "user", "content": [{"type": "input_text"}]}]}'),
+    ("/v1/responses", '{"input": "hi", "max_output_tokens": 2, "tools": {"type": "function"}}'),
+    ("/v1/responses", '{"input": "hi", "max_output_tokens": 2, "text": {"format": "json"}}'),
+    ("/v1/responses", '{"input": "hi", "max_output_tokens": 2, "metadata": {"a": ["b"]}}'),
+    ("/v1/responses", '{"input": "hi", "max_output_tokens": 2, "include": "logprobs"}'),
+    ("/v1/responses", '{"input": "hi", "max_output_tokens": 2, "previous_response_id": 7}'),
+    (
+        "/v1/responses",
+        (
+            '{"input": [{"type": "function_call_output", "call_id": "c", "output": "ok"}],'
+            ' "max_output_tokens": 2, "stream": true}'
+        ),
+    ),
 ]
 
 
