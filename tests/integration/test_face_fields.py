@@ -40,6 +40,9 @@ def post(server, path: str, body: dict) -> tuple[int, object]:
     return resp.status_code, resp.json()
 
 
+VARYING = ("id", "created", "created_at", "completed_at")  # on every call
+
+
 def answer(server, path: str, body: dict):
     """What a client sees, minus what changes on every call (ids, times)."""
     status, out = post(server, path, body)
@@ -47,7 +50,12 @@ def answer(server, path: str, body: dict):
     if status == 422:
         return "refused", out
     if isinstance(out, dict):
-        out = {k: v for k, v in out.items() if k not in ("id", "created")}
+        out = {k: v for k, v in out.items() if k not in VARYING}
+        if out.get("object") == "response":  # its items' ids too
+            out["output"] = [
+                {k: v for k, v in item.items() if k not in ("id", "call_id")}
+                for item in out["output"]
+            ]
         if out.get("details"):
             out["details"] = {k: v for k, v in out["details"].items() if k != "timings"}
     return out
@@ -66,6 +74,10 @@ def chat(**fields) -> dict:
 
 def completion(**fields) -> dict:
     return {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, **fields}
+
+
+def response(**fields) -> dict:
+    return {"input": MESSAGES[0]["content"], "max_output_tokens": 8, "temperature": 0, **fields}
 
 
 HOT = {"temperature": 5.0, "seed": 3}  # sampled, wide: sampling knobs show
@@ -202,6 +214,63 @@ ANSWER_SCHEMA = {
 
 def json_answer(out) -> bool:
     return json.loads(out["choices"][0]["message"]["content"])["answer"] in ("yes", "no")
+
+
+# /v1/responses ------------------------------------------------------------------------
+
+RESPONSES = "/v1/responses"
+RESPONSE_TOOL = {"type": "function", **TOOL["function"]}  # the Responses' flat shape
+LOGPROBS = ["message.output_text.logprobs"]
+# Greedy answers of the tiny model that end at EOS, found by trying prompts (it rarely
+# stops): the probe takes the first that does.
+EOS_PROMPTS = ["HTTP emoji the large models naïve", "over emoji serves", "Hi"]
+
+
+def output_text(out: dict) -> str:
+    return "".join(c["text"] for item in out["output"] for c in item.get("content", []))
+
+
+def responses_ignore_eos(server):
+    """An answer that ends at EOS runs to max_output_tokens with ignore_eos."""
+    for prompt in EOS_PROMPTS:
+        stopped = accepted(server, RESPONSES, response(input=prompt, max_output_tokens=40))
+        if stopped["status"] == "completed":
+            break
+    else:
+        pytest.fail(f"none of {EOS_PROMPTS} ends at EOS on this model: add one that does")
+    assert stopped["usage"]["output_tokens"] < 40
+    ignored = accepted(
+        server, RESPONSES, response(input=prompt, max_output_tokens=40, ignore_eos=True)
+    )
+    assert ignored["status"] == "incomplete" and ignored["usage"]["output_tokens"] == 40
+
+
+def greedy_at_any_temperature(field: str, value):
+    """Sampling hot, `field` leaves only the most probable token: the greedy answer."""
+
+    def probe(server):
+        greedy = output_text(accepted(server, RESPONSES, response()))
+        hot = response(temperature=5.0, **{field: value})
+        assert output_text(accepted(server, RESPONSES, hot)) == greedy
+
+    return probe
+
+
+def previous_response_id(server):
+    """A stored response's conversation comes before the new input."""
+    status, first = post(server, RESPONSES, response())
+    assert status == 200 and first["store"] is True, first
+    followed = response(input="Hi", previous_response_id=first["id"])
+    assert accepted(server, RESPONSES, response(input="Hi")) != accepted(
+        server, RESPONSES, followed
+    )
+
+
+def store(server):
+    status, out = post(server, RESPONSES, response(store=False))
+    assert status == 200 and out["store"] is False, out
+    status, refusal = post(server, RESPONSES, response(previous_response_id=out["id"]))
+    assert status == 422 and refusal["error"]["param"] == "previous_response_id", refusal
 
 
 PROBES = {
@@ -347,6 +416,66 @@ PROBES = {
         ),
         "top_p": differs("/v1/chat/completions", chat(**HOT), chat(**HOT, top_p=0.01)),
     },
+    "ResponsesRequest": {
+        "ignore_eos": responses_ignore_eos,
+        "include": checks(
+            RESPONSES,
+            response(include=LOGPROBS),
+            lambda o: o["output"][0]["content"][0]["logprobs"],
+        ),
+        "input": differs(RESPONSES, response(), response(input="Hi")),
+        "instructions": differs(RESPONSES, response(), response(instructions="Be brief.")),
+        "max_output_tokens": checks(
+            RESPONSES,
+            response(ignore_eos=True, max_output_tokens=3),
+            lambda o: o["usage"]["output_tokens"] == 3 and o["status"] == "incomplete",
+        ),
+        "metadata": checks(
+            RESPONSES, response(metadata={"k": "v"}), lambda o: o["metadata"] == {"k": "v"}
+        ),
+        "parallel_tool_calls": refused(
+            RESPONSES, response(tools=[RESPONSE_TOOL], parallel_tool_calls="yes")
+        ),
+        "previous_response_id": previous_response_id,
+        "repetition_penalty": differs(
+            RESPONSES,
+            response(ignore_eos=True, max_output_tokens=32),
+            response(ignore_eos=True, max_output_tokens=32, repetition_penalty=5.0),
+        ),
+        "store": store,
+        "stream": checks(
+            RESPONSES,
+            response(stream=True),
+            lambda o: json.loads(o[-1])["type"] in ("response.completed", "response.incomplete"),
+        ),
+        "temperature": differs(RESPONSES, response(), response(temperature=5.0)),
+        "text": checks(
+            RESPONSES,
+            response(
+                max_output_tokens=60,
+                text={"format": {"type": "json_schema", "name": "a", "schema": ANSWER_SCHEMA}},
+            ),
+            lambda o: json.loads(output_text(o))["answer"] in ("yes", "no"),
+        ),
+        "tool_choice": checks(
+            RESPONSES,
+            response(max_output_tokens=150, tools=[RESPONSE_TOOL], tool_choice="required"),
+            lambda o: o["output"][0]["name"] == "get_weather",
+        ),
+        "tools": differs(
+            RESPONSES,
+            response(),
+            response(tools=[RESPONSE_TOOL], tool_choice="required"),
+        ),
+        "top_k": greedy_at_any_temperature("top_k", 1),
+        "top_logprobs": checks(
+            RESPONSES,
+            response(include=LOGPROBS, top_logprobs=2),
+            lambda o: len(o["output"][0]["content"][0]["logprobs"][0]["top_logprobs"]) == 2,
+        ),
+        "top_p": greedy_at_any_temperature("top_p", 1e-6),
+        "truncation": refused(RESPONSES, response(truncation="auto")),
+    },
     "CompletionRequest": {
         "best_of": refused("/v1/completions", completion(best_of=2)),
         "echo": checks(
@@ -437,15 +566,21 @@ def test_field_is_honoured_or_refused(server, schema, name):
         ("/v1/chat/completions", chat(functions=[{"name": "f"}])),
         ("/v1/chat/completions", chat(reasoning_effort="high")),
         ("/v1/completions", completion(min_p=0.1)),
+        (RESPONSES, response(reasoning={"effort": "low"})),
+        (RESPONSES, response(background=False)),
+        (RESPONSES, response(stop=["."])),
     ],
 )
 def test_undeclared_openai_fields_are_refused_by_name(server, path, body):
     status, out = post(server, path, body)
     assert status == 422
-    field = next(k for k in body if k not in ("messages", "prompt", "max_tokens", "temperature"))
+    base = ("messages", "prompt", "input", "max_tokens", "max_output_tokens", "temperature")
+    field = next(k for k in body if k not in base)
     assert f"`{field}`" in out["error"]["message"]
 
 
 def test_compatibility_only_fields_change_nothing(server):
     base = accepted(server, "/v1/chat/completions", chat())
     assert accepted(server, "/v1/chat/completions", chat(model="x", user="u1")) == base
+    base = accepted(server, RESPONSES, response())
+    assert accepted(server, RESPONSES, response(model="x", user="u1")) == base
