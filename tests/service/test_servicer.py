@@ -5,10 +5,12 @@ The fake engine plays a script of TokenEvents (and failures) per request."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
+from google.api import httpbody_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from textgen.service.admission import Admission
@@ -180,3 +182,60 @@ async def test_best_of_returns_the_likeliest_run(served):
     assert len(engine.requests) == 2 and len(seeds) == 2  # each run its own seed
     assert out.details.tokens[0].logprob == pytest.approx(-0.1)
     assert len(out.details.best_of_sequences) == 1
+
+
+# /v1/responses ------------------------------------------------------------------------
+
+
+def responses_body(**fields) -> httpbody_pb2.HttpBody:
+    body = {"input": "The quick", "max_output_tokens": 4, "temperature": 0, **fields}
+    return httpbody_pb2.HttpBody(content_type="application/json", data=json.dumps(body).encode())
+
+
+def sse_events(bodies) -> list[dict]:
+    frames = b"".join(body.data for body in bodies).split(b"\n\n")
+    return [json.loads(f.split(b"\ndata: ", 1)[1]) for f in frames if f.strip()]
+
+
+async def test_responses_failure_mid_stream_is_an_error_event_then_aborted(served):
+    engine, servicer, stub = served
+    engine.script = lambda r: [*events(["a", "b"])[:1], EngineError("boom")]
+    received = []
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for body in stub.Responses(responses_body(stream=True)):
+            received.append(body)
+    sent = sse_events(received)
+    assert [e["type"] for e in sent] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta", "error",
+    ]  # fmt: skip
+    assert sent[-1]["code"] == "incomplete_generation" and sent[-1]["message"] == "boom"
+    assert [e["sequence_number"] for e in sent] == list(range(len(sent)))
+    assert info.value.code() == grpc.StatusCode.ABORTED
+    assert error_info(info.value).reason == "incomplete_generation"
+    assert len(servicer.responses_store) == 0  # a failed response is not kept
+
+
+async def test_responses_are_kept_for_previous_response_id(served):
+    engine, servicer, stub = served
+    (body,) = [b async for b in stub.Responses(responses_body())]
+    first = json.loads(body.data)
+    assert first["output"][0]["content"][0]["text"] == "Hello world"
+    assert servicer.responses_store.get(first["id"])[-1] == {
+        "role": "assistant",
+        "content": "Hello world",
+    }
+    [b async for b in stub.Responses(responses_body(previous_response_id=first["id"]))]
+    prompt_ids = engine.requests[-1].prompt_ids
+    assert len(prompt_ids) > len(engine.requests[0].prompt_ids)  # the first turn, then this
+    (body,) = [b async for b in stub.Responses(responses_body(store=False))]
+    assert servicer.responses_store.get(json.loads(body.data)["id"]) is None
+
+
+async def test_responses_refusals_name_the_field(served):
+    engine, _, stub = served
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        [b async for b in stub.Responses(responses_body(tools=[{"type": "web_search"}]))]
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error_info(info.value).metadata["param"] == "tools"
+    assert engine.requests == []
