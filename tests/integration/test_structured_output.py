@@ -453,3 +453,31 @@ def test_text_answer_beside_tools_streams_with_its_logprobs(client):
         e.token for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content
     ]
     assert streamed == [e.token for e in full.logprobs.content]
+
+
+# the Responses API ----------------------------------------------------------------------
+
+
+def test_responses_api_on_the_embedded_model(client):
+    """/v1/responses with the real model: it answers, calls a forced tool with arguments
+    valid against the schema, and answers in text once the call's output comes back."""
+    answer = client.responses.create(
+        model="tgi", input="What is the capital of France?", max_output_tokens=30, temperature=0
+    )
+    assert "Paris" in answer.output_text
+    weather = {"type": "function", **WEATHER["function"]}
+    first = client.responses.create(
+        model="tgi", input=ASK_WEATHER, tools=[weather], tool_choice={"type": "function",
+        "name": "get_weather"}, max_output_tokens=80, temperature=0,
+    )  # fmt: skip
+    (call,) = first.output
+    assert call.type == "function_call" and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "sunny"}'}
+    final = client.responses.create(
+        model="tgi", previous_response_id=first.id, input=[result], tools=[weather],
+        tool_choice="none", max_output_tokens=40, temperature=0,
+    )  # fmt: skip
+    (message,) = final.output
+    assert message.type == "message" and final.output_text.strip()
+    assert "<tool_call>" not in final.output_text
