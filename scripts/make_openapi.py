@@ -974,11 +974,17 @@ def openai_schemas(tgi: dict) -> dict:
     return s
 
 
+# The fields /v1/responses shares with chat and completions (service/openai/responses.py).
+RESPONSES_SHARED = (
+    "model", "user", "prompt_cache_key", "priority", "top_k", "repetition_penalty", "stream",
+)  # fmt: skip
+
+
 def _responses_request() -> dict:
     """The Responses API's request (service/openai/responses.py reads these fields)."""
     shared = _openai_sampling()
     props = {
-        **{k: shared[k] for k in ("model", "user", "top_k", "repetition_penalty", "stream")},
+        **{k: shared[k] for k in RESPONSES_SHARED},
         "ignore_eos": {
             **shared["ignore_eos"],
             "description": shared["ignore_eos"]["description"].replace(

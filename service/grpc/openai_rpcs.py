@@ -130,7 +130,9 @@ class OpenAIRpcs:
                 req = parse_responses_request(
                     request.data, self.validator.tokenizer, self.responses_store
                 )
-                valid = await self.validate(req.generate, stream=req.stream, arrival=record.arrival)
+                valid = await self.validate(
+                    req.generate, stream=req.stream, arrival=record.arrival, context=context
+                )
             except ValidationError as exc:  # OpenAIRequestError included
                 await abort(context, exc.message, ErrorType.VALIDATION, exc.param)
             record.validated(valid)

@@ -27,13 +27,13 @@ from .tools import Tool, ToolPlan, checked_tool, no_tools, tool_plan
 
 # What parse_responses_request reads; anything else is refused (refuse_unknown_fields).
 # Beside OpenAI's own, the extensions chat takes too (vLLM's `top_k`,
-# `repetition_penalty`, `ignore_eos`). The Responses API has no stop sequences.
+# `repetition_penalty`, `ignore_eos`, `priority`). The Responses API has no stop sequences.
 RESPONSES_FIELDS = frozenset(
     {
         "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
         "tool_choice", "parallel_tool_calls", "text", "stream", "store",
         "previous_response_id", "metadata", "include", "top_logprobs", "truncation",
-        "top_k", "repetition_penalty", "ignore_eos",
+        "top_k", "repetition_penalty", "ignore_eos", "priority",
     }
 )  # fmt: skip
 LOGPROBS_INCLUDE = "message.output_text.logprobs"

@@ -437,6 +437,7 @@ PROBES = {
             RESPONSES, response(tools=[RESPONSE_TOOL], parallel_tool_calls="yes")
         ),
         "previous_response_id": previous_response_id,
+        "priority": counted_by_priority(RESPONSES, response),
         "repetition_penalty": differs(
             RESPONSES,
             response(ignore_eos=True, max_output_tokens=32),
@@ -583,4 +584,4 @@ def test_compatibility_only_fields_change_nothing(server):
     base = accepted(server, "/v1/chat/completions", chat())
     assert accepted(server, "/v1/chat/completions", chat(model="x", user="u1")) == base
     base = accepted(server, RESPONSES, response())
-    assert accepted(server, RESPONSES, response(model="x", user="u1")) == base
+    assert accepted(server, RESPONSES, response(model="x", user="u1", prompt_cache_key="k")) == base
