@@ -365,7 +365,8 @@ def _comparison_rounds(args, prompts: list[str], config: ServedConfig, report: R
 
 
 def _ratio(a: float, b: float) -> float:
-    return round(a / b, 3) if b else 0.0
+    """a / b to 4 significant digits (a tiny model's served / core can be 0.0068)."""
+    return float(f"{a / b:.4g}") if b else 0.0
 
 
 def _medians(rounds: list[dict], keys: tuple[str, ...]) -> dict:
