@@ -11,16 +11,21 @@ keyword argument (transformers forwards it to the attention function untouched).
 indices are built lazily on the first layer that needs them and shared by all the others, so
 the per-layer cost has no Python loop over sequences.
 
-Two backends:
-- CPU (and CUDA without flash-attn): torch SDPA over gathered blocks, in at most two calls
-  per layer: one for the single-token queries (decodes), one for the multi-token chunks
+Three backends; this module only picks one per call (`_pick_kernel`):
+- CPU, and the reference for the others: torch SDPA over gathered blocks, in at most two
+  calls per layer: one for the single-token queries (decodes), one for the multi-token chunks
   padded to the longest chunk.
+- CUDA with `triton`: triton_attention.py's kernel, one launch per layer for decodes and
+  chunks alike, reading the pool in place through the block tables.
 - CUDA with the `flash_attn` package: `flash_attn_varlen_func` over the unpadded batch.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +109,15 @@ class FlashIndices:
 
 
 @dataclass(eq=False)
+class BlockTableIndices:
+    """The Triton kernel's view of the step: int32 tensors on the device."""
+
+    query_starts: torch.Tensor  # [B + 1]: sequence i's tokens are [starts[i], starts[i + 1])
+    seq_lens: torch.Tensor  # [B]: tokens in the cache after this step
+    block_tables: torch.Tensor  # [B, max_blocks], padded with block 0 (never read)
+
+
+@dataclass(eq=False)
 class BatchMetadata:
     """The step's batch layout, built once by the runner and shared by all layers.
 
@@ -118,9 +132,11 @@ class BatchMetadata:
     context_lens: list[int]  # per sequence: tokens in the cache after this step
     block_tables: list[list[int]]  # per sequence: its blocks, covering context_lens
     device: torch.device
-    use_flash: bool = False  # CUDA + flash_attn: take the varlen kernel path
+    use_flash: bool = False  # CUDA + flash_attn: the varlen kernel may be used
+    use_triton: bool = False  # CUDA + triton: the paged Triton kernel may be used
     _groups: list[AttentionGroup] | None = None
     _flash: FlashIndices | None = None
+    _block_table: BlockTableIndices | None = None
 
     @classmethod
     def build(
@@ -148,6 +164,7 @@ class BatchMetadata:
             block_tables=block_tables,
             device=device,
             use_flash=_flash_available(device),
+            use_triton=_triton_available(device),
         )
 
     @property
@@ -164,6 +181,11 @@ class BatchMetadata:
         if self._flash is None:
             self._flash = _build_flash_indices(self)
         return self._flash
+
+    def block_table_indices(self) -> BlockTableIndices:
+        if self._block_table is None:
+            self._block_table = _build_block_table_indices(self)
+        return self._block_table
 
     def _build_groups(self) -> list[AttentionGroup]:
         num_decodes = 0
@@ -252,6 +274,20 @@ def _build_flash_indices(meta: BatchMetadata) -> FlashIndices:
     )
 
 
+def _build_block_table_indices(meta: BatchMetadata) -> BlockTableIndices:
+    num_seqs = len(meta.query_lens)
+    tables = _pad_tables(meta.block_tables).to(torch.int32)
+    starts = F.pad(torch.cumsum(torch.tensor(meta.query_lens, dtype=torch.int32), 0), (1, 0))
+    lens = torch.tensor(meta.context_lens, dtype=torch.int32)
+    # one host-to-device copy for the three
+    packed = torch.cat([starts, lens, tables.flatten()]).to(meta.device, non_blocking=True)
+    return BlockTableIndices(
+        query_starts=packed[: num_seqs + 1],
+        seq_lens=packed[num_seqs + 1 : 2 * num_seqs + 1],
+        block_tables=packed[2 * num_seqs + 1 :].view(num_seqs, -1),
+    )
+
+
 # the registered function ---------------------------------------------------------
 
 
@@ -281,9 +317,31 @@ def paged_attention_forward(
     cache = meta.pool.write(module.layer_idx, key, value, meta.slot_mapping)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if meta.use_flash and _flash_supports(query, cache):
-        return _flash_attention(query, cache, meta, scaling, sliding_window, softcap), None
-    return _sdpa_attention(query, cache, meta, scaling, sliding_window, softcap), None
+    attend = _pick_kernel(meta, query, cache)
+    return attend(query, cache, meta, scaling, sliding_window, softcap), None
+
+
+def _pick_kernel(
+    meta: BatchMetadata, query: torch.Tensor, cache: LayerCache
+) -> Callable[..., torch.Tensor]:
+    """The first kernel, in this order, that the device has and that takes this layer:
+
+    1. flash-attn when the pool's blocks are a multiple of 256 tokens: it then reads the pool
+       in place too, and it is the more tuned kernel;
+    2. Triton, which reads the pool in place at any block size (flash-attn would gather the
+       step's K/V into a copy first: ~3x the KV traffic, which bounds decode);
+    3. flash-attn over the gathered K/V (no triton, or shapes the Triton kernel refuses);
+    4. SDPA over gathered blocks: the CPU path, and CUDA's last resort.
+    """
+    flash = meta.use_flash and _flash_supports(query, cache)
+    if flash and meta.pool.block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0:
+        return _flash_attention
+    triton_kernels = meta.use_triton and _triton_module()
+    if triton_kernels and triton_kernels.supports(_tokens_first(query), cache.keys, cache.values):
+        return _triton_attention
+    if flash:
+        return _flash_attention
+    return _sdpa_attention
 
 
 # CPU path: SDPA over gathered blocks ---------------------------------------------
@@ -372,6 +430,51 @@ def _attend(
     scores = torch.tanh(scores / softcap) * softcap + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
     return torch.matmul(probs, values)
+
+
+# CUDA path: Triton over the pool in place ------------------------------------------
+
+
+@functools.cache
+def _triton_module() -> ModuleType | None:
+    """triton_attention.py, imported on first use: CPU processes never import triton."""
+    try:
+        from . import triton_attention
+    except ImportError:  # pragma: no cover - depends on the install
+        return None
+    return triton_attention
+
+
+def _triton_available(device: torch.device) -> bool:
+    return device.type == "cuda" and _triton_module() is not None
+
+
+def _tokens_first(query: torch.Tensor) -> torch.Tensor:
+    """`[1, H, T, D]` -> `[T, H, D]`, a view: the kernel takes strides."""
+    return query[0].transpose(0, 1)
+
+
+def _triton_attention(
+    query: torch.Tensor,
+    cache: LayerCache,
+    meta: BatchMetadata,
+    scaling: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    idx = meta.block_table_indices()
+    out = _triton_module().paged_attention(
+        _tokens_first(query),
+        cache.keys,
+        cache.values,
+        idx.query_starts,
+        idx.seq_lens,
+        idx.block_tables,
+        scale=scaling,
+        window=window,
+        softcap=softcap,
+    )
+    return out.unsqueeze(0)  # [1, T, H, Dv]
 
 
 # CUDA path: flash-attn varlen ------------------------------------------------------
