@@ -199,6 +199,8 @@ def _paged_attention_kernel(
     rows = tl.arange(0, BLOCK_M)
     query_index = local_block * BLOCK_Q + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
+    # (when GROUP isn't a power of 2, the rows past BLOCK_Q * GROUP would redo the next
+    # block's first query: left out)
     row_is_real = (rows < BLOCK_Q * GROUP) & (query_index < query_len)
     query_pos = first_query_pos + query_index  # causal, aligned bottom-right
 
