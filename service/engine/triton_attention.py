@@ -145,7 +145,9 @@ def _tanh(x):
     return tl.where(x < 0, -t, t)
 
 
-@triton.jit
+# The per-step integers stay runtime values: specializing them (triton treats ints equal to 1 or
+# divisible by 16 as constants by default) would compile new variants as batches change shape.
+@triton.jit(do_not_specialize=["num_seqs", "block_tables_stride"])
 def _paged_attention_kernel(
     out_ptr,
     query_ptr,

@@ -354,8 +354,12 @@ def test_engine_on_the_triton_kernel_matches_generate(model_name, request, monke
         calls.append(1)
         return kernel(*args)
 
+    def sdpa(*args):
+        raise AssertionError("a layer took the SDPA path")
+
     monkeypatch.setattr(attention, "_triton_available", lambda device: True)
     monkeypatch.setattr(attention, "_triton_attention", counted)
+    monkeypatch.setattr(attention, "_sdpa_attention", sdpa)
     core = make_core(model, prefill_tokens=48)
     g = torch.Generator().manual_seed(12)
     seqs = [
