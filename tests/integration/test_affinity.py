@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import math
+import os
 import random
 
 import openai
 import pytest
 from replica_processes import Proxy, Replica, free_port
+from textgen.service.proxy import MAX_WORKERS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 CHATS, TURNS = 8, 5
 HASH_BALANCE_FACTOR = 1.25  # envoy/affinity.py's 125 %
+ENVOY_WORKERS = min(MAX_WORKERS, os.cpu_count() or 1)  # the proxy's (service/proxy.py)
 REPLICA_FLAGS = ("--max-batch-total-tokens", "16384", "--torch-threads", "1")
 WORDS = [
     "river", "stone", "lantern", "harbor", "meadow", "copper", "violet", "thunder",
@@ -99,7 +102,9 @@ def test_two_replicas_keep_the_prefix_cache_hits_of_one(replicas, with_key):
 
 
 def test_one_hot_key_stays_within_the_bounded_load(replicas):
-    """Every request with the same key: no replica takes more than 1.25x the mean."""
+    """Every request with the same key, all in flight together: no replica takes more
+    than 1.25x the mean. Envoy's two worker threads each pick from the same load counts,
+    so two requests arriving at once may both take the last free place: one over."""
     _, _, pair, two = replicas
     client = openai.OpenAI(
         base_url=f"http://127.0.0.1:{two.http_port}/v1", api_key="-", timeout=300, max_retries=0
@@ -111,7 +116,7 @@ def test_one_hot_key_stays_within_the_bounded_load(replicas):
         out = client.chat.completions.create(
             model="tgi",
             messages=[{"role": "user", "content": f"Count to fifty, {i}."}],
-            max_tokens=48,
+            max_tokens=96,  # long enough that all eight are in flight together
             temperature=0,
             extra_body={"prompt_cache_key": "everyone", "ignore_eos": True},
         )
@@ -121,5 +126,6 @@ def test_one_hot_key_stays_within_the_bounded_load(replicas):
         assert list(pool.map(ask, range(requests))) == ["length"] * requests
     served = [r.counter("tgi_request_count") - b for r, b in zip(pair, before)]
     assert sum(served) == requests, served
-    assert max(served) <= math.ceil(HASH_BALANCE_FACTOR * requests / len(pair)), served
+    bound = math.ceil(HASH_BALANCE_FACTOR * requests / len(pair)) + ENVOY_WORKERS - 1
+    assert max(served) <= bound, served
     assert min(served) >= 1, f"the hot key never overflowed: {served}"
