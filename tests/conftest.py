@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import os
 
-# Triton kernels run on CPU tensors in Triton's interpreter (tests/engine/test_triton_attention.py).
-# It must be chosen before triton is first imported, and torch._dynamo imports it as soon as
-# transformers loads, so here, first: triton's own library is @triton.jit'd at import time.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Without a GPU, Triton kernels run on CPU tensors in Triton's interpreter
+# (tests/engine/test_triton_attention.py). It must be chosen before triton is first
+# imported, and torch._dynamo imports it as soon as transformers loads, so here, first:
+# triton's own library is @triton.jit'd at import time. On a GPU machine (the device
+# check) the kernels compile for the GPU.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import asyncio
 import sys
