@@ -14,7 +14,8 @@ the per-layer cost has no Python loop over sequences.
 Three backends; this module only picks one per call (`_pick_kernel`):
 - CPU, and the reference for the others: torch SDPA over gathered blocks, in at most two
   calls per layer: one for the single-token queries (decodes), one for the multi-token chunks
-  padded to the longest chunk.
+  padded to the longest chunk. With `batch_invariant` the keys are cut into fixed chunks and
+  each row's result no longer depends on the rest of the batch (invariant_attention.py).
 - CUDA with `triton`: triton_attention.py's kernel, one launch per layer for decodes and
   chunks alike, reading the pool in place through the block tables.
 - CUDA with the `flash_attn` package: `flash_attn_varlen_func` over the unpadded batch.
@@ -30,6 +31,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from . import invariant_attention
+from .invariant_attention import ChunkedMask
 from .kv_pool import KVCachePool, LayerCache
 
 try:  # optional CUDA kernel; absent on CPU machines
@@ -65,7 +68,11 @@ class AttentionGroup:
     is_real_query: torch.Tensor  # [b, q] bool: False on padding rows
     query_index: torch.Tensor | None  # [b * q] long: group token of each padded row (None: q == 1)
     output_index: torch.Tensor | None  # [Tg] long: padded row of each real token (None: q == 1)
+    # batch-invariant attention: keys per chunk (max_blocks * block_size is a multiple);
+    # None: the reference path, one SDPA call over all of them
+    chunk_tokens: int | None = None
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # (window, G, dtype)
+    _chunked_masks: dict[tuple, ChunkedMask] = field(default_factory=dict)
 
     def mask(self, window: int | None, num_groups: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask `[b, 1, rows, nb * block_size]` (0 = attend, -inf = not) for a
@@ -80,6 +87,21 @@ class AttentionGroup:
             mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
             mask.masked_fill_(~allowed, float("-inf"))
             self._masks[key] = mask
+        return mask
+
+    def chunked_mask(self, window: int | None, num_groups: int, dtype: torch.dtype) -> ChunkedMask:
+        """The mask of the batch-invariant path: `mask()`'s rows padded to whole blocks of
+        rows, cut into key chunks. Built once per step and key."""
+        key = (window, num_groups, dtype)
+        mask = self._chunked_masks.get(key)
+        if mask is None:
+            allowed = self._allowed(window, num_groups)
+            num_rows = allowed.shape[2]
+            if num_rows > 1:  # padding rows see every key, like the padding rows of chunks
+                extra = invariant_attention.padded_rows(num_rows) - num_rows
+                allowed = F.pad(allowed, (0, 0, 0, extra), value=True)
+            mask = ChunkedMask.build(allowed, self.chunk_tokens, dtype)
+            self._chunked_masks[key] = mask
         return mask
 
     def _allowed(self, window: int | None, num_groups: int) -> torch.Tensor:
@@ -134,6 +156,7 @@ class BatchMetadata:
     device: torch.device
     use_flash: bool = False  # CUDA + flash_attn: the varlen kernel may be used
     use_triton: bool = False  # CUDA + triton: the paged Triton kernel may be used
+    batch_invariant: bool = False  # the SDPA path's keys in fixed chunks (invariant_attention)
     _groups: list[AttentionGroup] | None = None
     _flash: FlashIndices | None = None
     _block_table: BlockTableIndices | None = None
@@ -146,6 +169,7 @@ class BatchMetadata:
         context_lens: list[int],
         block_tables: list[list[int]],
         device: torch.device,
+        batch_invariant: bool = False,
     ) -> BatchMetadata:
         bs = pool.block_size
         num_tokens = sum(query_lens)
@@ -165,6 +189,7 @@ class BatchMetadata:
             device=device,
             use_flash=_flash_available(device),
             use_triton=_triton_available(device),
+            batch_invariant=batch_invariant,
         )
 
     @property
@@ -203,15 +228,17 @@ class BatchMetadata:
                 token_start,
                 self.pool.block_size,
                 self.device,
+                self.batch_invariant,
             )
             groups.append(group)
             token_start = group.token_end
         return groups
 
 
-def _pad_tables(block_tables: list[list[int]]) -> torch.Tensor:
-    """`[B, max_blocks]` long, padded with block 0 (never read unmasked)."""
-    width = max(len(t) for t in block_tables)
+def _pad_tables(block_tables: list[list[int]], multiple: int = 1) -> torch.Tensor:
+    """`[B, max_blocks]` long, padded with block 0 (never read unmasked) to a multiple of
+    `multiple` blocks."""
+    width = -(-max(len(t) for t in block_tables) // multiple) * multiple
     return torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
 
 
@@ -222,9 +249,11 @@ def _build_group(
     token_start: int,
     block_size: int,
     device: torch.device,
+    batch_invariant: bool = False,
 ) -> AttentionGroup:
     num_seqs, max_q = len(query_lens), max(query_lens)
-    tables = _pad_tables(block_tables)
+    chunk_tokens = invariant_attention.chunk_tokens_for(block_size) if batch_invariant else None
+    tables = _pad_tables(block_tables, (chunk_tokens or block_size) // block_size)
     q_lens = torch.tensor(query_lens)
     row = torch.arange(max_q)
     first_pos = torch.tensor(context_lens) - q_lens
@@ -247,6 +276,7 @@ def _build_group(
         is_real_query=is_real.to(device),
         query_index=query_index,
         output_index=output_index,
+        chunk_tokens=chunk_tokens,
     )
 
 
@@ -378,8 +408,8 @@ def _attend_decodes(
     # GQA fold (engine-facts): the G query heads sharing a KV head become G query rows,
     # [b, KVH, G, D]; several times faster on CPU than SDPA's enable_gqa.
     rows = query.transpose(0, 1).reshape(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    keys, values = _gather(cache.keys, group), _gather(cache.values, group)
-    out = _attend(rows, keys, values, group.mask(window, 1, query.dtype), scaling, softcap)
+    # the mask has one row per sequence: it broadcasts over the G rows
+    out = _attend_rows(rows, cache, group, 1, scaling, window, softcap)
     return out.reshape(b, num_heads, out.shape[-1])
 
 
@@ -400,19 +430,38 @@ def _attend_chunks(
     # GQA fold: [KVH, G, b, q, D] -> [b, KVH, G * q, D]
     rows = rows.view(num_kv_heads, num_groups, b, q, head_dim).permute(2, 0, 1, 3, 4)
     rows = rows.reshape(b, num_kv_heads, num_groups * q, head_dim)
-    keys, values = _gather(cache.keys, group), _gather(cache.values, group)
-    mask = group.mask(window, num_groups, query.dtype)
-    out = _attend(rows, keys, values, mask, scaling, softcap)  # [b, KVH, G * q, Dv]
+    out = _attend_rows(rows, cache, group, num_groups, scaling, window, softcap)
     v_dim = out.shape[-1]
     out = out.view(b, num_kv_heads, num_groups, q, v_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(b * q, num_heads, v_dim).index_select(0, group.output_index)
 
 
+def _attend_rows(
+    rows: torch.Tensor,
+    cache: LayerCache,
+    group: AttentionGroup,
+    mask_groups: int,
+    scaling: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Query rows `[b, KVH, R, D]` over each sequence's cached K/V -> `[b, KVH, R, Dv]`;
+    `mask_groups`: the query heads per mask row (1: one mask row for all R rows)."""
+    keys, values = _gather(cache.keys, group), _gather(cache.values, group)
+    if group.chunk_tokens is None:
+        mask = group.mask(window, mask_groups, rows.dtype)
+        return _attend(rows, keys, values, mask, scaling, softcap)
+    mask = group.chunked_mask(window, mask_groups, rows.dtype)
+    return invariant_attention.attend(rows, keys, values, mask, scaling, softcap)
+
+
 def _gather(pool: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-    """The group's cached states `[b, KVH, nb * block_size, D]`, key j at position j."""
+    """The group's cached states `[b, KVH, nb * block_size, D]`, key j at position j; on
+    the batch-invariant path cut into chunks, `[b * nc, KVH, chunk_tokens, D]`."""
     num_heads, head_dim = pool.shape[2], pool.shape[3]
     blocks = pool.index_select(0, group.block_index)  # [b * nb, bs, KVH, D]
-    return blocks.view(group.num_seqs, -1, num_heads, head_dim).transpose(1, 2)
+    num_rows = group.num_seqs if group.chunk_tokens is None else -1
+    return blocks.view(num_rows, group.chunk_tokens or -1, num_heads, head_dim).transpose(1, 2)
 
 
 def _attend(

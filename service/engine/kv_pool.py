@@ -32,10 +32,17 @@ class KVCachePool:
     since one NaN there would poison the softmax through `0 * NaN`.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, scratch_blocks: int = 0) -> None:
+        """`num_blocks` for the block manager to hand out, then `scratch_blocks` more, from
+        block `num_blocks` on, that only padding rows write to and read."""
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.scratch_blocks = scratch_blocks
         self._layers: dict[int, LayerCache] = {}  # by the attention module's layer_idx
+
+    @property
+    def scratch_block(self) -> int | None:
+        return self.num_blocks if self.scratch_blocks else None
 
     def layer(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> LayerCache:
         """The layer's pools; key/value `[1, KVH, T, D]` give their shapes on first use."""
@@ -58,7 +65,7 @@ class KVCachePool:
     def _allocate(self, states: torch.Tensor) -> torch.Tensor:
         _, num_heads, _, head_dim = states.shape
         return torch.zeros(
-            self.num_blocks,
+            self.num_blocks + self.scratch_blocks,
             self.block_size,
             num_heads,
             head_dim,

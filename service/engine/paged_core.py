@@ -36,6 +36,7 @@ class PagedCore:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         grammars: GrammarMasks | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         """
         Args:
@@ -46,6 +47,8 @@ class PagedCore:
             max_batch_size: sequences running at once.
             block_size: tokens per KV block.
             grammars: token masks for requests with a grammar; None: such requests are refused.
+            batch_invariant: a request's tokens the same whatever runs beside it, for greedy
+                and seeded requests (runner.py, invariant_attention.py); CPU only.
         """
         if max_batch_total_tokens <= 0:
             raise ValueError(
@@ -58,7 +61,9 @@ class PagedCore:
             max_batch_prefill_tokens=max_batch_prefill_tokens,
             max_batch_size=max_batch_size,
         )
-        self.runner = ModelRunner(model, KVCachePool(num_blocks, block_size))
+        # batch-invariant steps pad their batch with tokens that write to a scratch block
+        pool = KVCachePool(num_blocks, block_size, scratch_blocks=int(batch_invariant))
+        self.runner = ModelRunner(model, pool, batch_invariant=batch_invariant)
         self.sampler = Sampler()
         self.grammars = grammars
         self._steps = 0

@@ -4,6 +4,14 @@ flattened ragged batch and hands back the logits the step needs.
 The model's own code runs unchanged; only its attention is swapped for our paged function
 (attention.py) through `AttentionInterface`. The runner never touches queues; the scheduler
 never touches tensors.
+
+Batch-invariant mode (`batch_invariant`): besides the attention's fixed key chunks, every
+matmul sees a row count that is a multiple of ROW_MULTIPLE. Padding tokens (token 0 at
+position 0 of the pool's scratch block, one 1-token query each, laid out with the decodes)
+round the flattened batch up, and the logits rows to keep are rounded up with repeats.
+NOTE measured on this CPU (torch 2.13): float32 `F.linear` computes the last M % 4 rows of
+a product of M < 12 rows otherwise than a longer product; bfloat16 computes a lone row
+(M = 1) otherwise for input widths of 1152 and more (the MLP's down projection).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import torch
 from transformers import AttentionInterface
 
 from .attention import ATTENTION_NAME, METADATA_KWARG, BatchMetadata, paged_attention_forward
+from .invariant_attention import ROW_MULTIPLE
 from .kv_pool import KVCachePool
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
@@ -44,13 +53,22 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: KVCachePool) -> None:
+    def __init__(
+        self, model: torch.nn.Module, pool: KVCachePool, *, batch_invariant: bool = False
+    ) -> None:
+        """batch_invariant: each sequence's logits bit for bit the same whatever else the
+        step computes (CPU only; needs a pool with a scratch block for padding tokens)."""
         check_model_supported(model)
         AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
         model.set_attn_implementation(ATTENTION_NAME)
         self.model = model.eval()
         self.pool = pool
         self.device = next(model.parameters()).device
+        if batch_invariant and self.device.type != "cpu":
+            raise ValueError(f"batch-invariant execution is CPU-only, not {self.device.type}")
+        if batch_invariant and pool.scratch_block is None:
+            raise ValueError("batch-invariant execution needs a KV pool with a scratch block")
+        self.batch_invariant = batch_invariant
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -63,13 +81,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
-        layout = _lay_out(batch)
+        if self.batch_invariant:
+            layout = _lay_out(batch, ROW_MULTIPLE, self.pool.scratch_block)
+        else:
+            layout = _lay_out(batch)
         meta = BatchMetadata.build(
             self.pool,
-            [n for _, n in layout.entries],
-            [s.num_computed_tokens + n for s, n in layout.entries],
-            [s.block_table for s, _ in layout.entries],
+            layout.query_lens,
+            layout.context_lens,
+            layout.block_tables,
             self.device,
+            batch_invariant=self.batch_invariant,
         )
         logits = self._forward(
             self._tensor([layout.token_ids]),
@@ -107,34 +129,66 @@ class ModelRunner:
 class _Layout:
     """Where each sequence's tokens sit in the flattened batch (host-side lists)."""
 
-    entries: list[tuple[Sequence, int]]  # (seq, new tokens), in batch order
     token_ids: list[int] = field(default_factory=list)  # [T]
     positions: list[int] = field(default_factory=list)  # [T]
+    # per entry (a sequence or a padding token), in batch order: the attention's metadata
+    query_lens: list[int] = field(default_factory=list)  # tokens computed this step
+    context_lens: list[int] = field(default_factory=list)  # tokens cached after the step
+    block_tables: list[list[int]] = field(default_factory=list)
     keep: list[int] = field(default_factory=list)  # batch positions whose logits we project
     sample_seqs: list[Sequence] = field(default_factory=list)  # reached their last token
     sample_rows: list[int] = field(default_factory=list)  # row in `keep` of each of those
     # (seq, first row in `keep`, first position, chunk length) for prompt logprobs
     prompt_spans: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
 
-
-def _lay_out(batch: SchedulerOutput) -> _Layout:
-    # Single-token queries first: they form the cheap decode group of the attention.
-    decodes = [e for e in batch.scheduled if e[1] == 1]
-    layout = _Layout(entries=decodes + [e for e in batch.scheduled if e[1] > 1])
-    for seq, num_new in layout.entries:
+    def add(self, seq: Sequence, num_new: int) -> None:
         start = seq.num_computed_tokens
-        offset = len(layout.token_ids)
+        offset = len(self.token_ids)
         reaches_end = start + num_new == seq.num_tokens
-        layout.token_ids.extend(seq.token_ids[start : start + num_new])
-        layout.positions.extend(range(start, start + num_new))
+        self.token_ids.extend(seq.token_ids[start : start + num_new])
+        self.positions.extend(range(start, start + num_new))
+        self.query_lens.append(num_new)
+        self.context_lens.append(start + num_new)
+        self.block_tables.append(seq.block_table)
         if _wants_prompt_logprobs(seq):
-            layout.prompt_spans.append((seq, len(layout.keep), start, num_new))
-            layout.keep.extend(range(offset, offset + num_new))
+            self.prompt_spans.append((seq, len(self.keep), start, num_new))
+            self.keep.extend(range(offset, offset + num_new))
         elif reaches_end:
-            layout.keep.append(offset + num_new - 1)
+            self.keep.append(offset + num_new - 1)
         if reaches_end:
-            layout.sample_seqs.append(seq)
-            layout.sample_rows.append(len(layout.keep) - 1)
+            self.sample_seqs.append(seq)
+            self.sample_rows.append(len(self.keep) - 1)
+
+    def add_padding(self, count: int, scratch_block: int) -> None:
+        """`count` 1-token queries at position 0 of the scratch block; nothing reads their
+        logits. They all write the same slot, the same K/V (token 0 at position 0)."""
+        for _ in range(count):
+            self.token_ids.append(0)
+            self.positions.append(0)
+            self.query_lens.append(1)
+            self.context_lens.append(1)
+            self.block_tables.append([scratch_block])
+
+
+def _lay_out(
+    batch: SchedulerOutput, row_multiple: int = 1, scratch_block: int | None = None
+) -> _Layout:
+    """The flattened batch; with row_multiple > 1, padded to a multiple of that many tokens
+    and logits rows (padding tokens go to `scratch_block`)."""
+    # Single-token queries first: they form the cheap decode group of the attention (and
+    # the padding tokens join it).
+    decodes = [e for e in batch.scheduled if e[1] == 1]
+    chunks = [e for e in batch.scheduled if e[1] > 1]
+    layout = _Layout()
+    for seq, num_new in decodes:
+        layout.add(seq, num_new)
+    if row_multiple > 1:
+        num_tokens = sum(n for _, n in batch.scheduled)
+        layout.add_padding(-num_tokens % row_multiple, scratch_block)
+    for seq, num_new in chunks:
+        layout.add(seq, num_new)
+    if row_multiple > 1 and layout.keep:  # repeats of the last row; the extra logits unread
+        layout.keep.extend(layout.keep[-1:] * (-len(layout.keep) % row_multiple))
     return layout
 
 

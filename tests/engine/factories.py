@@ -73,7 +73,13 @@ def run_to_completion(core, max_steps: int = 10_000) -> list:
 
 
 def make_core(
-    model, *, total_tokens=8192, prefill_tokens=512, batch_size=32, block_size=16
+    model,
+    *,
+    total_tokens=8192,
+    prefill_tokens=512,
+    batch_size=32,
+    block_size=16,
+    batch_invariant=False,
 ) -> PagedCore:
     return PagedCore(
         engine_copy(model),
@@ -81,6 +87,7 @@ def make_core(
         max_batch_prefill_tokens=prefill_tokens,
         max_batch_size=batch_size,
         block_size=block_size,
+        batch_invariant=batch_invariant,
     )
 
 

@@ -1,0 +1,212 @@
+"""Batch-invariant mode (PagedCore(batch_invariant=True)): a sequence's logits are bit for bit
+the same whatever else the step computes: other sequences, padding, where its prompt was cut
+into prefill chunks, a prefix taken from the cache, a preemption and recompute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from textgen.service.engine import invariant_attention
+from textgen.service.engine.invariant_attention import ChunkedMask, _tree_sum
+from textgen.service.engine.runner import _lay_out
+from textgen.service.engine.sampler import Sampler
+from textgen.service.engine.types import SamplingParams
+
+from .factories import (
+    VOCAB_SIZE,
+    assert_idle,
+    assert_matches_generate,
+    make_core,
+    make_seq,
+    random_prompt,
+    run_to_completion,
+)
+
+MODELS = ["tiny_llama", "tiny_mistral_sliding", "tiny_gemma2"]  # GQA; sliding window; softcap
+# 1 token, a block + 1, one key chunk (128) and more, a shared 100-token prefix
+PROMPT_LENGTHS = [1, 17, 40, 129, 200, 300, 7, 90, 2, 64]
+
+
+def _requests(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [random_prompt(n, VOCAB_SIZE, g) for n in PROMPT_LENGTHS]
+    prefix = random_prompt(100, VOCAB_SIZE, g)
+    prompts += [prefix + random_prompt(n, VOCAB_SIZE, g) for n in (5, 30)]
+    return [
+        make_seq(p, request_id=f"r{i}", max_new_tokens=6 + i % 5) for i, p in enumerate(prompts)
+    ]
+
+
+def _record_logits(core) -> dict[str, list[torch.Tensor]]:
+    """The logits row each sequence is sampled from, step by step."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    sample = core.sampler.sample
+
+    def recording(logits, seqs):
+        for row, seq in enumerate(seqs):
+            seen.setdefault(seq.request_id, []).append(logits[row].clone())
+        return sample(logits, seqs)
+
+    core.sampler.sample = recording
+    return seen
+
+
+def _alone(model, seed: int) -> dict[str, list[torch.Tensor]]:
+    """Each request alone, one after the other on one core: the later ones with a shared
+    prefix start from the cache; prompts are cut into chunks of 64."""
+    core = make_core(model, prefill_tokens=64, batch_invariant=True)
+    logits = _record_logits(core)
+    for seq in _requests(seed):
+        core.add(seq)
+        run_to_completion(core)
+    return logits
+
+
+def _assert_same_logits(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    differing = [
+        rid
+        for rid in expected
+        if len(got[rid]) != len(expected[rid])
+        or not all(torch.equal(a, b) for a, b in zip(got[rid], expected[rid]))
+    ]
+    assert not differing, f"logits differ for {differing}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("model_name", MODELS)
+def test_logits_alone_equal_logits_in_a_busy_batch(model_name, dtype, request):
+    model = request.getfixturevalue(model_name).to(dtype)
+    try:
+        # half arrive first, the rest while they decode; chunks of 50 cut prompts elsewhere
+        core = make_core(model, prefill_tokens=50, batch_invariant=True)
+        logits = _record_logits(core)
+        seqs = _requests(seed=1)
+        for seq in seqs[: len(seqs) // 2]:
+            core.add(seq)
+        for _ in range(3):
+            core.step()
+        for seq in seqs[len(seqs) // 2 :]:
+            core.add(seq)
+        run_to_completion(core)
+        assert_idle(core)
+        _assert_same_logits(logits, _alone(model, seed=1))
+    finally:
+        model.float()  # the fixture is shared
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_preempted_sequences_keep_their_logits(tiny_llama, dtype):
+    model = tiny_llama.to(dtype)
+    try:
+        # 12 blocks of 8 tokens: each request fits alone, eight together do not
+        core = make_core(
+            model, total_tokens=96, prefill_tokens=64, block_size=8, batch_invariant=True
+        )
+        logits = _record_logits(core)
+        g = torch.Generator().manual_seed(2)
+        prompts = [random_prompt(10 + 3 * i, VOCAB_SIZE, g) for i in range(8)]
+        seqs = [
+            make_seq(p, request_id=f"p{i}", max_new_tokens=20 + i) for i, p in enumerate(prompts)
+        ]
+        for seq in seqs:
+            core.add(seq)
+        run_to_completion(core)
+        assert any(seq.num_preemptions for seq in seqs)
+
+        alone = make_core(model, prefill_tokens=64, block_size=8, batch_invariant=True)
+        expected = _record_logits(alone)
+        for i, prompt in enumerate(prompts):
+            alone.add(make_seq(prompt, request_id=f"p{i}", max_new_tokens=20 + i))
+            run_to_completion(alone)
+        _assert_same_logits(logits, expected)
+    finally:
+        model.float()
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_greedy_output_still_equals_generate(model_name, request):
+    model = request.getfixturevalue(model_name)
+    core = make_core(model, prefill_tokens=40, batch_invariant=True)
+    seqs = _requests(seed=3)
+    for seq in seqs:
+        core.add(seq)
+    run_to_completion(core)
+    assert_matches_generate(model, seqs)
+
+
+def test_padding_rounds_the_batch_and_never_reaches_the_sampler(tiny_llama):
+    core = make_core(tiny_llama, prefill_tokens=50, batch_invariant=True)
+    seqs = _requests(seed=4)[:5]
+    for seq in seqs:
+        core.add(seq)
+    batch = core.scheduler.schedule()
+    scratch = core.runner.pool.scratch_block
+    layout = _lay_out(batch, invariant_attention.ROW_MULTIPLE, scratch)
+    num_real = sum(n for _, n in batch.scheduled)
+    assert len(layout.token_ids) % 4 == 0 and len(layout.keep) % 4 == 0
+    num_padding = len(layout.token_ids) - num_real
+    assert num_padding == -num_real % 4
+    assert layout.block_tables.count([scratch]) == num_padding
+    assert scratch == core.block_manager.num_blocks  # a block the manager never hands out
+    assert layout.sample_seqs == [s for s, n in batch.scheduled if s.num_tokens == n]
+
+
+def test_tree_sum_is_unchanged_by_trailing_zeros():
+    g = torch.Generator().manual_seed(5)
+    for n in (1, 2, 3, 5, 8, 13):
+        x = torch.randn(3, n, 7, generator=g) * 1e3
+        for extra in (1, 2, 3, 11):
+            padded = torch.cat([x, torch.zeros(3, extra, 7)], dim=1)
+            assert torch.equal(_tree_sum(padded), _tree_sum(x)), (n, extra)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_query_row_is_the_same_in_any_call(dtype):
+    """The kernel-level property the engine relies on: a row against 50 keys, in a 1-row
+    call over 2 key chunks vs as row 5 of 9 in a call of 3 sequences of 3 chunks."""
+    g = torch.Generator().manual_seed(6)
+    kvh, dim, chunk = 2, 16, 32
+    q = torch.randn(kvh, dim, generator=g).to(dtype)
+    k = torch.randn(kvh, 2 * chunk, dim, generator=g).to(dtype)  # positions 0..2C-1
+    v = torch.randn(kvh, 2 * chunk, dim, generator=g).to(dtype)
+
+    def attend_row(num_seqs, num_rows, num_chunks, row):
+        query = torch.randn(num_seqs, kvh, num_rows, dim, generator=g).to(dtype)
+        keys = torch.randn(num_seqs * num_chunks, kvh, chunk, dim, generator=g).to(dtype)
+        values = torch.randn(keys.shape, generator=g).to(dtype)
+        query[0, :, row] = q
+        keys[:2] = k.view(kvh, 2, chunk, dim).transpose(0, 1)  # chunk j of sequence 0
+        values[:2] = v.view(kvh, 2, chunk, dim).transpose(0, 1)
+        allowed = torch.ones(num_seqs, 1, num_rows, num_chunks * chunk, dtype=torch.bool)
+        allowed[0, 0, row, 50:] = False  # the row sees keys 0..49
+        rows = invariant_attention.padded_rows(num_rows)
+        allowed = torch.nn.functional.pad(allowed, (0, 0, 0, rows - num_rows), value=True)
+        mask = ChunkedMask.build(allowed, chunk, dtype)
+        return invariant_attention.attend(query, keys, values, mask, 0.25, None)[0, :, row]
+
+    assert torch.equal(attend_row(1, 1, 2, 0), attend_row(3, 9, 3, 5))
+
+
+def test_sampler_rows_are_the_same_alone_and_in_a_batch():
+    """Greedy, seeded and truncated rows, penalties, top tokens: one row sampled alone or
+    among 16 others gives the same token and the same logprobs, bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    kinds = [
+        SamplingParams(top_n_tokens=3),
+        SamplingParams(do_sample=True, seed=1, temperature=0.9, top_p=0.9),
+        SamplingParams(do_sample=True, seed=2, temperature=0.9, top_k=40),
+        SamplingParams(do_sample=True, seed=3, temperature=0.7, typical_p=0.95),
+        SamplingParams(do_sample=True, seed=4, repetition_penalty=1.3, frequency_penalty=0.5),
+    ]
+    vocab = 4096
+    for kind in kinds:  # (the sampler scales its input in place: each call gets a copy)
+        row = (torch.randn(vocab, generator=g) * 4).to(torch.bfloat16).float()  # with ties
+        alone = Sampler().sample(row[None].clone(), [make_seq([1, 2, 3], sampling=kind)])
+        logits = (torch.randn(17, vocab, generator=g) * 4).to(torch.bfloat16).float()
+        logits[11] = row
+        seqs = [make_seq([1, 2, 3], sampling=kinds[i % len(kinds)]) for i in range(17)]
+        seqs[11] = make_seq([1, 2, 3], sampling=kind)
+        busy = Sampler().sample(logits, seqs)
+        assert (busy.token_ids[11], busy.logprobs[11]) == (alone.token_ids[0], alone.logprobs[0])
+        assert busy.top_tokens[11] == alone.top_tokens[0]
