@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from textgen.service.engine import invariant_attention
-from textgen.service.engine.invariant_attention import ChunkedMask, _tree_sum
+from textgen.service.engine.invariant_attention import ChunkedMask, _merge_chunks
 from textgen.service.engine.runner import _lay_out
 from textgen.service.engine.sampler import Sampler
 from textgen.service.engine.types import SamplingParams
@@ -152,13 +152,23 @@ def test_padding_rounds_the_batch_and_never_reaches_the_sampler(tiny_llama):
     assert layout.sample_seqs == [s for s, n in batch.scheduled if s.num_tokens == n]
 
 
-def test_tree_sum_is_unchanged_by_trailing_zeros():
+def test_chunks_a_row_cannot_see_leave_the_merge_unchanged():
+    """Merging 3 chunks, or the same 3 followed by up to 5 hidden ones (any finite values),
+    gives the same bits."""
     g = torch.Generator().manual_seed(5)
-    for n in (1, 2, 3, 5, 8, 13):
-        x = torch.randn(3, n, 7, generator=g) * 1e3
-        for extra in (1, 2, 3, 11):
-            padded = torch.cat([x, torch.zeros(3, extra, 7)], dim=1)
-            assert torch.equal(_tree_sum(padded), _tree_sum(x)), (n, extra)
+    out = torch.randn(3, 2, 4, 8, generator=g).to(torch.bfloat16)  # [nc, KVH, R, Dv]
+    lse = torch.randn(3, 2, 4, generator=g) * 5
+    visible = torch.ones(1, 3, 1, 4, dtype=torch.bool)
+    visible[0, 2, 0, :2] = False  # rows 0 and 1 don't see the last chunk
+    expected = _merge_chunks(out, lse, visible, 1, 3)
+    for extra in (1, 2, 5):
+        hidden_out = torch.randn(extra, 2, 4, 8, generator=g).to(torch.bfloat16)
+        hidden_lse = torch.randn(extra, 2, 4, generator=g)
+        padded_visible = torch.cat([visible, torch.zeros(1, extra, 1, 4, dtype=torch.bool)], 1)
+        got = _merge_chunks(
+            torch.cat([out, hidden_out]), torch.cat([lse, hidden_lse]), padded_visible, 1, 3 + extra
+        )
+        assert torch.equal(got, expected), extra
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
