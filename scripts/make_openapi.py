@@ -385,6 +385,11 @@ def tgi_schemas(tgi: dict) -> dict:
             "integer",
             "torch's intra-op threads on the engine's thread (--torch-threads).",
         ),
+        "deterministic": (
+            "boolean",
+            "Batch-invariant engine (--deterministic): a greedy or seeded request gives the "
+            "same tokens whatever other requests run beside it.",
+        ),
     }
     for name, (kind, description) in ours.items():
         info["properties"][name] = {"type": kind, "description": description}

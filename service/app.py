@@ -127,6 +127,7 @@ def build_core(
         max_batch_size=settings.max_batch_size,
         block_size=KV_BLOCK_SIZE,
         grammars=GrammarMasks(grammars.ll_tokenizer, grammars.vocab_size),
+        batch_invariant=settings.deterministic,
     )
 
 
@@ -187,6 +188,7 @@ def served_model(
         kv_cache_blocks=stats.kv_blocks_total,
         max_position_embeddings=loaded.max_position_embeddings,
         torch_threads=engine.torch_threads or 0,
+        deterministic=settings.deterministic,
     )
     if loaded.resolved.sha:
         info.model_sha = loaded.resolved.sha

@@ -4,7 +4,8 @@ N concurrent GenerateStream calls over gRPC; reports output tokens/s, time to fi
 token and inter-token latency percentiles, as a table and as JSON. In the same run,
 after the served load and on the same prompts, `--core` measures the engine core alone
 and `--baseline` plain transformers (bench_baselines.py), and the report gives the
-served figures as ratios of theirs.
+served figures as ratios of theirs. `--compare-serve-args` prices a server flag: a second
+server with it, loads alternating between the two.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Report:
     baseline: dict | None = None  # --baseline: plain transformers, and served / theirs
     core: dict | None = None  # --core: the engine core alone, and served / core
     constrained: dict | None = None  # --grammar: the same load with the grammar, and the ratio
+    compared: dict | None = None  # --compare-serve-args: the second server's load, and the ratio
 
 
 def load_prompts(path: str | None) -> list[str]:
@@ -259,6 +261,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--serve-args", default="", help="extra flags for --serve, e.g. '--dtype bfloat16'"
     )
     parser.add_argument(
+        "--compare-serve-args",
+        default="",
+        help="with --serve: start a second server with these extra flags too (e.g. "
+        "--compare-serve-args=--deterministic) and alternate loads between the two "
+        "(--rounds): the report gives its tok/s over the first's",
+    )
+    parser.add_argument(
         "--grammar",
         default=None,
         help='a JSON file holding a TGI grammar ({"type": "json", "value": <schema>}): '
@@ -270,23 +279,35 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="with --grammar: alternate plain and constrained loads this many times; with "
-        "--core or --baseline: alternate served and comparison runs (the ratios reported "
-        "are medians)",
+        "--compare-serve-args: loads on the two servers; with --core or --baseline: served "
+        "and comparison runs (the ratios reported are medians)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compare_serve_args and not args.serve:
+        raise SystemExit("--compare-serve-args needs --serve")
     prompts = load_prompts(args.prompts)
-    server = _start_server(args) if args.serve else None
+    servers = []
     try:
+        if args.serve:
+            server, args.target = _start_server(args, args.serve_args)
+            servers.append(server)
+        if args.compare_serve_args:
+            server, compared_target = _start_server(
+                args, f"{args.serve_args} {args.compare_serve_args}"
+            )
+            servers.append(server)
         config = asyncio.run(served_config(args))
         report = asyncio.run(run_load(args, prompts))
         if args.grammar:
             report.constrained = _constrained_rounds(args, prompts, report)
+        if args.compare_serve_args:
+            report.compared = _compared_rounds(args, prompts, report, compared_target)
         if args.core or args.baseline:
             _comparison_rounds(args, prompts, config, report)
     finally:
-        if server is not None:
+        for server in servers:
             _stop_server(server)
     print(format_table(report))
     if report.constrained:
@@ -297,9 +318,18 @@ def run(args: argparse.Namespace) -> int:
             f"errors {c['errors']}; constrained / unconstrained = {c['over_unconstrained']}"
             + (f" (median of {c['ratios']})" if len(c["ratios"]) > 1 else "")
         )
+    if report.compared:
+        c = report.compared
+        print(
+            f"with {c['serve_args']!r}: {c['output_tokens_per_s']:.1f} tok/s, "
+            f"ITL p50 {c['itl_p50_ms']:.0f} ms, errors {c['errors']}; "
+            f"over without = {c['over_served']}"
+            + (f" (median of {c['ratios']})" if len(c["ratios"]) > 1 else "")
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(asdict(report), indent=2))
-    return 1 if report.errors or (report.constrained or {}).get("errors") else 0
+    failed = [report.errors, (report.constrained or {}).get("errors")]
+    return 1 if any(failed) or (report.compared or {}).get("errors") else 0
 
 
 async def served_config(args) -> ServedConfig:
@@ -315,6 +345,7 @@ async def served_config(args) -> ServedConfig:
         max_batch_prefill_tokens=info.max_batch_prefill_tokens,
         max_batch_size=info.max_batch_size,
         block_size=info.kv_cache_block_size,
+        deterministic=info.deterministic,
     )
 
 
@@ -397,7 +428,30 @@ def _constrained_rounds(args, prompts: list[str], first: Report) -> dict:
     }
 
 
-def _start_server(args) -> subprocess.Popen:
+def _compared_rounds(args, prompts: list[str], first: Report, target: str) -> dict:
+    """The load on the second server (--compare-serve-args), alternating with loads on the
+    first for --rounds rounds; each compared with the first's load just before it (a
+    shared machine's speed drifts), and the median ratio reported."""
+    import copy
+
+    other = copy.copy(args)
+    other.target = target
+    served, ratios, compared = first, [], None
+    for round_ in range(args.rounds):
+        if round_:
+            served = asyncio.run(run_load(args, prompts))
+        compared = asyncio.run(run_load(other, prompts))
+        ratios.append(round(compared.output_tokens_per_s / served.output_tokens_per_s, 3))
+    return {
+        **asdict(compared),
+        "serve_args": args.compare_serve_args,
+        "ratios": ratios,
+        "over_served": statistics.median(ratios),
+    }
+
+
+def _start_server(args, serve_args: str) -> tuple[subprocess.Popen, str]:
+    """`textgen serve --no-envoy` with `serve_args`, on a free port: (process, target)."""
     import shlex
     import socket
 
@@ -413,7 +467,7 @@ def _start_server(args) -> subprocess.Popen:
     ]
     if args.model_id:
         cmd += ["--model-id", args.model_id]
-    cmd += shlex.split(args.serve_args)
+    cmd += shlex.split(serve_args)
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
         sys.stderr.write(line)
@@ -421,12 +475,11 @@ def _start_server(args) -> subprocess.Popen:
             break
     else:
         raise RuntimeError("the server exited before it was ready")
-    args.target = f"127.0.0.1:{port}"
     # keep draining its log so it never blocks on a full pipe
     import threading
 
     threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-    return proc
+    return proc, f"127.0.0.1:{port}"
 
 
 def _stop_server(proc: subprocess.Popen) -> None:

@@ -32,6 +32,7 @@ class ServedConfig:
     max_batch_prefill_tokens: int
     max_batch_size: int
     block_size: int
+    deterministic: bool = False  # the batch-invariant engine (--deterministic)
 
 
 # the engine core alone --------------------------------------------------------------
@@ -54,6 +55,7 @@ class CoreAlone:
             max_batch_prefill_tokens=config.max_batch_prefill_tokens,
             max_batch_size=config.max_batch_size,
             block_size=config.block_size,
+            batch_invariant=config.deterministic,
         )
         # as validation tokenizes them
         self.prompt_ids = [

@@ -40,6 +40,9 @@ class Settings:
     max_batch_size: int = 256
     validation_workers: int = 2  # threads validating long prompts and compiling grammars
     torch_threads: int = 0  # intra-op threads of the engine; 0: the CPUs we may use (cpus.py)
+    # batch-invariant engine: a greedy or seeded request's tokens don't depend on the traffic
+    # around it (CPU only; costs throughput: docs/performance.md)
+    deterministic: bool = False
     api_key: str | None = None
     api_key_file: str | None = None  # one key per line
     auth_health_and_metrics: bool = False  # True: health and metrics need a key too
@@ -211,6 +214,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.torch_threads,
         help="torch's intra-op threads on the engine's thread (0: OMP_NUM_THREADS if set, "
         "else the CPUs this process may use: its affinity, capped by a container's CPU quota)",
+    )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=_env("deterministic", "") not in ("", "0", "false"),
+        help="batch-invariant engine: a greedy or seeded request gives the same tokens "
+        "whatever runs beside it (CPU only; slower: docs/performance.md) "
+        f"[env {ENV_PREFIX}DETERMINISTIC]",
     )
     flag(
         "validation-workers",

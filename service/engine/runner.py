@@ -75,7 +75,9 @@ class ModelRunner:
         """One 1-token forward into block 0, so every layer's pool is allocated at start-up
         (out-of-memory shows at once) and lazy init runs before the first request. Block 0
         is free: whatever lands there is overwritten before anything reads it."""
-        meta = BatchMetadata.build(self.pool, [1], [1], [[0]], self.device)
+        meta = BatchMetadata.build(
+            self.pool, [1], [1], [[0]], self.device, batch_invariant=self.batch_invariant
+        )
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         self._forward(ids, ids, meta, torch.zeros(1, dtype=torch.long, device=self.device))
 

@@ -102,3 +102,40 @@ def test_bench_compares_with_the_core_alone_and_plain_transformers(tiny_server, 
         r["served_over_loop"] for r in base["rounds"]
     )
     assert base["naive_generate_tokens_per_s"] > 0
+
+
+def test_bench_prices_a_server_flag_against_a_second_server(tiny_model_dir, tmp_path):
+    """--compare-serve-args starts a second server with the extra flags; loads alternate
+    between the two for --rounds rounds, each against the first server's load just before
+    it, and the report gives the median ratio."""
+    import json
+    import statistics
+
+    from textgen.service.bench import run
+
+    out = tmp_path / "report.json"
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(
+        ["--serve", "--model-id", str(tiny_model_dir),
+         "--serve-args=--dtype float32 --max-batch-total-tokens 4096 --max-total-tokens 512",
+         "--compare-serve-args=--deterministic", "--concurrency", "2", "--max-new-tokens", "6",
+         "--ignore-eos", "--rounds", "2", "--json", str(out)]
+    )  # fmt: skip
+    assert run(args) == 0
+    report = json.loads(out.read_text())
+    compared = report["compared"]
+    assert compared["serve_args"] == "--deterministic" and compared["errors"] == 0
+    assert compared["output_tokens"] == report["output_tokens"] == 2 * 6
+    assert len(compared["ratios"]) == 2 and all(r > 0 for r in compared["ratios"])
+    assert compared["over_served"] == statistics.median(compared["ratios"])
+
+
+def test_bench_compare_needs_serve(tiny_server):
+    from textgen.service.bench import run
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(["--target", tiny_server.target, "--compare-serve-args=--x"])
+    with pytest.raises(SystemExit, match="needs --serve"):
+        run(args)

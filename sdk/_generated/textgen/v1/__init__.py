@@ -580,6 +580,12 @@ class InfoResponse(betterproto2.Message):
     CPUs the process may use: its affinity, capped by a cgroup CPU quota).
     """
 
+    deterministic: "bool" = betterproto2.field(24, betterproto2.TYPE_BOOL)
+    """
+    Batch-invariant engine (--deterministic): a greedy or seeded request gives the same
+    tokens whatever other requests run beside it.
+    """
+
 
 default_message_pool.register_message("textgen.v1", "InfoResponse", InfoResponse)
 
