@@ -65,7 +65,10 @@ class ModelRunner:
         self.pool = pool
         self.device = next(model.parameters()).device
         if batch_invariant and self.device.type != "cpu":
-            raise ValueError(f"batch-invariant execution is CPU-only, not {self.device.type}")
+            raise ValueError(
+                f"--deterministic (batch-invariant execution) runs on CPU only, not on "
+                f"{self.device.type}: there the matmul kernels change with the batch size"
+            )
         if batch_invariant and pool.scratch_block is None:
             raise ValueError("batch-invariant execution needs a KV pool with a scratch block")
         self.batch_invariant = batch_invariant

@@ -372,3 +372,48 @@ def test_engine_on_the_triton_kernel_matches_generate(model_name, request, monke
     assert calls
     assert_matches_generate(model, seqs)
     assert_idle(core)
+
+
+def _kernel_over(batch: Batch, rows: slice, seqs: list[int], query_lens, seq_lens) -> torch.Tensor:
+    """The kernel on part of a step, straight from its pool: query rows `rows`, belonging to
+    sequences `seqs` with these new-token counts and cached lengths."""
+    cache = batch.pool.layer(0, batch.key, batch.value)
+    tables = [batch.meta.block_tables[i] for i in seqs]
+    width = max(map(len, tables))
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return triton_attention.paged_attention(
+        batch.query[0].transpose(0, 1)[rows],
+        cache.keys,
+        cache.values,
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32),
+        torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        scale=batch.query.shape[-1] ** -0.5,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_sequences_rows_do_not_depend_on_the_batch_or_the_chunking(dtype):
+    """Batch invariance (what --deterministic needs of a kernel): each program walks one
+    sequence's keys in fixed tiles from position 0, so a sequence's rows are bitwise the same
+    alone or beside others, and a prompt's rows the same prefilled in one chunk or two."""
+    batch = make_batch(block_size=16, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype)
+    news = [n for n, _ in MIXED_BATCH]
+    contexts = [c for _, c in MIXED_BATCH]
+    together = _kernel_over(batch, slice(None), list(range(len(news))), news, contexts)
+    start = 0
+    for i, (new, context) in enumerate(MIXED_BATCH):
+        alone = _kernel_over(batch, slice(start, start + new), [i], [new], [context])
+        assert torch.equal(alone, together[start : start + new]), f"sequence {i}"
+        start += new
+    # the last sequence's 24-token chunk as 8 tokens, then 16 as the next step. The split is
+    # at a query-block boundary (4 tokens: 16 score rows / GQA group 4): a row's place in its
+    # score tile is the one thing a chunking changes, and the interpreter's BLAS (numpy) does
+    # not promise a row the same sum at another place (float32 differs at a 9/15 split)
+    last, (new, context) = len(news) - 1, MIXED_BATCH[-1]
+    first = start - new
+    head = _kernel_over(batch, slice(first, first + 8), [last], [8], [context - new + 8])
+    tail = _kernel_over(batch, slice(first + 8, start), [last], [new - 8], [context])
+    assert torch.equal(torch.cat([head, tail]), together[first:start])

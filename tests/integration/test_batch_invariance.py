@@ -48,21 +48,17 @@ def _generate(target: str, i: int, delay: float = 0.0) -> list[int]:
 
 @pytest.fixture(
     scope="module",
-    # the default dtype with the default torch threads (what `textgen serve` runs), and
-    # float32 (twice as slow a step) on one thread: both thread counts are covered
-    params=[("auto", "0"), ("float32", "1")],
-    ids=["default-dtype", "float32-one-thread"],
+    # the default dtype (what `textgen serve` runs) and float32
+    params=["auto", "float32"],
 )
 def server(request):
-    dtype, torch_threads = request.param
+    dtype = request.param
     args = [
         "--no-envoy",
         "--grpc-port",
         "0",
         "--dtype",
         dtype,
-        "--torch-threads",
-        torch_threads,
         "--max-batch-total-tokens",
         "16384",
         "--max-batch-prefill-tokens",
