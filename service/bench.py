@@ -232,6 +232,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="model for --serve, --core and --baseline (default: the embedded model); with "
         "--target, name the model the server serves",
     )
+    parser.add_argument(
+        "--openai",
+        default=None,
+        metavar="URL",
+        help="time an OpenAI-compatible server instead (e.g. http://127.0.0.1:8080/v1, "
+        "llama.cpp's llama-server or textgen behind Envoy): streamed /completions, greedy, "
+        "the same prompts and figures; --model-id names its model",
+    )
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument(
         "--requests", type=int, default=None, help="total requests (default: one per stream)"
@@ -288,6 +296,8 @@ def run(args: argparse.Namespace) -> int:
     if args.compare_serve_args and not args.serve:
         raise SystemExit("--compare-serve-args needs --serve")
     prompts = load_prompts(args.prompts)
+    if args.openai:
+        return _run_openai(args, prompts)
     servers = []
     try:
         if args.serve:
@@ -330,6 +340,21 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(asdict(report), indent=2))
     failed = [report.errors, (report.constrained or {}).get("errors")]
     return 1 if any(failed) or (report.compared or {}).get("errors") else 0
+
+
+def _run_openai(args: argparse.Namespace, prompts: list[str]) -> int:
+    """--openai URL: the load on another server's OpenAI face; nothing else to compare in
+    the same run (--core and the rest need this project's gRPC Info)."""
+    from .bench_openai import run_openai_load
+
+    others = ["serve", "core", "baseline", "grammar", "compare_serve_args"]
+    if given := [f"--{name.replace('_', '-')}" for name in others if getattr(args, name)]:
+        raise SystemExit(f"--openai times a server over HTTP only; drop {', '.join(given)}")
+    report = asyncio.run(run_openai_load(args, prompts))
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(asdict(report), indent=2))
+    return 1 if report.errors else 0
 
 
 async def served_config(args) -> ServedConfig:

@@ -139,3 +139,35 @@ def test_bench_compare_needs_serve(tiny_server):
     args = parser.parse_args(["--target", tiny_server.target, "--compare-serve-args=--x"])
     with pytest.raises(SystemExit, match="needs --serve"):
         run(args)
+
+
+def test_bench_times_an_openai_server(http_server, tmp_path):
+    """--openai URL drives any OpenAI-compatible server's streamed /completions (here
+    textgen's own, through Envoy): the figures add up as for the gRPC load."""
+    import json
+
+    from textgen.service.bench import run
+
+    out = tmp_path / "report.json"
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(
+        ["--openai", f"{http_server.http_url}/v1", "--concurrency", "3", "--requests", "4",
+         "--max-new-tokens", "7", "--ignore-eos", "--json", str(out)]
+    )  # fmt: skip
+    assert run(args) == 0
+    report = json.loads(out.read_text())
+    assert report["errors"] == 0 and report["requests"] == 4
+    assert report["output_tokens"] == 4 * 7  # the usage chunk's completion_tokens
+    assert 0 < report["ttft_p50_ms"] <= report["ttft_p95_ms"]
+    assert 0 < report["itl_p50_ms"] <= report["itl_p95_ms"]
+
+
+def test_bench_openai_refuses_what_needs_grpc(http_server):
+    from textgen.service.bench import run
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(["--openai", f"{http_server.http_url}/v1", "--core", "--baseline"])
+    with pytest.raises(SystemExit, match="drop --core, --baseline"):
+        run(args)
