@@ -67,6 +67,9 @@ class Report:
     baseline: dict | None = None  # --baseline: plain transformers, and served / theirs
     core: dict | None = None  # --core: the engine core alone, and served / core
     constrained: dict | None = None  # --grammar: the same load with the grammar, and the ratio
+    # --serve: the server's resident memory after the load, and its peak (Linux /proc)
+    server_rss_mib: float | None = None
+    server_peak_rss_mib: float | None = None
 
 
 def load_prompts(path: str | None) -> list[str]:
@@ -199,6 +202,10 @@ def format_table(report: Report) -> str:
         ("ITL p50 / p95 (ms)", f"{report.itl_p50_ms} / {report.itl_p95_ms}"),
         ("errors", report.errors),
     ]
+    if report.server_rss_mib is not None:
+        rows.append(
+            ("server RSS / peak (MiB)", f"{report.server_rss_mib} / {report.server_peak_rss_mib}")
+        )
     if report.core:
         c = report.core
         rows.append((f"core alone, {c['dtype']} (tok/s)", c["output_tokens_per_s"]))
@@ -287,7 +294,10 @@ def run(args: argparse.Namespace) -> int:
             _comparison_rounds(args, prompts, config, report)
     finally:
         if server is not None:
+            memory = _rss_mib(server.pid)
             _stop_server(server)
+    if server is not None:
+        report.server_rss_mib, report.server_peak_rss_mib = memory
     print(format_table(report))
     if report.constrained:
         c = report.constrained
@@ -427,6 +437,21 @@ def _start_server(args) -> subprocess.Popen:
 
     threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
     return proc
+
+
+def _rss_mib(pid: int) -> tuple[float | None, float | None]:
+    """(VmRSS, VmHWM) of a process in MiB; None where /proc doesn't say."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return None, None
+
+    def mib(key: str) -> float | None:
+        value = fields.get(key, "").split()
+        return round(int(value[0]) / 1024, 1) if value else None  # kB
+
+    return mib("VmRSS"), mib("VmHWM")
 
 
 def _stop_server(proc: subprocess.Popen) -> None:

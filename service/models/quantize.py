@@ -27,6 +27,7 @@ Choices measured on the embedded SmolLM2-135M (docs/performance.md, "Quantizatio
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import warnings
 from collections import Counter
@@ -116,11 +117,14 @@ def quantize_model(model: torch.nn.Module, method: str, device: torch.device) ->
         name: _format_for("int8" if module is head and method == "int4" else method, module, device)
         for name, module in linears
     }
+    del linears, head  # the wide layers must be free to go once replaced
     import_torchao_quietly()
     for fmt in ("int4", "int8", "fp8"):
         names = {n for n, f in formats.items() if f == fmt}
         if names:
             _apply(model, fmt, names, device)
+    if device.type == "cpu":
+        _return_freed_memory()
     counts = Counter(formats.values())
     logger.info(
         "quantized %d Linear layers (%s)",
@@ -216,6 +220,17 @@ class Int8Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
+
+
+def _return_freed_memory() -> None:
+    """Hand the wide weights' freed memory back to the system. Quantizing frees the bfloat16
+    weights and float32 temporaries, but glibc keeps them in its heap (its mmap threshold
+    rises after large frees): measured on the embedded model, RSS stayed 400 MiB above the
+    unquantized server's until `malloc_trim`, then fell below it. Other C libraries: no-op."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
 
 
 def import_torchao_quietly() -> None:

@@ -102,3 +102,13 @@ def test_bench_compares_with_the_core_alone_and_plain_transformers(tiny_server, 
         r["served_over_loop"] for r in base["rounds"]
     )
     assert base["naive_generate_tokens_per_s"] > 0
+
+
+def test_rss_of_a_process_in_mib():
+    import os
+
+    from textgen.service.bench import _rss_mib
+
+    rss, peak = _rss_mib(os.getpid())
+    assert 10 < rss <= peak  # this test process holds torch: tens of MiB at least
+    assert _rss_mib(2**22 + 1) == (None, None)  # above Linux's pid_max: no such process

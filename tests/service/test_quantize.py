@@ -187,3 +187,34 @@ def test_server_reports_it_and_generates_greedily(tiny_model_dir, method):
     finally:
         server.stop()
     assert [t.id for t in resp.details.tokens] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+def test_cuda_quantized_model_generates_in_the_paged_engine(tiny_model_dir, method):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("torchao")
+    need = {"int8": (0, 0), "int4": q.INT4_CUDA_MIN_CAPABILITY, "fp8": q.FP8_MIN_CAPABILITY}
+    if torch.cuda.get_device_capability() < need[method]:
+        pytest.skip(f"{method} needs compute capability {need[method]}")
+    from engine.factories import make_seq, run_to_completion
+    from textgen.service.engine.paged_core import PagedCore
+
+    loaded = load_model(str(tiny_model_dir), device="cuda", dtype="auto", quantize=method)
+    wide = load_model(str(tiny_model_dir), device="cuda", dtype=str(loaded.dtype)[6:])
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3]], device="cuda")
+    with torch.inference_mode():
+        got, want = loaded.model(ids).logits.float(), wide.model(ids).logits.float()
+    assert torch.isfinite(got).all()
+    # the same model, a few bits coarser: logits close to the wide model's
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.98
+    core = PagedCore(
+        loaded.model, max_batch_total_tokens=1024, max_batch_prefill_tokens=256,
+        max_batch_size=8, block_size=16,
+    )  # fmt: skip
+    seqs = [make_seq([5, 17, 42, 99, 7, 3][: n + 1], request_id=f"g{n}") for n in range(4)]
+    for seq in seqs:
+        core.add(seq)
+    run_to_completion(core)
+    assert all(len(seq.output_ids) == 8 for seq in seqs)
