@@ -387,15 +387,20 @@ def tgi_schemas(tgi: dict) -> dict:
         ),
         "deterministic": (
             "boolean",
-            "Batch-invariant engine (--deterministic): a greedy or seeded request gives the "
-            "same tokens whatever other requests run beside it.",
+            "Batch-invariant engine (--deterministic): a greedy or seeded request gives "
+            + "the same tokens whatever other requests run beside it.",
+        ),
+        "quantize": (
+            "string",
+            "--quantize applied to the weights (int8, int4 or fp8); absent if none.",
         ),
     }
     for name, (kind, description) in ours.items():
         info["properties"][name] = {"type": kind, "description": description}
         if kind == "integer":
             info["properties"][name]["minimum"] = 0
-        info["required"].append(name)
+        if name != "quantize":  # proto3 `optional`: absent when unset
+            info["required"].append(name)
     info["properties"]["router"]["example"] = "textgen"
     s["Info"] = info
     return s

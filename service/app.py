@@ -4,6 +4,7 @@ servicer -> grpc.aio server. `serve` runs it until a signal arrives."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -192,6 +193,8 @@ def served_model(
     )
     if loaded.resolved.sha:
         info.model_sha = loaded.resolved.sha
+    if loaded.quantize:
+        info.quantize = loaded.quantize
     return ServedModel(info=info, created=int(time.time()))
 
 
@@ -201,7 +204,14 @@ async def start_replica(
     """Load, build and start one replica; returns once it serves. Tracing is on when a
     tracer provider is given or --otlp-endpoint is set."""
     loaded = await in_own_thread(
-        load_model, settings.model_id, settings.revision, settings.dtype, settings.device
+        functools.partial(
+            load_model,
+            settings.model_id,
+            settings.revision,
+            settings.dtype,
+            settings.device,
+            quantize=settings.quantize,
+        )
     )
     max_input, max_total = settings.resolved_limits(loaded.max_position_embeddings)
     limits = Limits(
@@ -272,9 +282,10 @@ async def serve(settings: Settings) -> None:
             await replica.stop()
             raise
     log.info(
-        "textgen ready: model=%s dtype=%s device=%s grpc=%s:%d%s (%.1fs)",
+        "textgen ready: model=%s dtype=%s%s device=%s grpc=%s:%d%s (%.1fs)",
         replica.loaded.resolved.model_id,
         replica.servicer.served.info.model_dtype,
+        f" quantize={replica.loaded.quantize}" if replica.loaded.quantize else "",
         replica.loaded.device,
         settings.hostname,
         replica.grpc_port,

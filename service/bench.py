@@ -69,6 +69,9 @@ class Report:
     core: dict | None = None  # --core: the engine core alone, and served / core
     constrained: dict | None = None  # --grammar: the same load with the grammar, and the ratio
     compared: dict | None = None  # --compare-serve-args: the second server's load, and the ratio
+    # --serve: the server's resident memory after the load, and its peak (Linux /proc)
+    server_rss_mib: float | None = None
+    server_peak_rss_mib: float | None = None
 
 
 def load_prompts(path: str | None) -> list[str]:
@@ -201,6 +204,10 @@ def format_table(report: Report) -> str:
         ("ITL p50 / p95 (ms)", f"{report.itl_p50_ms} / {report.itl_p95_ms}"),
         ("errors", report.errors),
     ]
+    if report.server_rss_mib is not None:
+        rows.append(
+            ("server RSS / peak (MiB)", f"{report.server_rss_mib} / {report.server_peak_rss_mib}")
+        )
     if report.core:
         c = report.core
         rows.append((f"core alone, {c['dtype']} (tok/s)", c["output_tokens_per_s"]))
@@ -317,8 +324,11 @@ def run(args: argparse.Namespace) -> int:
         if args.core or args.baseline:
             _comparison_rounds(args, prompts, config, report)
     finally:
+        memory = _rss_mib(servers[0].pid) if servers else (None, None)
         for server in servers:
             _stop_server(server)
+    if servers:
+        report.server_rss_mib, report.server_peak_rss_mib = memory
     print(format_table(report))
     if report.constrained:
         c = report.constrained
@@ -505,6 +515,21 @@ def _start_server(args, serve_args: str) -> tuple[subprocess.Popen, str]:
 
     threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
     return proc, f"127.0.0.1:{port}"
+
+
+def _rss_mib(pid: int) -> tuple[float | None, float | None]:
+    """(VmRSS, VmHWM) of a process in MiB; None where /proc doesn't say."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return None, None
+
+    def mib(key: str) -> float | None:
+        value = fields.get(key, "").split()
+        return round(int(value[0]) / 1024, 1) if value else None  # kB
+
+    return mib("VmRSS"), mib("VmHWM")
 
 
 def _stop_server(proc: subprocess.Popen) -> None:

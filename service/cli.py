@@ -11,6 +11,9 @@ from .config import add_serve_arguments, settings_from_args
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from .models.quantize import import_torchao_quietly
+
+    import_torchao_quietly()  # first, before transformers imports it noisily
     from .app import serve
 
     asyncio.run(serve(settings_from_args(args)))

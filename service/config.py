@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from textgen.sdk.keepalive import Keepalive
 
 ENV_PREFIX = "TEXTGEN_"
+# --quantize values (TGI's flag): those service/models/quantize.py implements
+QUANTIZE_METHODS = ("int8", "int4", "fp8")
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class Settings:
     revision: str | None = None
     dtype: str = "auto"
     device: str = "auto"
+    quantize: str | None = None  # one of QUANTIZE_METHODS; None: the weights as loaded
     max_concurrent_requests: int = 128
     max_queued_requests: int = 0  # requests that may wait for a permit; 0: refuse at once
     max_queued_tokens: int = 0  # prompt tokens those may hold; 0: no token bound
@@ -78,8 +81,12 @@ class Settings:
         return max_input, total
 
 
+def _env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper().replace("-", "_")
+
+
 def _env(name: str, default=None):
-    return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
+    return os.environ.get(_env_name(name), default)
 
 
 def _positive_int(text: str) -> int:
@@ -110,18 +117,32 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _quantize_method(text: str) -> str | None:
+    value = text.strip().lower()
+    if value in ("", "none"):
+        return None
+    if value not in QUANTIZE_METHODS:
+        raise argparse.ArgumentTypeError(
+            f"unknown value {text!r}; use one of {', '.join(QUANTIZE_METHODS)}"
+        )
+    return value
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The `textgen serve` flags; each default comes from TEXTGEN_<FLAG> when set."""
     d = Settings()
 
     def flag(name: str, *, type=str, default=None, help: str) -> None:
         env_default = _env(name)
-        value = type(env_default) if env_default is not None else default
+        try:
+            value = type(env_default) if env_default is not None else default
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            parser.error(f"{_env_name(name)}={env_default!r}: {exc}")  # exits 2, as a flag
         parser.add_argument(
             f"--{name}",
             type=type,
             default=value,
-            help=f"{help} [env {ENV_PREFIX}{name.upper().replace('-', '_')}]",
+            help=f"{help} [env {_env_name(name)}]",
         )
 
     flag(
@@ -132,6 +153,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     flag("revision", default=d.revision, help="Hub revision (branch, tag or commit)")
     flag("dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16")
     flag("device", default=d.device, help="auto | cpu | cuda | cuda:N")
+    flag(
+        "quantize",
+        type=_quantize_method,
+        default=d.quantize,
+        help="weight-only quantization at load: int8 | int4 (CPU and CUDA; on CPU they "
+        "compute in bfloat16) | fp8 (CUDA, compute capability 8.9+)",
+    )
     flag(
         "max-concurrent-requests",
         type=_positive_int,

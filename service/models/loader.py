@@ -24,6 +24,7 @@ import torch
 
 from .errors import ModelError
 from .hub import ResolvedModel, resolve_model
+from .quantize import check_quantize, quantize_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -119,6 +120,7 @@ class LoadedModel:
     device: torch.device
     eos_token_ids: frozenset[int]  # every EOS id the generation_config (and tokenizer) names
     max_position_embeddings: int
+    quantize: str | None = None  # --quantize applied to the weights; None: as loaded
 
 
 def load_model(
@@ -127,12 +129,14 @@ def load_model(
     dtype: str = "auto",
     device: str = "auto",
     cache_dir: Path | None = None,
+    quantize: str | None = None,
 ) -> LoadedModel:
-    """Resolve, then load model and tokenizer ready for inference."""
+    """Resolve, then load model and tokenizer ready for inference; `quantize` (int8, int4,
+    fp8) converts the Linear layers' weights after loading (quantize.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = select_device(device)  # validate flags before any download or conversion
-    dt = select_dtype(dtype, dev)
+    dt = check_quantize(quantize, dev, dtype, select_dtype(dtype, dev))
     resolved = resolve_model(model_id, revision=revision, cache_dir=cache_dir)
 
     started = time.monotonic()
@@ -149,6 +153,9 @@ def load_model(
     if dev.type == "cpu":
         model.to(dev)
     model.eval()
+    params = sum(p.numel() for p in model.parameters())  # before quantizing repacks them
+    if quantize is not None:
+        quantize_model(model, quantize, dev)
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token  # batching pads; some tokenizers name no pad
 
@@ -157,13 +164,14 @@ def load_model(
         raise ModelError(f"{resolved.model_id} names no EOS token (generation_config or tokenizer)")
     max_pos = _max_position_embeddings(model.config)
     logger.info(
-        "loaded %s (%s) on %s as %s in %.1f s: %.0fM params, context %d, eos %s",
+        "loaded %s (%s) on %s as %s%s in %.1f s: %.0fM params, context %d, eos %s",
         resolved.model_id,
         resolved.sha or resolved.path,
         dev,
         str(dt).removeprefix("torch."),
+        f", weights {quantize}" if quantize else "",
         time.monotonic() - started,
-        sum(p.numel() for p in model.parameters()) / 1e6,
+        params / 1e6,
         max_pos,
         sorted(eos),
     )
@@ -175,6 +183,7 @@ def load_model(
         device=dev,
         eos_token_ids=eos,
         max_position_embeddings=max_pos,
+        quantize=quantize,
     )
 
 

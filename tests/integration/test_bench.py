@@ -171,3 +171,13 @@ def test_bench_openai_refuses_what_needs_grpc(http_server):
     args = parser.parse_args(["--openai", f"{http_server.http_url}/v1", "--core", "--baseline"])
     with pytest.raises(SystemExit, match="drop --core, --baseline"):
         run(args)
+
+
+def test_rss_of_a_process_in_mib():
+    import os
+
+    from textgen.service.bench import _rss_mib
+
+    rss, peak = _rss_mib(os.getpid())
+    assert 10 < rss <= peak  # this test process holds torch: tens of MiB at least
+    assert _rss_mib(2**22 + 1) == (None, None)  # above Linux's pid_max: no such process

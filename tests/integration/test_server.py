@@ -142,6 +142,7 @@ def test_info(stub, tiny_server):
     assert info.model_id == tiny_server.settings.model_id
     assert info.max_total_tokens == 512 and info.max_input_tokens == 511
     assert info.model_dtype == "float32" and info.model_device_type == "cpu"
+    assert not info.HasField("quantize")  # weights as loaded (tests/service/test_quantize.py)
     assert info.router == "textgen" and info.version
     # the engine's torch threads: the CPUs this process may use; validation's workers
     from textgen.service.cpus import default_torch_threads

@@ -586,6 +586,12 @@ class InfoResponse(betterproto2.Message):
     tokens whatever other requests run beside it.
     """
 
+    quantize: "str | None" = betterproto2.field(25, betterproto2.TYPE_STRING, optional=True)
+    """
+    --quantize applied to the weights ("int8", "int4", "fp8"); absent when they are served
+    as loaded (in model_dtype).
+    """
+
 
 default_message_pool.register_message("textgen.v1", "InfoResponse", InfoResponse)
 

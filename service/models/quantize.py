@@ -1,0 +1,256 @@
+"""Weight-only quantization at load time (`--quantize`): the weights of the model's Linear
+layers are stored in fewer bits and multiplied by fused kernels that read them as they are,
+so a decode step, which reads every weight once per token, moves fewer bytes.
+
+| value | CPU | CUDA |
+| --- | --- | --- |
+| int8 | per-row int8, torch's `_weight_int8pack_mm` | torchao `Int8WeightOnlyConfig` |
+| int4 | torchao int4, groups of 32 (`_weight_int4pack_mm_for_cpu`) | torchao int4 (tinygemm) |
+| fp8 | refused | torchao fp8 weights and activations, per row (sm 8.9+) |
+
+Choices measured on the embedded SmolLM2-135M (docs/performance.md, "Quantization"):
+- int4 groups of 32: the embedded weights come from a Q4_1 GGUF, whose blocks are 32 wide,
+  so int4 in groups of 32 holds them almost exactly (perplexity +0.05 %); groups of 64 cost
+  +21 %. Layers whose shape the int4 kernels can't take (N not a multiple of 16, K not a
+  multiple of 32) get int8 instead, and those the CPU int8 kernel can't take (K not a
+  multiple of 16) stay as they are.
+- lm_head is quantized too, to int8 with either value: it is a fifth of this model's weights
+  and the largest single read of a decode step. int4 there cost +7 % perplexity, int8 +0.4 %.
+  When the input embedding is tied to it, the embedding keeps its own wide copy (a lookup
+  reads a few rows, not the table).
+- On CPU the kernels take bfloat16 activations; with float32 they fall back to scalar loops
+  20-100x slower than a dense float32 matmul, so float32 is refused and `--dtype auto` means
+  bfloat16. torchao's own int8 weight-only linear converts the whole weight to the
+  activation dtype on every call in eager mode (meant for torch.compile), slower than no
+  quantization here; torch's fused `_weight_int8pack_mm` is the CPU kernel used instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import warnings
+from collections import Counter
+
+import torch
+
+from .errors import ModelError
+
+logger = logging.getLogger("textgen.models")
+
+# the --quantize values (textgen.service.config.QUANTIZE_METHODS, which the flag's parser
+# checks, names the same: config stays free of torch, models free of config)
+QUANTIZE_METHODS = ("int8", "int4", "fp8")
+INT4_GROUP_SIZE = 32
+# what the int4 kernels take: N a multiple of 16 (CPU packing), K of the group size
+INT4_N_MULTIPLE = 16
+# torch's CPU int8 kernel reads K in 16-wide vectors with no tail: other K read past the row
+# (garbage or a crash), so such layers stay wide
+INT8_CPU_K_MULTIPLE = 16
+FP8_MULTIPLE = 16  # torch._scaled_mm: both dims of the weight multiples of 16
+FP8_MIN_CAPABILITY = (8, 9)  # Ada, Hopper and later have fp8 tensor cores
+INT4_CUDA_MIN_CAPABILITY = (8, 0)  # tinygemm's tensor-core kernel
+
+
+class QuantizationError(ModelError):
+    """--quantize names a value this device or dtype can't run."""
+
+
+def check_quantize(
+    method: str | None, device: torch.device, dtype_flag: str, dtype: torch.dtype
+) -> torch.dtype:
+    """Refuse what can't run here (at startup, before any loading); -> the compute dtype.
+
+    `dtype` is what --dtype resolved to without quantization; `dtype_flag` says whether the
+    user chose it ("auto" may be changed to what the kernels need, a named dtype may not)."""
+    if method is None:
+        return dtype
+    if method not in QUANTIZE_METHODS:
+        raise QuantizationError(
+            f"unknown --quantize value {method!r}; use one of {', '.join(QUANTIZE_METHODS)}"
+        )
+    auto = isinstance(dtype_flag, str) and dtype_flag.strip().lower() == "auto"
+    if device.type == "cpu":
+        return _check_cpu(method, dtype, auto)
+    if device.type == "cuda":
+        return _check_cuda(method, device, dtype, auto)
+    raise QuantizationError(f"--quantize runs on cpu and cuda devices, not {device.type}")
+
+
+def _check_cpu(method: str, dtype: torch.dtype, auto: bool) -> torch.dtype:
+    if method == "fp8":
+        raise QuantizationError(
+            "--quantize fp8 needs a CUDA GPU with fp8 tensor cores (compute capability 8.9+: "
+            "Ada, Hopper); on CPU use --quantize int8 or int4"
+        )
+    if auto or dtype is torch.bfloat16:
+        return torch.bfloat16
+    raise QuantizationError(
+        f"--quantize {method} on CPU computes in bfloat16 (torch's int8/int4 CPU kernels have "
+        f"no fast {str(dtype).removeprefix('torch.')} path); use --dtype bfloat16 or auto"
+    )
+
+
+def _check_cuda(method: str, device: torch.device, dtype: torch.dtype, auto: bool) -> torch.dtype:
+    capability = torch.cuda.get_device_capability(device)
+    if method == "int8":
+        return dtype
+    need = FP8_MIN_CAPABILITY if method == "fp8" else INT4_CUDA_MIN_CAPABILITY
+    if capability < need:
+        raise QuantizationError(
+            f"--quantize {method} needs a GPU of compute capability {need[0]}.{need[1]}+; "
+            f"{device} is {capability[0]}.{capability[1]}; use --quantize int8"
+        )
+    if auto or dtype is torch.bfloat16:
+        return torch.bfloat16
+    raise QuantizationError(
+        f"--quantize {method} on CUDA computes in bfloat16; use --dtype bfloat16 or auto"
+    )
+
+
+def quantize_model(model: torch.nn.Module, method: str, device: torch.device) -> dict[str, int]:
+    """Quantize `model`'s Linear layers in place (see the module docstring); -> how many
+    layers got each format ("dense" for those left as they were)."""
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    formats = {
+        name: _format_for("int8" if module is head and method == "int4" else method, module, device)
+        for name, module in linears
+    }
+    del linears, head  # the wide layers must be free to go once replaced
+    import_torchao_quietly()
+    for fmt in ("int4", "int8", "fp8"):
+        names = {n for n, f in formats.items() if f == fmt}
+        if names:
+            _apply(model, fmt, names, device)
+    if device.type == "cpu":
+        _return_freed_memory()
+    counts = Counter(formats.values())
+    logger.info(
+        "quantized %d Linear layers (%s)",
+        sum(n for f, n in counts.items() if f != "dense"),
+        ", ".join(f"{f}: {n}" for f, n in sorted(counts.items())),
+    )
+    return dict(counts)
+
+
+def _format_for(method: str, linear: torch.nn.Linear, device: torch.device) -> str:
+    n, k = linear.out_features, linear.in_features
+    if method == "fp8":
+        return "fp8" if n % FP8_MULTIPLE == 0 and k % FP8_MULTIPLE == 0 else "dense"
+    int8 = "int8" if device.type != "cpu" or k % INT8_CPU_K_MULTIPLE == 0 else "dense"
+    if method == "int4":
+        return "int4" if n % INT4_N_MULTIPLE == 0 and k % INT4_GROUP_SIZE == 0 else int8
+    return int8
+
+
+def _apply(model: torch.nn.Module, fmt: str, names: set[str], device: torch.device) -> None:
+    if fmt == "int8" and device.type == "cpu":
+        for name in names:
+            parent, _, child = name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            setattr(owner, child, Int8Linear.from_linear(getattr(owner, child)))
+        return
+    from torchao.quantization import quantize_
+
+    quantize_(model, _torchao_config(fmt, device), filter_fn=lambda _m, fqn: fqn in names)
+
+
+def _torchao_config(fmt: str, device: torch.device):
+    """torchao's config for `fmt` on `device` (CPU int8 is Int8Linear, not torchao)."""
+    # set_inductor_config=False: quantizing must not change torch.compile's global settings
+    if fmt == "int8":
+        from torchao.quantization import Int8WeightOnlyConfig
+
+        return Int8WeightOnlyConfig(set_inductor_config=False)
+    if fmt == "int4" and device.type == "cpu":
+        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+
+        return PrototypeInt4WeightOnlyConfig(group_size=INT4_GROUP_SIZE, set_inductor_config=False)
+    if fmt == "int4":
+        from torchao.quantization import Int4WeightOnlyConfig
+
+        return Int4WeightOnlyConfig(
+            group_size=INT4_GROUP_SIZE,
+            int4_packing_format="tile_packed_to_4d",
+            set_inductor_config=False,
+        )
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
+
+    return Float8DynamicActivationFloat8WeightConfig(
+        granularity=PerRow(), set_inductor_config=False
+    )
+
+
+class Int8Linear(torch.nn.Module):
+    """A Linear whose weight is int8 with one scale per output row, multiplied by torch's
+    fused CPU kernel (the int8 weight is read once, never widened in memory)."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features = qweight.shape[1]
+        self.out_features = qweight.shape[0]
+        self.register_buffer("qweight", qweight)  # [out, in] int8
+        self.register_buffer("scale", scale)  # [out], the activations' dtype
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear) -> Int8Linear:
+        """Symmetric per-row int8. The scale is rounded to the compute dtype first and the
+        weight divided by that rounded scale, so the kernel's scale is the one quantized
+        against (a bfloat16 scale alone would be off by up to 0.4 % per row)."""
+        if linear.in_features % INT8_CPU_K_MULTIPLE:
+            raise ValueError(f"in_features must be a multiple of {INT8_CPU_K_MULTIPLE}")
+        weight = linear.weight.detach()
+        wide = weight.float()
+        absmax = wide.abs().amax(dim=1).clamp(min=1e-12)
+        scale = (absmax / 127).to(weight.dtype)
+        q = torch.round(wide / scale.float().unsqueeze(1)).clamp(-128, 127).to(torch.int8)
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(q.contiguous(), scale, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
+
+
+def _return_freed_memory() -> None:
+    """Hand the wide weights' freed memory back to the system. Quantizing frees the bfloat16
+    weights and float32 temporaries, but glibc keeps them in its heap (its mmap threshold
+    rises after large frees): measured on the embedded model, RSS stayed 400 MiB above the
+    unquantized server's until `malloc_trim`, then fell below it. Other C libraries: no-op."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
+
+
+def import_torchao_quietly() -> None:
+    """Import torchao (if installed) with its import-time noise silenced: it warns about
+    optional kernels this machine can't load (its CUDA and mxfp8 libraries on a CPU build of
+    torch) and about deprecated pytree registrations, nothing a user can act on.
+    transformers' model code imports torchao (and more of its modules) as soon as it is
+    installed, so the server calls this before anything else imports either; later imports
+    are then silent no-ops."""
+    noisy = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in noisy]
+    for log in noisy:
+        log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import torchao  # noqa: F401
+            import transformers.modeling_utils  # noqa: F401 - imports torchao's prototypes
+    except ImportError:
+        pass  # --quantize then says it is missing
+    finally:
+        for log, level in zip(noisy, levels, strict=True):
+            log.setLevel(level)
