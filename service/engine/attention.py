@@ -23,8 +23,10 @@ Three backends; this module only picks one per call (`_pick_kernel`):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -334,21 +336,92 @@ def paged_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query `[1, H, T, D]`, key/value `[1, KVH, T, D]` -> (`[1, T, H, Dv]`, no weights)."""
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if torch.compiler.is_compiling():
+        # a compiled decode step: the metadata comes through bound_metadata(), not the graph
+        out = paged_attention_op(
+            query, key, value, module.layer_idx, scaling, sliding_window or 0, softcap or 0.0
+        )
+        return out, None
     meta: BatchMetadata | None = kwargs.get(METADATA_KWARG)
     if meta is None:
         raise RuntimeError(
             f"attention '{ATTENTION_NAME}' was called without '{METADATA_KWARG}': this model "
             "belongs to a PagedCore and can only run through its ModelRunner"
         )
+    return _paged_attention(
+        meta, module.layer_idx, query, key, value, scaling, sliding_window, softcap
+    ), None
+
+
+def _paged_attention(
+    meta: BatchMetadata,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
     if query.shape[0] != 1 or query.shape[2] != meta.num_tokens:
         raise ValueError(
             f"expected one flattened batch of {meta.num_tokens} tokens, got {tuple(query.shape)}"
         )
-    cache = meta.pool.write(module.layer_idx, key, value, meta.slot_mapping)
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
+    cache = meta.pool.write(layer_idx, key, value, meta.slot_mapping)
     attend = _pick_kernel(meta, query, cache)
-    return attend(query, cache, meta, scaling, sliding_window, softcap), None
+    return attend(query, cache, meta, scaling, window, softcap)
+
+
+# compiled decode steps (compiled_decode.py): the attention as one opaque op ----------------
+
+# The step's BatchMetadata while a compiled forward runs: block tables and context lengths
+# change every step, and as graph inputs they would make torch.compile recompile.
+_bound_metadata: contextvars.ContextVar[BatchMetadata | None] = contextvars.ContextVar(
+    "textgen_bound_metadata", default=None
+)
+
+
+@contextlib.contextmanager
+def bound_metadata(meta: BatchMetadata) -> Iterator[None]:
+    """Hand `meta` to every paged_attention_op run inside the block."""
+    token = _bound_metadata.set(meta)
+    try:
+        yield
+    finally:
+        _bound_metadata.reset(token)
+
+
+# Opaque to the compiler, so one graph covers any context length. It writes the layer's K/V
+# pool, state the compiler can't see: safe because nothing else in the graph reads the pools
+# and each layer's call depends on the previous layer's output, which fixes their order.
+@torch.library.custom_op("textgen::paged_attention", mutates_args=())
+def paged_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scaling: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """paged_attention_forward's output `[1, T, H, Dv]` (contiguous) under the metadata
+    bound by bound_metadata(); window 0 and softcap 0.0 mean none."""
+    meta = _bound_metadata.get()
+    if meta is None:
+        raise RuntimeError("textgen::paged_attention ran outside bound_metadata()")
+    out = _paged_attention(
+        meta, layer_idx, query, key, value, scaling, window or None, softcap or None
+    )
+    # the compiled graph assumes the fake's contiguous layout below
+    return out.contiguous()
+
+
+@paged_attention_op.register_fake
+def _paged_attention_fake(query, key, value, layer_idx, scaling, window, softcap):
+    _, num_heads, num_tokens, _ = query.shape
+    return query.new_empty(1, num_tokens, num_heads, value.shape[-1])
 
 
 def _pick_kernel(

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import ErrorType
 from .block_manager import BlockManager, num_blocks_for_tokens
+from .compiled_decode import CompiledDecode, decode_buckets
 from .core import StepOutput
 from .grammar import GrammarMasks, PendingMasks
 from .kv_pool import KVCachePool
@@ -37,6 +38,7 @@ class PagedCore:
         enable_prefix_caching: bool = True,
         grammars: GrammarMasks | None = None,
         batch_invariant: bool = False,
+        compile_decode: bool = False,
     ) -> None:
         """
         Args:
@@ -49,6 +51,8 @@ class PagedCore:
             grammars: token masks for requests with a grammar; None: such requests are refused.
             batch_invariant: a request's tokens the same whatever runs beside it, for greedy
                 and seeded requests (runner.py, invariant_attention.py); CPU only.
+            compile_decode: run decode steps of up to 32 sequences through torch.compile'd
+                graphs, one per batch bucket, compiled by warm_up() (compiled_decode.py).
         """
         if max_batch_total_tokens <= 0:
             raise ValueError(
@@ -61,9 +65,19 @@ class PagedCore:
             max_batch_prefill_tokens=max_batch_prefill_tokens,
             max_batch_size=max_batch_size,
         )
-        # batch-invariant steps pad their batch with tokens that write to a scratch block
-        pool = KVCachePool(num_blocks, block_size, scratch_blocks=int(batch_invariant))
+        if compile_decode and batch_invariant:
+            raise ValueError(
+                "--compile with --deterministic is not supported: the compiled decode step "
+                "pads batches to its own buckets, outside the batch-invariant layout"
+            )
+        # padded steps (batch-invariant ones, compiled decodes) write their padding tokens to
+        # a scratch block
+        pool = KVCachePool(
+            num_blocks, block_size, scratch_blocks=int(batch_invariant or compile_decode)
+        )
         self.runner = ModelRunner(model, pool, batch_invariant=batch_invariant)
+        if compile_decode:
+            self.runner.decode_step = CompiledDecode(self.runner, decode_buckets(max_batch_size))
         self.sampler = Sampler()
         self.grammars = grammars
         self._steps = 0
@@ -100,7 +114,8 @@ class PagedCore:
 
     def warm_up(self) -> None:
         """Allocate every layer's KV pool (out of memory shows at startup) and run the
-        lazy initialisations: one 1-token forward (EngineLoop calls it on its thread)."""
+        lazy initialisations: one 1-token forward, then the decode graphs' compilation when
+        compile_decode (EngineLoop calls it on its thread)."""
         self.runner.warmup()
 
     @torch.inference_mode()

@@ -17,6 +17,7 @@ a product of M < 12 rows otherwise than a longer product; bfloat16 computes a lo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import AttentionInterface
@@ -52,6 +53,15 @@ class RunnerOutput:
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
+class DecodeStep(Protocol):
+    """Another way to run some steps (compiled_decode.py's compiled graphs): run() gives
+    their output, or None for the eager forward to run the step."""
+
+    def run(self, batch: SchedulerOutput) -> RunnerOutput | None: ...
+
+    def warm_up(self) -> None: ...
+
+
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, pool: KVCachePool, *, batch_invariant: bool = False
@@ -72,6 +82,7 @@ class ModelRunner:
         if batch_invariant and pool.scratch_block is None:
             raise ValueError("batch-invariant execution needs a KV pool with a scratch block")
         self.batch_invariant = batch_invariant
+        self.decode_step: DecodeStep | None = None
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -83,9 +94,15 @@ class ModelRunner:
         )
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         self._forward(ids, ids, meta, torch.zeros(1, dtype=torch.long, device=self.device))
+        if self.decode_step is not None:
+            self.decode_step.warm_up()
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+        if self.decode_step is not None:
+            result = self.decode_step.run(batch)
+            if result is not None:
+                return result
         if self.batch_invariant:
             layout = _lay_out(batch, ROW_MULTIPLE, self.pool.scratch_block)
         else:
