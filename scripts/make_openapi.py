@@ -394,6 +394,10 @@ def tgi_schemas(tgi: dict) -> dict:
             "string",
             "--quantize applied to the weights (int8, int4 or fp8); absent if none.",
         ),
+        "compile": (
+            "boolean",
+            "Decode steps run through torch.compile'd graphs, one per batch bucket (--compile).",
+        ),
     }
     for name, (kind, description) in ours.items():
         info["properties"][name] = {"type": kind, "description": description}

@@ -129,6 +129,7 @@ def build_core(
         block_size=KV_BLOCK_SIZE,
         grammars=GrammarMasks(grammars.ll_tokenizer, grammars.vocab_size),
         batch_invariant=settings.deterministic,
+        compile_decode=settings.compile,
     )
 
 
@@ -190,6 +191,7 @@ def served_model(
         max_position_embeddings=loaded.max_position_embeddings,
         torch_threads=engine.torch_threads or 0,
         deterministic=settings.deterministic,
+        compile=settings.compile,
     )
     if loaded.resolved.sha:
         info.model_sha = loaded.resolved.sha

@@ -592,6 +592,11 @@ class InfoResponse(betterproto2.Message):
     as loaded (in model_dtype).
     """
 
+    compile: "bool" = betterproto2.field(26, betterproto2.TYPE_BOOL)
+    """
+    Decode steps run through torch.compile'd graphs, one per batch bucket (--compile).
+    """
+
 
 default_message_pool.register_message("textgen.v1", "InfoResponse", InfoResponse)
 
