@@ -2,7 +2,8 @@
 
 Not wired into the server: `scripts/device_check.py` uses it to time decode steps with and
 without graphs and to check that graph replay gives the same greedy tokens as the eager
-engine. Nothing in the engine files changes.
+engine. It plugs into the core's runner as its `decode_step` (runner.py), the hook the CPU's
+compiled decode step (compiled_decode.py) uses too.
 
 How it works. A decode-only step of n sequences runs the model on a `[1, B]` batch, B the
 smallest captured bucket >= n. Everything the forward reads lives in static tensors that are
@@ -30,14 +31,13 @@ use flash-attn and the comparison would be between two kernels, so construction 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from . import attention
 from .attention import AttentionGroup, BatchMetadata
-from .paged_core import PagedCore, _store_prompt_logprobs
+from .paged_core import PagedCore
 from .runner import RunnerOutput, _wants_prompt_logprobs
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
@@ -163,8 +163,9 @@ class _DecodeGraph:
 class DecodeGraphs:
     """Decode steps of `core` through captured graphs; everything else through the core.
 
-    `step()` is PagedCore.step() (paged_core.py) with the runner call swapped: keep the two
-    in step if the core's step changes.
+    From construction to close() it is the core's runner's `decode_step` (runner.py), like
+    compiled_decode.py's compiled graphs: `core.step()` (or `step()`) then replays a graph
+    for the steps it takes.
     """
 
     def __init__(
@@ -187,6 +188,8 @@ class DecodeGraphs:
             )
         if not buckets or min(buckets) <= 0:
             raise ValueError(f"buckets must be positive batch sizes, got {buckets}")
+        if core.runner.decode_step is not None:
+            raise ValueError("the core's runner already has a decode step")
         self.core = core
         self.capture = capture
         self.stats = GraphStats()
@@ -202,9 +205,12 @@ class DecodeGraphs:
                     graph.capture(mempool)
                 self.graphs[batch] = graph
         self._sizes = sorted(self.graphs)
+        core.runner.decode_step = self
 
     def close(self) -> None:
-        """Give the scratch block back and drop the graphs."""
+        """Give the scratch block back, drop the graphs and leave the runner eager."""
+        if self.core.runner.decode_step is self:
+            self.core.runner.decode_step = None
         if self._scratch is not None:
             self.core.block_manager.free(self._scratch)
             self._scratch = None
@@ -222,32 +228,23 @@ class DecodeGraphs:
                 return graph if graph.fits(seqs) else None
         return None
 
-    @torch.inference_mode()
-    def step(self):
-        core = self.core
-        batch = core.scheduler.schedule()
-        if batch.is_empty:
-            return []
-        core._steps += 1
-        now = time.monotonic()
-        for seq, _ in batch.scheduled:
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
-        masks = core.start_masks(batch)
+    # the runner's DecodeStep ----------------------------------------------------------
+
+    def run(self, batch: SchedulerOutput) -> RunnerOutput | None:
         graph = self.graph_for(batch)
         if graph is None:
-            result = core.runner.execute(batch)
             self.stats.eager_steps += 1
-        else:
-            seqs = [s for s, _ in batch.scheduled]
-            result = RunnerOutput(seqs, graph.run(seqs))
-            self.stats.graph_steps += 1
-            self.stats.padded_rows += graph.batch - len(seqs)
-        core.scheduler.commit(batch)
-        _store_prompt_logprobs(result)
-        if not result.sample_seqs:
-            return []
-        return core._append_sampled(result, masks)
+            return None
+        seqs = [s for s, _ in batch.scheduled]
+        self.stats.graph_steps += 1
+        self.stats.padded_rows += graph.batch - len(seqs)
+        return RunnerOutput(seqs, graph.run(seqs))
+
+    def warm_up(self) -> None:
+        """Nothing: the graphs were captured at construction."""
+
+    def step(self):
+        return self.core.step()
 
 
 def _reserve_block(core: PagedCore) -> Sequence:
