@@ -8,6 +8,7 @@ and the median step time (wall, and CPU time of this process, steadier on a shar
 with --threads 1), and whether both produced the same tokens (float32 should).
 
     .venv/bin/python scripts/measure_compile.py [--dtype bfloat16] [--threads 1] [--batches 1 8 32]
+        [--quantize int8|int4]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from measure_core import load_model, make_seq, prompts
 from textgen.service.engine.compiled_decode import CompiledDecode
 from textgen.service.engine.paged_core import PagedCore
+from textgen.service.models.quantize import quantize_model
 
 
 def decoding_core(model, batch: int, steps: int, compiled: bool) -> tuple[PagedCore, list, float]:
@@ -76,11 +78,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed per core")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument(
+        "--quantize", help="quantize the weights first (service/models/quantize.py)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     model, source = load_model(getattr(torch, args.dtype))
-    print(f"model: {source}, {args.dtype}, torch threads {torch.get_num_threads()}")
+    if args.quantize:
+        quantize_model(model, args.quantize, torch.device("cpu"))
+    print(
+        f"model: {source}, {args.dtype}, quantize {args.quantize}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
     print(
         f"{'batch':>5} {'compile s':>9} {'eager ms':>8} {'comp ms':>8} {'wall':>7} "
         f"{'eager cpu':>8} {'comp cpu':>8} {'cpu':>7} {'same':>6}"
