@@ -894,7 +894,12 @@ def _check_graph_step(graphs) -> dict:
         if graph is None:
             raise RuntimeError("the timing batch does not fit its graph")
         seqs = [s for s, _ in batch.scheduled]
-        eager = core.runner.execute(batch).sample_logits.float()
+        # the graphs are the runner's decode_step: step them aside for the eager forward
+        core.runner.decode_step = None
+        try:
+            eager = core.runner.execute(batch).sample_logits.float()
+        finally:
+            core.runner.decode_step = graphs
         replayed = graph.run(seqs)  # a view of the graph's output: valid until the next replay
         replay = replayed.float()
         diff = (eager - replay).abs().max().item()
