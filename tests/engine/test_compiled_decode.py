@@ -85,3 +85,15 @@ def test_needs_a_scratch_block(tiny_llama):
     core = make_core(tiny_llama)  # no compile_decode: its pool has no scratch block
     with pytest.raises(ValueError, match="scratch block"):
         CompiledDecode(core.runner, [1])
+
+
+def test_not_with_batch_invariance(tiny_llama):
+    with pytest.raises(ValueError, match="--deterministic"):
+        PagedCore(
+            engine_copy(tiny_llama),
+            max_batch_total_tokens=96,
+            max_batch_prefill_tokens=64,
+            max_batch_size=4,
+            batch_invariant=True,
+            compile_decode=True,
+        )
