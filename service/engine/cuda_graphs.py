@@ -209,9 +209,15 @@ class GraphedRunner:
         self._sizes: list[int] = []
 
     def warmup(self) -> None:
-        """The eager warm-up (allocates the KV pool), then the static buffers of every bucket,
-        captured into graphs when `capture`: on the engine's thread, at start-up."""
+        """The eager warm-up (allocates the KV pool), then `build_graphs()`: on the engine's
+        thread, at start-up."""
         self.eager.warmup()
+        self.build_graphs()
+
+    def build_graphs(self) -> None:
+        """The static buffers of every bucket, captured into graphs when `capture`. Writes
+        only the pool's scratch block, so it may run beside live sequences (the device
+        check does); the KV pool must be allocated already."""
         buckets = sorted(set(self.settings.buckets), reverse=True)
         mempool = torch.cuda.graph_pool_handle() if self.settings.capture else None
         what = "capturing CUDA graphs" if self.settings.capture else "building decode buffers"
