@@ -178,7 +178,7 @@ PROFILES: dict[str, dict] = {
         "serve_new_tokens": 128,
         "serve_min_requests": 4,
         "deadline_s": 480,
-        "serve_reserve_s": 120,
+        "serve_reserve_s": 180,  # two servers: graphed and --no-cuda-graphs
     },
     "cpu": {
         "sizes": ["tiny", "small"],
