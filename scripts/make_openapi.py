@@ -387,13 +387,17 @@ def tgi_schemas(tgi: dict) -> dict:
         ),
         "deterministic": (
             "boolean",
-            "Batch-invariant engine (--deterministic): a greedy or seeded request gives the "
-            "same tokens whatever other requests run beside it.",
+            (
+                "Batch-invariant engine (--deterministic): a greedy or seeded request gives "
+                "the same tokens whatever other requests run beside it."
+            ),
         ),
         "cuda_graphs": (
             "boolean",
-            "Decode steps replayed from CUDA graphs captured per batch bucket at start-up "
-            "(--cuda-graphs; on by default on a CUDA device).",
+            (
+                "Decode steps replayed from CUDA graphs captured per batch bucket at start-up "
+                "(--cuda-graphs; on by default on a CUDA device)."
+            ),
         ),
     }
     for name, (kind, description) in ours.items():
