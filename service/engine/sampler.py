@@ -95,7 +95,7 @@ class _SampledRows:
     uniforms: torch.Tensor  # [m] float64 in [0, 1): the row's draw, from (seed, position)
     temperatures: torch.Tensor  # [n] float32, every row (1.0 where greedy)
     top_k: torch.Tensor  # [m] float32, inf where off
-    top_p: torch.Tensor  # [m] float32
+    top_p: torch.Tensor  # [m] float32, inf where off
     typical_p: torch.Tensor  # [m] float32
     truncate: bool  # some row has top_k, top_p or typical_p on
     typical: bool  # some row has typical_p on
@@ -120,7 +120,7 @@ class _SampledRows:
             + [float(i) for i in index]
             + uniforms
             + [float(p.top_k) if p.top_k > 0 else math.inf for p in sub]
-            + [p.top_p for p in sub]
+            + [p.top_p if p.top_p < 1.0 else math.inf for p in sub]  # off: no rounding
             + [p.typical_p for p in sub],
             dtype=torch.float64,
         ).to(device)
@@ -210,11 +210,18 @@ def _truncate(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
     keep = ranks < rows.top_k.unsqueeze(1)
     mass_before = probs.cumsum(-1) - probs
     keep &= mass_before < rows.top_p.unsqueeze(1)
-    if rows.typical:
-        keep &= _typical_keep(sorted_lp, probs, rows.typical_p)
     keep[:, 0] = True  # the most probable token always survives
-    masked = sorted_lp.masked_fill(~keep, float("-inf"))
-    return torch.full_like(logprobs, float("-inf")).scatter_(1, order, masked)
+    # top-k and top-p as a threshold: tokens tied with the last one kept stay too (as HF's
+    # top-k), so the kept set doesn't hang on how a sort ordered ties, which topk and sort
+    # do differently (a row alone and in a batch may take either)
+    threshold = sorted_lp.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
+    truncated = logprobs.masked_fill(logprobs < threshold, float("-inf"))
+    if rows.typical:  # a full sort: the fast path excludes typical_p
+        typical = _typical_keep(sorted_lp, probs, rows.typical_p)
+        typical[:, 0] = True
+        kept = torch.empty_like(typical).scatter_(1, order, typical)
+        truncated = truncated.masked_fill(~kept, float("-inf"))
+    return truncated
 
 
 def _typical_keep(sorted_lp: torch.Tensor, probs: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
