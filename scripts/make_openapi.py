@@ -394,6 +394,11 @@ def tgi_schemas(tgi: dict) -> dict:
             "string",
             "--quantize applied to the weights (int8, int4 or fp8); absent if none.",
         ),
+        "cuda_graphs": (
+            "boolean",
+            "Decode steps replayed from CUDA graphs captured per batch bucket at start-up "
+            + "(--cuda-graphs; on by default on a CUDA device).",
+        ),
     }
     for name, (kind, description) in ours.items():
         info["properties"][name] = {"type": kind, "description": description}

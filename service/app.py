@@ -19,6 +19,7 @@ from . import __version__
 from .admission import Admission
 from .config import Settings
 from .cpus import default_torch_threads
+from .engine.cuda_graphs import GraphSettings, unavailable_reason
 from .engine.grammar import GrammarMasks
 from .engine.loop import EngineLoop
 from .engine.paged_core import PagedCore
@@ -118,8 +119,31 @@ def kv_capacity_tokens(settings: Settings, loaded: LoadedModel, max_total_tokens
     return max(max_total_tokens, min(fits, 1 << 20))
 
 
+def cuda_graph_settings(
+    settings: Settings, loaded: LoadedModel, max_total_tokens: int
+) -> GraphSettings | None:
+    """--cuda-graphs as given (refused where graphs can't run), else on where they can."""
+    reason = unavailable_reason(loaded.device)
+    if settings.cuda_graphs and reason:
+        raise ValueError(f"--cuda-graphs: {reason} (pass --no-cuda-graphs)")
+    if settings.cuda_graphs is None:
+        if reason and loaded.device.type == "cuda":
+            log.warning("CUDA graphs off: %s", reason)
+        if reason or settings.deterministic:  # --deterministic refuses CUDA anyway
+            return None
+    elif not settings.cuda_graphs:
+        return None
+    return GraphSettings.for_engine(
+        settings.max_batch_size, max_total_tokens, KV_BLOCK_SIZE, progress=True
+    )
+
+
 def build_core(
-    settings: Settings, loaded: LoadedModel, capacity: int, grammars: GrammarCompiler
+    settings: Settings,
+    loaded: LoadedModel,
+    capacity: int,
+    grammars: GrammarCompiler,
+    graphs: GraphSettings | None = None,
 ) -> PagedCore:
     return PagedCore(
         loaded.model,
@@ -129,6 +153,7 @@ def build_core(
         block_size=KV_BLOCK_SIZE,
         grammars=GrammarMasks(grammars.ll_tokenizer, grammars.vocab_size),
         batch_invariant=settings.deterministic,
+        cuda_graphs=graphs,
     )
 
 
@@ -165,7 +190,13 @@ def request_interceptors(settings: Settings, metrics: Metrics) -> list:
 
 
 def served_model(
-    settings: Settings, loaded: LoadedModel, limits: Limits, capacity: int, core, engine
+    settings: Settings,
+    loaded: LoadedModel,
+    limits: Limits,
+    capacity: int,
+    core,
+    engine,
+    cuda_graphs: bool = False,
 ) -> ServedModel:
     stats = core.stats()
     info = svc_pb.InfoResponse(
@@ -190,6 +221,7 @@ def served_model(
         max_position_embeddings=loaded.max_position_embeddings,
         torch_threads=engine.torch_threads or 0,
         deterministic=settings.deterministic,
+        cuda_graphs=cuda_graphs,
     )
     if loaded.resolved.sha:
         info.model_sha = loaded.resolved.sha
@@ -227,7 +259,8 @@ async def start_replica(
     grammars = await asyncio.to_thread(
         GrammarCompiler, loaded.tokenizer, limits.vocab_size, loaded.eos_token_ids
     )
-    core = build_core(settings, loaded, capacity, grammars)
+    graphs = cuda_graph_settings(settings, loaded, max_total)
+    core = build_core(settings, loaded, capacity, grammars, graphs)
     metrics = Metrics()
     torch_threads = settings.torch_threads or default_torch_threads()
     engine = EngineLoop(
@@ -244,7 +277,7 @@ async def start_replica(
     servicer = TextGenerationServicer(
         engine,
         Validator(loaded.tokenizer, limits, grammars),
-        served_model(settings, loaded, limits, capacity, core, engine),
+        served_model(settings, loaded, limits, capacity, core, engine, graphs is not None),
         admission,
         RequestRecorder(metrics, tracer),
         ThreadPoolExecutor(settings.validation_workers, thread_name_prefix="textgen-validation"),

@@ -46,6 +46,8 @@ class Settings:
     # batch-invariant engine: a greedy or seeded request's tokens don't depend on the traffic
     # around it (CPU only; costs throughput: docs/performance.md)
     deterministic: bool = False
+    # decode steps replayed from CUDA graphs; None: on when the model is on a CUDA device
+    cuda_graphs: bool | None = None
     api_key: str | None = None
     api_key_file: str | None = None  # one key per line
     auth_health_and_metrics: bool = False  # True: health and metrics need a key too
@@ -87,6 +89,20 @@ def _env_name(name: str) -> str:
 
 def _env(name: str, default=None):
     return os.environ.get(_env_name(name), default)
+
+
+def _env_bool(name: str) -> bool | None:
+    """TEXTGEN_<NAME> as a tri-state flag: unset or empty -> None (the default applies)."""
+    text = (_env(name) or "").strip().lower()
+    if not text:
+        return None
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(
+        f"{ENV_PREFIX}{name.upper().replace('-', '_')}={text!r}: use 1/0 or true/false"
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -250,6 +266,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="batch-invariant engine: a greedy or seeded request gives the same tokens "
         "whatever runs beside it (CPU only; slower: docs/performance.md) "
         f"[env {ENV_PREFIX}DETERMINISTIC]",
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("cuda-graphs"),
+        help="replay decode steps from CUDA graphs captured per batch size at start-up "
+        "(default: on when the model is on a CUDA device; refused on CPU) "
+        f"[env {ENV_PREFIX}CUDA_GRAPHS]",
     )
     flag(
         "validation-workers",

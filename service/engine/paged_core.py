@@ -15,9 +15,10 @@ import torch
 from ..errors import ErrorType
 from .block_manager import BlockManager, num_blocks_for_tokens
 from .core import StepOutput
+from .cuda_graphs import GraphedRunner, GraphSettings
 from .grammar import GrammarMasks, PendingMasks
 from .kv_pool import KVCachePool
-from .runner import ModelRunner, RunnerOutput
+from .runner import ModelRunner, Runner, RunnerOutput
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -37,6 +38,7 @@ class PagedCore:
         enable_prefix_caching: bool = True,
         grammars: GrammarMasks | None = None,
         batch_invariant: bool = False,
+        cuda_graphs: GraphSettings | None = None,
     ) -> None:
         """
         Args:
@@ -49,6 +51,8 @@ class PagedCore:
             grammars: token masks for requests with a grammar; None: such requests are refused.
             batch_invariant: a request's tokens the same whatever runs beside it, for greedy
                 and seeded requests (runner.py, invariant_attention.py); CPU only.
+            cuda_graphs: decode steps replayed from graphs per batch bucket, captured by
+                warm_up() (cuda_graphs.py); None: every step eager.
         """
         if max_batch_total_tokens <= 0:
             raise ValueError(
@@ -61,9 +65,12 @@ class PagedCore:
             max_batch_prefill_tokens=max_batch_prefill_tokens,
             max_batch_size=max_batch_size,
         )
-        # batch-invariant steps pad their batch with tokens that write to a scratch block
-        pool = KVCachePool(num_blocks, block_size, scratch_blocks=int(batch_invariant))
-        self.runner = ModelRunner(model, pool, batch_invariant=batch_invariant)
+        # one scratch block for padding tokens (batch-invariant steps, graph buckets): they
+        # write and read only there
+        pool = KVCachePool(num_blocks, block_size, scratch_blocks=1)
+        self.runner: Runner = ModelRunner(model, pool, batch_invariant=batch_invariant)
+        if cuda_graphs is not None:
+            self.runner = GraphedRunner(self.runner, cuda_graphs)
         self.sampler = Sampler()
         self.grammars = grammars
         self._steps = 0
@@ -100,7 +107,8 @@ class PagedCore:
 
     def warm_up(self) -> None:
         """Allocate every layer's KV pool (out of memory shows at startup) and run the
-        lazy initialisations: one 1-token forward (EngineLoop calls it on its thread)."""
+        lazy initialisations: one 1-token forward, then the graph captures if any
+        (EngineLoop calls it on its thread)."""
         self.runner.warmup()
 
     @torch.inference_mode()

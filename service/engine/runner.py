@@ -17,6 +17,7 @@ a product of M < 12 rows otherwise than a longer product; bfloat16 computes a lo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import AttentionInterface
@@ -52,6 +53,15 @@ class RunnerOutput:
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
+class Runner(Protocol):
+    """What PagedCore drives: ModelRunner, or a strategy wrapping it (cuda_graphs.py)."""
+
+    def warmup(self) -> None:
+        """Run once, at start-up on the engine's thread, what the first request would."""
+
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput: ...
+
+
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, pool: KVCachePool, *, batch_invariant: bool = False
@@ -82,7 +92,7 @@ class ModelRunner:
             self.pool, [1], [1], [[0]], self.device, batch_invariant=self.batch_invariant
         )
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        self._forward(ids, ids, meta, torch.zeros(1, dtype=torch.long, device=self.device))
+        self.forward(ids, ids, meta, torch.zeros(1, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
@@ -98,7 +108,7 @@ class ModelRunner:
             self.device,
             batch_invariant=self.batch_invariant,
         )
-        logits = self._forward(
+        logits = self.forward(
             self._tensor([layout.token_ids]),
             self._tensor([layout.positions]),
             meta,
@@ -114,10 +124,11 @@ class ModelRunner:
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _forward(
+    def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata, keep: torch.Tensor
     ) -> torch.Tensor:
-        """-> logits `[len(keep), vocab]`."""
+        """-> logits `[len(keep), vocab]`. Public for runner strategies that lay out
+        their own inputs (cuda_graphs.py)."""
         if keep.numel() == 0:  # a step of prefill chunks only: nothing to project
             keep = keep.new_zeros(1)
         out = self.model(
@@ -155,7 +166,7 @@ class _Layout:
         self.query_lens.append(num_new)
         self.context_lens.append(start + num_new)
         self.block_tables.append(seq.block_table)
-        if _wants_prompt_logprobs(seq):
+        if wants_prompt_logprobs(seq):
             self.prompt_spans.append((seq, len(self.keep), start, num_new))
             self.keep.extend(range(offset, offset + num_new))
         elif reaches_end:
@@ -219,7 +230,7 @@ def check_model_supported(model: torch.nn.Module) -> None:
         )
 
 
-def _wants_prompt_logprobs(seq: Sequence) -> bool:
+def wants_prompt_logprobs(seq: Sequence) -> bool:
     # Only before the first generated token: a recompute after preemption already reported them.
     return seq.request.decoder_input_details and seq.num_output_tokens == 0
 

@@ -592,6 +592,12 @@ class InfoResponse(betterproto2.Message):
     as loaded (in model_dtype).
     """
 
+    cuda_graphs: "bool" = betterproto2.field(26, betterproto2.TYPE_BOOL)
+    """
+    Decode steps replayed from CUDA graphs captured per batch bucket at start-up
+    (--cuda-graphs; on by default on a CUDA device).
+    """
+
 
 default_message_pool.register_message("textgen.v1", "InfoResponse", InfoResponse)
 
