@@ -17,7 +17,8 @@ JSON and the table rewritten after every section so a run cut short still leaves
                `model.generate` on each prompt alone. Match counts; a mismatch is reported with
                its first diverging step and the reference's logit gap there, never raised.
                Also the same workload with decode steps replayed from CUDA graphs
-               (service/engine/cuda_graphs.py; on CPU its static-buffer path without capture),
+               (GraphedRunner, service/engine/cuda_graphs.py; on CPU its static buffers
+               without capture),
                and on GPU a float32 run of the smallest size (bf16 greedy can flip near-ties).
              - decode step time at each batch size at a fixed context: the full engine step
                (schedule + forward + sample) and the forward alone, eager and CUDA-graphed, each
@@ -73,6 +74,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import functools
 import gc
 import importlib
 import json
@@ -176,7 +178,7 @@ PROFILES: dict[str, dict] = {
         "serve_new_tokens": 128,
         "serve_min_requests": 4,
         "deadline_s": 480,
-        "serve_reserve_s": 120,
+        "serve_reserve_s": 180,  # two servers: graphed and --no-cuda-graphs
     },
     "cpu": {
         "sizes": ["tiny", "small"],
@@ -541,7 +543,7 @@ def random_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def make_core(model, total_tokens: int, prefill_tokens: int, batch_size: int):
+def make_core(model, total_tokens: int, prefill_tokens: int, batch_size: int, graphs=None):
     from textgen.service.engine.paged_core import PagedCore
 
     return PagedCore(
@@ -549,6 +551,7 @@ def make_core(model, total_tokens: int, prefill_tokens: int, batch_size: int):
         max_batch_total_tokens=total_tokens,
         max_batch_prefill_tokens=prefill_tokens,
         max_batch_size=batch_size,
+        cuda_graphs=graphs,
     )
 
 
@@ -588,25 +591,26 @@ def reference_greedy(model, prompt: list[int], new_tokens: int):
 
 
 def run_workload(model, prompts, new_tokens, prefill_budget, late, graphs_mode, device):
-    """The mixed workload through a fresh PagedCore (optionally with DecodeGraphs): all but
-    the last `late` prompts at once, a few steps, then the late ones. -> (outputs, info)."""
+    """The mixed workload through a fresh PagedCore (optionally with its decode steps from
+    CUDA graphs, or their static buffers without capture): all but the last `late` prompts at
+    once, a few steps, then the late ones. -> (outputs, info)."""
     total = sum(len(p) + n for p, n in zip(prompts, new_tokens)) + 64 * 16
-    core = make_core(model, total, prefill_budget, len(prompts))
-    info: dict = {}
-    stepper = core
     graphs = None
     if graphs_mode is not None:
-        from textgen.service.engine.cuda_graphs import DecodeGraphs
+        from textgen.service.engine.cuda_graphs import GraphSettings
 
-        buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < len(prompts)] + [len(prompts)]
         longest = max(len(p) + n for p, n in zip(prompts, new_tokens))
-        max_blocks = math.ceil(longest / core.block_manager.block_size) + 1
-        start = time.perf_counter()
-        graphs = DecodeGraphs(core, buckets, max_blocks, capture=graphs_mode == "cuda_graphs")
-        sync(device)
+        graphs = GraphSettings.for_engine(
+            len(prompts), longest + 16, 16, capture=graphs_mode == "cuda_graphs"
+        )
+    core = make_core(model, total, prefill_budget, len(prompts), graphs)
+    info: dict = {}
+    start = time.perf_counter()
+    core.warm_up()  # captures the graphs
+    sync(device)
+    if graphs is not None:
         info["capture_s"] = round(time.perf_counter() - start, 3)
-        info["buckets"] = sorted(graphs.graphs)
-        stepper = graphs
+        info["buckets"] = list(graphs.buckets)
     seqs = [make_seq(p, f"q{i}", n) for i, (p, n) in enumerate(zip(prompts, new_tokens))]
     early, later = seqs[: len(seqs) - late], seqs[len(seqs) - late :]
     for seq in early:
@@ -614,12 +618,12 @@ def run_workload(model, prompts, new_tokens, prefill_budget, late, graphs_mode, 
     steps = 0
     start = time.perf_counter()
     for _ in range(3):
-        stepper.step()
+        core.step()
         steps += 1
     for seq in later:
         core.add(seq)
     while core.has_work():
-        stepper.step()
+        core.step()
         steps += 1
         if steps > 100_000:
             raise RuntimeError("engine still busy after 100000 steps")
@@ -627,14 +631,13 @@ def run_workload(model, prompts, new_tokens, prefill_budget, late, graphs_mode, 
     info["steps"] = steps
     info["seconds"] = round(time.perf_counter() - start, 3)
     if graphs is not None:
-        info["graph_steps"] = graphs.stats.graph_steps
-        info["eager_steps"] = graphs.stats.eager_steps
-        info["padded_rows"] = graphs.stats.padded_rows
-        graphs.close()
+        info["graph_steps"] = core.runner.stats.graph_steps
+        info["eager_steps"] = core.runner.stats.eager_steps
+        info["padded_rows"] = core.runner.stats.padded_rows
     stats = core.stats()
     info["kv_blocks_used_after"] = stats.kv_blocks_used
     outputs = [s.output_ids for s in seqs]
-    del core, graphs, stepper, seqs
+    del core, seqs
     _free_memory()
     return outputs, info
 
@@ -814,14 +817,18 @@ def decode_timing(model, facts, prof, batch, device, bandwidth, graphs_mode, rec
 
 
 def _graph_timing(core, seqs, batch, steps, warm, device, floor_s, mean_context, rec, capture):
-    """Decode steps of the same sequences through DecodeGraphs (captured when `capture`)."""
-    from textgen.service.engine.cuda_graphs import DecodeGraphs
+    """Decode steps of the same sequences through a GraphedRunner (captured when `capture`)
+    put in the core's place for the measurement."""
+    from textgen.service.engine.cuda_graphs import GraphedRunner, GraphSettings
 
+    eager = core.runner
     try:
         rec.need(10, "graph capture and timing")
         max_blocks = max(len(s.block_table) for s in seqs) + math.ceil((steps + warm + 4) / 16) + 1
         t0 = time.perf_counter()
-        graphs = DecodeGraphs(core, [batch], max_blocks, capture=capture)
+        graphed = GraphedRunner(eager, GraphSettings((batch,), max_blocks, capture=capture))
+        graphed.build_graphs()  # the pool is live: capture writes only its scratch block
+        sync(device)
         capture_s = time.perf_counter() - t0
     except Skip as exc:
         return {"status": "skipped", "reason": str(exc)}
@@ -832,8 +839,9 @@ def _graph_timing(core, seqs, batch, steps, warm, device, floor_s, mean_context,
             "error": f"{type(exc).__name__}: {exc}",
             "traceback": traceback.format_exc(limit=8),
         }
+    core.runner = graphed
     try:
-        graph = graphs.graphs[batch]
+        graph = graphed.graphs[batch]
         replay_times: list[float] = []
         run = graph.run
 
@@ -846,15 +854,14 @@ def _graph_timing(core, seqs, batch, steps, warm, device, floor_s, mean_context,
             return out
 
         for _ in range(warm):
-            graphs.step()
-        # one step computed both ways: graph replay vs the eager runner on the same inputs
-        check = _check_graph_step(graphs)
+            core.step()
+        check = _check_graph_step(core, graphed)
         graph.run = timed_run
         ctx0 = mean_context()
         step_times = []
         for _ in range(steps):
             t = time.perf_counter()
-            graphs.step()
+            core.step()
             step_times.append(time.perf_counter() - t)
         graph.run = run
         ctx_mean = (ctx0 + mean_context() - 1) / 2
@@ -864,8 +871,8 @@ def _graph_timing(core, seqs, batch, steps, warm, device, floor_s, mean_context,
         return {
             "status": "ok",
             "capture_s": round(capture_s, 3),
-            "graph_steps": graphs.stats.graph_steps,
-            "eager_steps": graphs.stats.eager_steps,
+            "graph_steps": graphed.stats.graph_steps,
+            "eager_steps": graphed.stats.eager_steps,
             "context_mean": round(ctx_mean, 1),
             "step_ms": round(1000 * step, 3),
             "replay_ms": round(1000 * replay, 3),
@@ -876,40 +883,146 @@ def _graph_timing(core, seqs, batch, steps, warm, device, floor_s, mean_context,
             "check_vs_eager": check,
         }
     finally:
-        graphs.close()
+        core.runner = eager
 
 
-def _check_graph_step(graphs) -> dict:
-    """Run the next decode batch through the eager runner and through the graph, on the same
-    inputs (the K/V written are the same values to the same slots), compare the logits, then
-    commit the step as usual with the graph's result."""
-    import torch
-    from textgen.service.engine.paged_core import _store_prompt_logprobs
-    from textgen.service.engine.runner import RunnerOutput
+class _BothWays:
+    """A runner for one step: the eager forward, then the graph on the same inputs (the K/V
+    both write are the same values to the same slots); the core gets the graph's result."""
 
-    core = graphs.core
-    with torch.inference_mode():
-        batch = core.scheduler.schedule()
-        graph = graphs.graph_for(batch)
-        if graph is None:
+    def __init__(self, graphed) -> None:
+        self.graphed = graphed
+        self.check: dict = {}
+
+    def warmup(self) -> None:
+        pass
+
+    def execute(self, batch):
+        eager = self.graphed.eager.execute(batch).sample_logits.float()
+        before = self.graphed.stats.graph_steps
+        result = self.graphed.execute(batch)
+        if self.graphed.stats.graph_steps != before + 1:
             raise RuntimeError("the timing batch does not fit its graph")
-        seqs = [s for s, _ in batch.scheduled]
-        # the graphs are the runner's decode_step: step them aside for the eager forward
-        core.runner.decode_step = None
-        try:
-            eager = core.runner.execute(batch).sample_logits.float()
-        finally:
-            core.runner.decode_step = graphs
-        replayed = graph.run(seqs)  # a view of the graph's output: valid until the next replay
-        replay = replayed.float()
-        diff = (eager - replay).abs().max().item()
-        same_argmax = int((eager.argmax(-1) == replay.argmax(-1)).sum().item())
-        core._steps += 1
-        core.scheduler.commit(batch)
-        result = RunnerOutput(seqs, replayed)
-        _store_prompt_logprobs(result)
-        core._append_sampled(result)
-    return {"max_abs_logit_diff": diff, "same_argmax_rows": same_argmax, "rows": len(seqs)}
+        replay = result.sample_logits.float()
+        self.check = {
+            "max_abs_logit_diff": (eager - replay).abs().max().item(),
+            "same_argmax_rows": int((eager.argmax(-1) == replay.argmax(-1)).sum().item()),
+            "rows": len(result.sample_seqs),
+        }
+        return result
+
+
+def _check_graph_step(core, graphed) -> dict:
+    """One core step computed eagerly and from the graph, compared; the graph's tokens go on."""
+    both = _BothWays(graphed)
+    core.runner = both
+    try:
+        core.step()
+    finally:
+        core.runner = graphed
+    return both.check
+
+
+# attention kernels -------------------------------------------------------------------------
+
+ATTENTION_KERNELS = ("sdpa_gather", "triton", "flash_attn")
+
+
+def attention_timing(facts, prof, device, dtype, bandwidth) -> dict:
+    """One layer's paged attention for a decode batch at the profile's context, through the
+    registered attention function (the step's K/V write included) with each kernel forced:
+    SDPA over the gathered blocks, the Triton kernel over the pool in place, flash-attn over
+    the gathered K/V when it imports. CUDA only: on CPU the Triton kernel runs in its
+    interpreter, which times nothing of interest."""
+    if device.type != "cuda":
+        return {"status": "skipped", "reason": "needs CUDA"}
+    import types
+
+    import torch
+    from textgen.service.engine import attention, triton_attention
+    from textgen.service.engine.kv_pool import KVCachePool
+
+    heads, kv_heads, head_dim = facts["heads"], facts["kv_heads"], facts["head_dim"]
+    block_size, context = 16, prof["context"] + 1  # the new token's K/V included
+    kernels = ["sdpa_gather", "triton"]
+    if attention.flash_attn_varlen_func is not None and dtype in (torch.float16, torch.bfloat16):
+        kernels.append("flash_attn")
+    layer = types.SimpleNamespace(layer_idx=0)
+    rows = []
+    for batch in prof["batches"]:
+        per_seq = math.ceil(context / block_size)
+        pool = KVCachePool(batch * per_seq + 1, block_size)
+        g = torch.Generator(device=device).manual_seed(batch)
+        query = torch.randn(1, heads, batch, head_dim, dtype=dtype, device=device, generator=g)
+        key = torch.randn(1, kv_heads, batch, head_dim, dtype=dtype, device=device, generator=g)
+        value = torch.randn_like(key)
+        cache = pool.layer(0, key, value)
+        cache.keys.normal_(generator=g)
+        cache.values.normal_(generator=g)
+        # each sequence's blocks scattered over the pool, as after a while of serving
+        order = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(batch))
+        tables = order.view(batch, per_seq).tolist()
+        kv_bytes = batch * context * kv_heads * head_dim * 2 * cache.keys.element_size()
+        row: dict = {"batch": batch, "context": context, "kv_bytes": kv_bytes}
+        outputs = {}
+        for kernel in kernels:
+            meta = attention.BatchMetadata.build(
+                pool, [1] * batch, [context] * batch, tables, device
+            )
+            meta.use_triton = kernel == "triton"
+            meta.use_flash = kernel == "flash_attn"
+            if kernel == "triton" and not triton_attention.supports(
+                query[0].transpose(0, 1), cache.keys, cache.values
+            ):
+                row[kernel] = {"status": "not run", "reason": "the kernel refuses this shape"}
+                continue
+
+            call = functools.partial(
+                attention.paged_attention_forward,
+                layer,
+                query,
+                key,
+                value,
+                None,
+                scaling=head_dim**-0.5,
+                **{attention.METADATA_KWARG: meta},
+            )
+            ms = _cuda_median_ms(call, warmup=3, runs=20)
+            outputs[kernel] = call()[0].float()
+            row[kernel] = {
+                "ms": round(ms, 4),
+                "kv_gb_per_s": round(kv_bytes / ms / 1e6, 1),
+                "floor_over_time": round(kv_bytes / bandwidth / (ms / 1000), 4),
+            }
+        if "triton" in outputs:
+            row["triton_max_abs_diff_vs_sdpa"] = (
+                (outputs["triton"] - outputs["sdpa_gather"]).abs().max().item()
+            )
+        rows.append(row)
+        log(
+            f"   attention b={batch}: "
+            + ", ".join(f"{k} {row[k].get('ms', row[k].get('status'))} ms" for k in kernels)
+        )
+        del pool, cache, outputs
+        _free_memory()
+    return {"status": "ok", "kernels": kernels, "rows": rows}
+
+
+def _cuda_median_ms(fn, *, warmup: int, runs: int) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 # prefill throughput -----------------------------------------------------------------------
@@ -1019,6 +1132,7 @@ def section_model(size, prof, device, dtype, bandwidth, graphs_enabled, rec, res
             _free_memory()
         timings.append(row)
         rec.save()
+    part("attention", lambda: attention_timing(facts, prof, device, dtype, bandwidth), 10)
     part("prefill", lambda: prefill_throughput(model, facts, prof, device), 15)
     model = None  # the lambdas above hold it through their closure cell
     _free_memory()
@@ -1118,12 +1232,11 @@ def section_serving(prof, device, dtype, child_env, rec, results) -> dict:
     entry["save_s"] = round(time.perf_counter() - t0, 2)
     entry["folder"] = str(folder)
 
-    concurrency = prof["concurrency"]
-    max_conc = max(concurrency)
-    new_tokens = prof["serve_new_tokens"]
+    max_conc = max(prof["concurrency"])
     dtype_name = str(dtype).removeprefix("torch.")
-    port = free_port()
-    capacity = max_conc * (128 + new_tokens + 32)  # bench prompts are <= ~80 byte tokens
+    capacity = max_conc * (
+        128 + prof["serve_new_tokens"] + 32
+    )  # bench prompts are <= ~80 byte tokens
     cmd = [
         sys.executable,
         "-m",
@@ -1138,8 +1251,6 @@ def section_serving(prof, device, dtype, child_env, rec, results) -> dict:
         device.type,
         "--hostname",
         "127.0.0.1",
-        "--grpc-port",
-        str(port),
         "--max-batch-total-tokens",
         str(capacity),
         "--max-batch-prefill-tokens",
@@ -1153,7 +1264,36 @@ def section_serving(prof, device, dtype, child_env, rec, results) -> dict:
         "--graceful-termination-timeout",
         "5",
     ]
+    if device.type == "cuda":
+        # the default server replays decode from graphs; a second one runs them eagerly
+        cmd.append("--cuda-graphs")
     entry["serve_command"] = " ".join(cmd[1:])
+    entry["cuda_graphs"] = device.type == "cuda"
+    try:
+        _serve_and_bench(entry, cmd, prof, child_env, rec, work)
+        if device.type != "cuda":
+            entry["no_graphs"] = {"status": "skipped", "reason": "needs CUDA (graphs are CUDA's)"}
+        else:
+            eager: dict = {"runs": []}
+            entry["no_graphs"] = eager
+            try:
+                rec.need(60, "the same load on a --no-cuda-graphs server")
+                eager_cmd = [c for c in cmd if c != "--cuda-graphs"] + ["--no-cuda-graphs"]
+                eager["serve_command"] = " ".join(eager_cmd[1:])
+                _serve_and_bench(eager, eager_cmd, prof, child_env, rec, work)
+            except Skip as exc:
+                eager.update(status="skipped", reason=str(exc))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return entry
+
+
+def _serve_and_bench(entry: dict, cmd: list[str], prof, child_env, rec, work: Path) -> None:
+    """Start `cmd` (its port is free now), bench it at each concurrency into entry["runs"],
+    stop it by PID."""
+    port = free_port()
+    cmd = [*cmd, "--grpc-port", str(port)]
+    new_tokens = prof["serve_new_tokens"]
     t0 = time.perf_counter()
     server = Server(cmd, child_env)
     entry["server_pid"] = server.proc.pid
@@ -1161,13 +1301,13 @@ def section_serving(prof, device, dtype, child_env, rec, results) -> dict:
         server.wait_ready(timeout=min(300, max(30, rec.remaining() - 30)))
         entry["ready_s"] = round(time.perf_counter() - t0, 2)
         log(f"   server ready in {entry['ready_s']} s (pid {server.proc.pid}, port {port})")
-        for conc in concurrency:
+        for conc in prof["concurrency"]:
             requests = max(conc, prof["serve_min_requests"])
             run: dict = {"concurrency": conc, "requests": requests}
             entry["runs"].append(run)
             try:
                 rec.need(20, f"bench at concurrency {conc}")
-                report = work / f"bench-{conc}.json"
+                report = work / f"bench-{port}-{conc}.json"
                 bench = [
                     sys.executable,
                     "-m",
@@ -1220,8 +1360,6 @@ def section_serving(prof, device, dtype, child_env, rec, results) -> dict:
     finally:
         entry["server_returncode"] = server.stop()
         entry["server_log_tail"] = server.tail(15)
-        shutil.rmtree(work, ignore_errors=True)
-    return entry
 
 
 # markdown -------------------------------------------------------------------------------
@@ -1233,6 +1371,64 @@ def _fmt(value, digits: int = 2) -> str:
     if isinstance(value, float):
         return f"{value:.{digits}f}"
     return str(value)
+
+
+def _fmt_g(value) -> str:
+    return "–" if value is None else f"{value:.3g}"
+
+
+def _bench_lines(server: dict) -> list[str]:
+    lines = [
+        f"Server ready in {server.get('ready_s', '–')} s.",
+        "",
+        (
+            "| concurrency | requests | new tokens | output tok/s "
+            "| TTFT p50 / p95 ms | ITL p50 / p95 ms | errors |"
+        ),
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for run in server.get("runs", []):
+        r = run.get("report")
+        if not r:
+            lines.append(
+                f"| {run['concurrency']} | {run.get('status')}: "
+                f"{str(run.get('reason', run.get('error', '')))[:200]} |"
+            )
+            continue
+        lines.append(
+            f"| {r['concurrency']} | {r['requests']} | {r['max_new_tokens']} "
+            f"| {r['output_tokens_per_s']} "
+            f"| {r['ttft_p50_ms']} / {r['ttft_p95_ms']} "
+            f"| {r['itl_p50_ms']} / {r['itl_p95_ms']} | {r['errors']} |"
+        )
+    return [*lines, ""]
+
+
+def _attention_lines(a: dict | None) -> list[str]:
+    if not a:
+        return []
+    if a.get("status") != "ok":
+        detail = a.get("reason", a.get("error", ""))
+        return [f"Attention kernels (one layer, decode): {a.get('status')}: {detail}", ""]
+    names = {"sdpa_gather": "SDPA over gather", "triton": "Triton", "flash_attn": "flash-attn"}
+    kernels = a["kernels"]
+    lines = [
+        "Attention, one layer of a decode batch (K/V write included), median of 20 calls:",
+        "",
+        "| batch | context | KV MiB read | "
+        + " | ".join(f"{names[k]} ms" for k in kernels)
+        + " | Triton: floor/time | Triton vs SDPA max abs diff |",
+        "| ---: | ---: | ---: | " + " | ".join("---:" for _ in kernels) + " | ---: | ---: |",
+    ]
+    for r in a["rows"]:
+        cells = [_fmt(r.get(k, {}).get("ms", r.get(k, {}).get("status")), 4) for k in kernels]
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {_fmt(r['kv_bytes'] / 2**20, 1)} | "
+            + " | ".join(cells)
+            + f" | {_fmt(r.get('triton', {}).get('floor_over_time'), 3)} "
+            f"| {_fmt_g(r.get('triton_max_abs_diff_vs_sdpa'))} |"
+        )
+    return [*lines, ""]
 
 
 def render_markdown(results: dict) -> str:
@@ -1391,6 +1587,7 @@ def render_markdown(results: dict) -> str:
                     ),
                     "",
                 ]
+        lines += _attention_lines(m.get("attention"))
         p = m.get("prefill")
         if p and "tokens_per_s" in p:
             lines += [
@@ -1405,35 +1602,23 @@ def render_markdown(results: dict) -> str:
             lines += [f"Prefill: {p.get('status')} {p.get('reason', p.get('error', ''))}", ""]
     s = results.get("serving")
     if s:
+        graphs = "CUDA graphs on" if s.get("cuda_graphs") else "no CUDA graphs"
         lines += [
             (
-                f"## Serving: `textgen serve --no-envoy` ({s.get('model')}), "
+                f"## Serving: `textgen serve --no-envoy` ({s.get('model')}, {graphs}), "
                 "`textgen bench --ignore-eos`"
             ),
             "",
-            f"Server ready in {s.get('ready_s', '–')} s.",
-            "",
-            (
-                "| concurrency | requests | new tokens | output tok/s "
-                "| TTFT p50 / p95 ms | ITL p50 / p95 ms | errors |"
-            ),
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            *_bench_lines(s),
         ]
-        for run in s.get("runs", []):
-            r = run.get("report")
-            if not r:
-                lines.append(
-                    f"| {run['concurrency']} | {run.get('status')}: "
-                    f"{str(run.get('reason', run.get('error', '')))[:200]} |"
-                )
-                continue
-            lines.append(
-                f"| {r['concurrency']} | {r['requests']} | {r['max_new_tokens']} "
-                f"| {r['output_tokens_per_s']} "
-                f"| {r['ttft_p50_ms']} / {r['ttft_p95_ms']} "
-                f"| {r['itl_p50_ms']} / {r['itl_p95_ms']} | {r['errors']} |"
-            )
-        lines.append("")
+        eager = s.get("no_graphs") or {}
+        if "runs" in eager and eager.get("status") != "skipped":
+            lines += ["The same load with `--no-cuda-graphs`:", "", *_bench_lines(eager)]
+        elif eager:
+            lines += [
+                f"Eager vs graphed serving: {eager.get('status')}: {eager.get('reason', '')}",
+                "",
+            ]
     sections = results.get("sections", {})
     if sections:
         lines += ["| section | status | seconds |", "| --- | --- | ---: |"]

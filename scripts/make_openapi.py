@@ -394,9 +394,15 @@ def tgi_schemas(tgi: dict) -> dict:
             "string",
             "--quantize applied to the weights (int8, int4 or fp8); absent if none.",
         ),
+        "cuda_graphs": (
+            "boolean",
+            "Decode steps replayed from CUDA graphs captured per batch bucket at start-up "
+            + "(--cuda-graphs; on by default on a CUDA device).",
+        ),
         "compile": (
             "boolean",
-            "Decode steps run through torch.compile'd graphs, one per batch bucket (--compile).",
+            "Decode steps run through torch.compile'd graphs, one per batch bucket "
+            + "(--compile; CPU only, off by default).",
         ),
     }
     for name, (kind, description) in ours.items():

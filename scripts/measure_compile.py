@@ -19,7 +19,7 @@ import time
 
 import torch
 from measure_core import load_model, make_seq, prompts
-from textgen.service.engine.compiled_decode import CompiledDecode
+from textgen.service.engine.compiled_decode import CompileSettings
 from textgen.service.engine.paged_core import PagedCore
 from textgen.service.models.quantize import quantize_model
 
@@ -31,10 +31,8 @@ def decoding_core(model, batch: int, steps: int, compiled: bool) -> tuple[PagedC
         max_batch_total_tokens=batch * (140 + steps + 32),
         max_batch_prefill_tokens=4096,
         max_batch_size=batch,
-        compile_decode=compiled,
+        compile=CompileSettings((batch,)) if compiled else None,  # this batch's bucket only
     )
-    if compiled:  # this batch's bucket only
-        core.runner.decode_step = CompiledDecode(core.runner, [batch])
     start = time.perf_counter()
     core.warm_up()
     warm_up = time.perf_counter() - start

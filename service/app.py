@@ -19,6 +19,8 @@ from . import __version__
 from .admission import Admission
 from .config import Settings
 from .cpus import default_torch_threads
+from .engine.compiled_decode import CompileSettings
+from .engine.cuda_graphs import GraphSettings, unavailable_reason
 from .engine.grammar import GrammarMasks
 from .engine.loop import EngineLoop
 from .engine.paged_core import PagedCore
@@ -118,8 +120,49 @@ def kv_capacity_tokens(settings: Settings, loaded: LoadedModel, max_total_tokens
     return max(max_total_tokens, min(fits, 1 << 20))
 
 
+def cuda_graph_settings(
+    settings: Settings, loaded: LoadedModel, max_total_tokens: int
+) -> GraphSettings | None:
+    """--cuda-graphs as given (refused where graphs can't run), else on where they can."""
+    reason = unavailable_reason(loaded.device)
+    if settings.cuda_graphs and reason:
+        raise ValueError(f"--cuda-graphs: {reason} (pass --no-cuda-graphs)")
+    if settings.cuda_graphs is None:
+        if reason and loaded.device.type == "cuda":
+            log.warning("CUDA graphs off: %s", reason)
+        if reason or settings.deterministic:  # --deterministic refuses CUDA anyway
+            return None
+    elif not settings.cuda_graphs:
+        return None
+    return GraphSettings.for_engine(
+        settings.max_batch_size, max_total_tokens, KV_BLOCK_SIZE, progress=True
+    )
+
+
+def compile_settings(settings: Settings, loaded: LoadedModel) -> CompileSettings | None:
+    """--compile (off by default): CPU only, and not with --deterministic."""
+    if not settings.compile:
+        return None
+    if loaded.device.type != "cpu":
+        raise ValueError(
+            f"--compile runs on CPU and the model is on {loaded.device.type}, where decode "
+            "steps take --cuda-graphs instead (pass --no-compile)"
+        )
+    if settings.deterministic:
+        raise ValueError(
+            "--compile with --deterministic is not supported: the compiled decode step pads "
+            "batches to its own buckets, outside the batch-invariant layout"
+        )
+    return CompileSettings.for_engine(settings.max_batch_size, progress=True)
+
+
 def build_core(
-    settings: Settings, loaded: LoadedModel, capacity: int, grammars: GrammarCompiler
+    settings: Settings,
+    loaded: LoadedModel,
+    capacity: int,
+    grammars: GrammarCompiler,
+    graphs: GraphSettings | None = None,
+    compiled: CompileSettings | None = None,
 ) -> PagedCore:
     return PagedCore(
         loaded.model,
@@ -129,7 +172,8 @@ def build_core(
         block_size=KV_BLOCK_SIZE,
         grammars=GrammarMasks(grammars.ll_tokenizer, grammars.vocab_size),
         batch_invariant=settings.deterministic,
-        compile_decode=settings.compile,
+        cuda_graphs=graphs,
+        compile=compiled,
     )
 
 
@@ -166,7 +210,14 @@ def request_interceptors(settings: Settings, metrics: Metrics) -> list:
 
 
 def served_model(
-    settings: Settings, loaded: LoadedModel, limits: Limits, capacity: int, core, engine
+    settings: Settings,
+    loaded: LoadedModel,
+    limits: Limits,
+    capacity: int,
+    core,
+    engine,
+    cuda_graphs: bool = False,
+    compiled: bool = False,
 ) -> ServedModel:
     stats = core.stats()
     info = svc_pb.InfoResponse(
@@ -191,7 +242,8 @@ def served_model(
         max_position_embeddings=loaded.max_position_embeddings,
         torch_threads=engine.torch_threads or 0,
         deterministic=settings.deterministic,
-        compile=settings.compile,
+        cuda_graphs=cuda_graphs,
+        compile=compiled,
     )
     if loaded.resolved.sha:
         info.model_sha = loaded.resolved.sha
@@ -229,7 +281,9 @@ async def start_replica(
     grammars = await asyncio.to_thread(
         GrammarCompiler, loaded.tokenizer, limits.vocab_size, loaded.eos_token_ids
     )
-    core = build_core(settings, loaded, capacity, grammars)
+    compiled = compile_settings(settings, loaded)
+    graphs = cuda_graph_settings(settings, loaded, max_total)
+    core = build_core(settings, loaded, capacity, grammars, graphs, compiled)
     metrics = Metrics()
     torch_threads = settings.torch_threads or default_torch_threads()
     engine = EngineLoop(
@@ -246,7 +300,16 @@ async def start_replica(
     servicer = TextGenerationServicer(
         engine,
         Validator(loaded.tokenizer, limits, grammars),
-        served_model(settings, loaded, limits, capacity, core, engine),
+        served_model(
+            settings,
+            loaded,
+            limits,
+            capacity,
+            core,
+            engine,
+            cuda_graphs=graphs is not None,
+            compiled=compiled is not None,
+        ),
         admission,
         RequestRecorder(metrics, tracer),
         ThreadPoolExecutor(settings.validation_workers, thread_name_prefix="textgen-validation"),

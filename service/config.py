@@ -46,7 +46,10 @@ class Settings:
     # batch-invariant engine: a greedy or seeded request's tokens don't depend on the traffic
     # around it (CPU only; costs throughput: docs/performance.md)
     deterministic: bool = False
-    compile: bool = False  # decode steps through torch.compile'd graphs (engine/compiled_decode.py)
+    # decode steps replayed from CUDA graphs; None: on when the model is on a CUDA device
+    cuda_graphs: bool | None = None
+    # decode steps through torch.compile'd graphs (CPU only: engine/compiled_decode.py)
+    compile: bool = False
     api_key: str | None = None
     api_key_file: str | None = None  # one key per line
     auth_health_and_metrics: bool = False  # True: health and metrics need a key too
@@ -88,6 +91,20 @@ def _env_name(name: str) -> str:
 
 def _env(name: str, default=None):
     return os.environ.get(_env_name(name), default)
+
+
+def _env_bool(name: str) -> bool | None:
+    """TEXTGEN_<NAME> as a tri-state flag: unset or empty -> None (the default applies)."""
+    text = (_env(name) or "").strip().lower()
+    if not text:
+        return None
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(
+        f"{ENV_PREFIX}{name.upper().replace('-', '_')}={text!r}: use 1/0 or true/false"
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -253,12 +270,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         f"[env {ENV_PREFIX}DETERMINISTIC]",
     )
     parser.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("cuda-graphs"),
+        help="replay decode steps from CUDA graphs captured per batch size at start-up "
+        "(default: on when the model is on a CUDA device; refused on CPU) "
+        f"[env {ENV_PREFIX}CUDA_GRAPHS]",
+    )
+    parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=_env("compile", "") not in ("", "0", "false"),
         help="run decode steps of up to 32 sequences through torch.compile'd graphs, one per "
-        "batch bucket, compiled at startup (CPU only; ~10-15%% faster steps here, minutes "
-        "of startup with a cold compile cache: docs/performance.md) [env TEXTGEN_COMPILE]",
+        "batch bucket, compiled at startup (CPU only, off by default; ~10-15%% faster steps "
+        "here, minutes of startup with a cold compile cache: docs/performance.md) "
+        f"[env {ENV_PREFIX}COMPILE]",
     )
     flag(
         "validation-workers",

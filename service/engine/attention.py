@@ -91,6 +91,11 @@ class AttentionGroup:
             self._masks[key] = mask
         return mask
 
+    def forget_masks(self) -> None:
+        """Drop the cached masks: the group's tensors were rewritten in place."""
+        self._masks.clear()
+        self._chunked_masks.clear()
+
     def chunked_mask(self, window: int | None, num_groups: int, dtype: torch.dtype) -> ChunkedMask:
         """The mask of the batch-invariant path: `mask()`'s rows padded to whole blocks of
         rows, cut into key chunks. Built once per step and key."""
@@ -162,6 +167,7 @@ class BatchMetadata:
     _groups: list[AttentionGroup] | None = None
     _flash: FlashIndices | None = None
     _block_table: BlockTableIndices | None = None
+    _static_positions: torch.Tensor | None = None  # static_decode's positions (refresh_static)
 
     @classmethod
     def build(
@@ -193,6 +199,69 @@ class BatchMetadata:
             use_triton=_triton_available(device),
             batch_invariant=batch_invariant,
         )
+
+    @classmethod
+    def static_decode(
+        cls,
+        pool: KVCachePool,
+        slot_mapping: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> BatchMetadata:
+        """A layout of B one-token queries over tensors the caller owns and rewrites in place
+        before each step, for CUDA-graph replay (cuda_graphs.py): slot_mapping `[B]`,
+        positions `[B]` (each query's position) and block_tables `[B, max_blocks]` (long, on
+        the device). Call `refresh_static()` at the start of each forward, inside the graph.
+
+        The SDPA group gathers all `max_blocks` of every row (the causal mask hides the keys
+        past a query); the Triton kernel walks only the keys up to the query. flash-attn is
+        never picked: its launch takes the longest context as a host integer."""
+        num_seqs, max_blocks = block_tables.shape
+        device = block_tables.device
+        group = AttentionGroup(
+            token_start=0,
+            token_end=num_seqs,
+            num_seqs=num_seqs,
+            max_query_len=1,
+            max_blocks=max_blocks,
+            block_size=pool.block_size,
+            block_index=block_tables.view(-1),
+            query_pos=positions.view(num_seqs, 1),
+            is_real_query=torch.ones(num_seqs, 1, dtype=torch.bool, device=device),
+            query_index=None,
+            output_index=None,
+        )
+        int32 = {"dtype": torch.int32, "device": device}
+        return cls(
+            pool=pool,
+            slot_mapping=slot_mapping,
+            query_lens=[1] * num_seqs,
+            context_lens=[],  # per step on the device only: the tensors carry the layout
+            block_tables=[],
+            device=device,
+            use_flash=False,
+            use_triton=_triton_available(device),
+            _groups=[group],
+            _block_table=BlockTableIndices(
+                query_starts=torch.arange(num_seqs + 1, **int32),
+                seq_lens=torch.ones(num_seqs, **int32),
+                block_tables=torch.zeros(num_seqs, max_blocks, **int32),
+            ),
+            _static_positions=positions,
+        )
+
+    def refresh_static(self) -> None:
+        """Static metadata (static_decode) after its tensors were rewritten: drop the masks
+        built from the old positions (the first layer builds them again) and recompute the
+        Triton kernel's int32 lengths and tables from the long ones."""
+        if self._static_positions is None:
+            raise RuntimeError("refresh_static() is for metadata built by static_decode()")
+        group = self._groups[0]
+        group.forget_masks()
+        if self.use_triton:
+            indices = self._block_table
+            torch.add(self._static_positions, 1, out=indices.seq_lens)
+            indices.block_tables.copy_(group.block_index.view(indices.block_tables.shape))
 
     @property
     def num_tokens(self) -> int:
@@ -569,6 +638,11 @@ def _triton_module() -> ModuleType | None:
 
 def _triton_available(device: torch.device) -> bool:
     return device.type == "cuda" and _triton_module() is not None
+
+
+def triton_available(device: torch.device) -> bool:
+    """Whether the Triton kernel runs on `device` (CUDA, triton importable)."""
+    return _triton_available(device)
 
 
 def _tokens_first(query: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,15 @@
-"""A torch.compile'd decode step, one graph per batch bucket (the CPU counterpart of the CUDA
-graphs in cuda_graphs.py), plugged into the ModelRunner as its `decode_step`.
+"""A torch.compile'd decode step on CPU: `CompiledRunner`, a runner strategy around
+`ModelRunner` (the CPU counterpart of cuda_graphs.py's GraphedRunner).
 
-A pure-decode step (every sequence adds one token, none asks for prompt logprobs, no more
-sequences than the largest bucket) is padded to the smallest bucket that holds it and runs
-through the compiled model; anything else returns None and the runner's eager forward runs
-it. Graph inputs are only the `[1, B]` token ids and positions, so each bucket compiles once,
-at warm-up, and steady state never recompiles. The paged attention stays eager inside the
-graph as one opaque op (attention.paged_attention_op), which reads the step's block tables
-and context lengths from the BatchMetadata bound around the call: the graph is the same for
-every context length.
+PagedCore.step() is the one step function; with `--compile` its runner is a CompiledRunner
+(paged_core.py). `execute(batch)` runs a pure-decode step (every sequence computes its one
+last token, none asks for prompt logprobs, no more sequences than the largest bucket) through
+the compiled model, padded to the smallest bucket that holds it, and hands every other batch
+to the eager ModelRunner. Graph inputs are only the `[1, B]` token ids and positions, so each
+bucket compiles once, at warm-up, and steady state never recompiles. The paged attention stays
+eager inside the graph as one opaque op (attention.paged_attention_op), which reads the step's
+block tables and context lengths from the BatchMetadata bound around the call: the graph is
+the same for every context length.
 
 Padding rows decode token 0 at position 0 into the pool's scratch block (kv_pool.py), which
 no sequence owns; their logits are dropped.
@@ -19,13 +20,15 @@ from __future__ import annotations
 import logging
 import time
 import types
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 from .attention import BatchMetadata, bound_metadata
-from .runner import ModelRunner, RunnerOutput, _wants_prompt_logprobs
+from .runner import ModelRunner, RunnerOutput, is_pure_decode
 from .scheduler import SchedulerOutput
+from .sequence import Sequence
 
 log = logging.getLogger("textgen.engine")
 
@@ -33,29 +36,59 @@ log = logging.getLogger("textgen.engine")
 DEFAULT_MAX_BUCKET = 32
 
 
-def decode_buckets(max_batch_size: int, max_bucket: int = DEFAULT_MAX_BUCKET) -> list[int]:
+def decode_buckets(max_batch_size: int, max_bucket: int = DEFAULT_MAX_BUCKET) -> tuple[int, ...]:
     """1, 2, 4, ... up to min(max_batch_size, max_bucket), that bound itself included."""
+    if max_batch_size <= 0:
+        raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
     top = min(max_batch_size, max_bucket)
     buckets = [1 << i for i in range(top.bit_length()) if 1 << i < top]
-    return [*buckets, top]
+    return (*buckets, top)
 
 
-class CompiledDecode:
-    def __init__(self, runner: ModelRunner, buckets: list[int]) -> None:
-        if not buckets or min(buckets) <= 0:
-            raise ValueError(f"buckets must be positive batch sizes, got {buckets}")
-        if runner.device.type != "cpu":
+@dataclass(frozen=True)
+class CompileSettings:
+    buckets: tuple[int, ...]  # decode batch sizes with a compiled graph each
+    progress: bool = False  # a tqdm bar over the compiles (the server's start-up)
+
+    @classmethod
+    def for_engine(cls, max_batch_size: int, **options) -> CompileSettings:
+        """Power-of-two buckets up to the batch size (or DEFAULT_MAX_BUCKET)."""
+        return cls(decode_buckets(max_batch_size), **options)
+
+    def __post_init__(self) -> None:
+        if not self.buckets or min(self.buckets) <= 0:
+            raise ValueError(f"buckets must be positive batch sizes, got {self.buckets}")
+
+
+@dataclass
+class CompileStats:
+    compiled_steps: int = 0  # decode steps run through a compiled graph
+    eager_steps: int = 0  # steps handed to the eager runner
+    padded_rows: int = 0  # padding rows computed, summed over compiled steps
+
+
+class CompiledRunner:
+    """The Runner protocol (runner.py): pure decode steps through compiled graphs, the rest
+    eagerly."""
+
+    def __init__(self, eager: ModelRunner, settings: CompileSettings) -> None:
+        if eager.device.type != "cpu":
             raise ValueError(
-                "the compiled decode step runs on CPU; on CUDA its counterpart is the decode "
-                f"step's CUDA graphs (cuda_graphs.py), not served yet: got {runner.device}"
+                "--compile (the compiled decode step) runs on CPU; on CUDA its counterpart is "
+                f"--cuda-graphs: the model is on {eager.device.type}"
             )
-        if runner.pool.scratch_block is None:
+        if eager.batch_invariant:
+            raise ValueError(
+                "--compile with --deterministic is not supported: the compiled decode step "
+                "pads batches to its own buckets, outside the batch-invariant layout"
+            )
+        if eager.pool.scratch_block is None:
             raise ValueError("a compiled decode step needs a KV pool with a scratch block")
-        self.runner = runner
-        self.buckets = sorted(set(buckets))
-        self.compile_seconds: dict[int, float] = {}  # per bucket, filled by warm_up()
-        self.steps = 0  # decode steps run through a compiled graph
-        self.padded_rows = 0  # padding rows computed in those
+        self.eager = eager
+        self.settings = settings
+        self.buckets = sorted(set(settings.buckets))
+        self.stats = CompileStats()
+        self.compile_seconds: dict[int, float] = {}  # per bucket, filled by warmup()
         # cpp_wrapper: the kernels are called from C++, not from a Python wrapper; and no
         # guards on the model's modules (the engine never changes them after warm-up), only
         # on the inputs: each cuts ~1 ms of a ~25 ms step (docs/performance.md).
@@ -69,53 +102,26 @@ class CompiledDecode:
                 "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
             },
         )
-        self._keep = {b: torch.arange(b, device=runner.device) for b in self.buckets}
-
-    def bucket_for(self, batch: SchedulerOutput) -> int | None:
-        """The bucket that runs this step, or None when the eager forward must."""
-        n = len(batch.scheduled)
-        if n > self.buckets[-1] or any(k != 1 for _, k in batch.scheduled):
-            return None
-        if any(_wants_prompt_logprobs(s) for s, _ in batch.scheduled):
-            return None
-        return next(b for b in self.buckets if b >= n)
-
-    def run(self, batch: SchedulerOutput) -> RunnerOutput | None:
-        """The step's logits through the compiled graph, or None (not a bucketed decode)."""
-        bucket = self.bucket_for(batch)
-        if bucket is None:
-            return None
-        seqs = [s for s, _ in batch.scheduled]
-        self.steps += 1
-        self.padded_rows += bucket - len(seqs)
-        return RunnerOutput(seqs, self._run_padded(seqs, bucket))
-
-    def _run_padded(self, seqs: list, bucket: int) -> torch.Tensor:
-        pad = bucket - len(seqs)
-        positions = [s.num_computed_tokens for s in seqs] + [0] * pad
-        ids = [s.token_ids[p] for s, p in zip(seqs, positions, strict=False)] + [0] * pad
-        runner = self.runner
-        meta = BatchMetadata.build(
-            runner.pool,
-            [1] * bucket,
-            [p + 1 for p in positions],
-            [s.block_table for s in seqs] + [[runner.pool.scratch_block]] * pad,
-            runner.device,
-        )
-        with bound_metadata(meta):
-            logits = self._compiled(
-                runner.model, runner._tensor([ids]), runner._tensor([positions]), self._keep[bucket]
-            )
-        return logits[: len(seqs)]
+        self._keep = {b: torch.arange(b, device=eager.device) for b in self.buckets}
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
-        """Compile every bucket now (a padding-only step each), so no request waits for it."""
+    def warmup(self) -> None:
+        """The eager warm-up (allocates the KV pool), then every bucket's compile (a
+        padding-only step each), so no request waits for one: on the engine's thread, at
+        start-up."""
+        self.eager.warmup()
         # one graph per bucket of the same function: dynamo's default limit (8) would
         # otherwise fall back to eager past the eighth bucket, silently
         limit = max(torch._dynamo.config.recompile_limit, len(self.buckets))
+        bar = tqdm(
+            self.buckets,
+            desc="compiling decode step",
+            unit="bucket",
+            disable=not self.settings.progress,
+        )
         with torch._dynamo.config.patch(recompile_limit=limit):
-            for bucket in tqdm(self.buckets, desc="Compiling decode step", unit="bucket"):
+            for bucket in bar:
+                bar.set_postfix(batch=bucket)
                 start = time.perf_counter()
                 self._run_padded([], bucket)
                 self.compile_seconds[bucket] = time.perf_counter() - start
@@ -124,6 +130,46 @@ class CompiledDecode:
             self.buckets,
             sum(self.compile_seconds.values()),
         )
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+        bucket = self.bucket_for(batch)
+        if bucket is None:
+            self.stats.eager_steps += 1
+            return self.eager.execute(batch)
+        seqs = [s for s, _ in batch.scheduled]
+        self.stats.compiled_steps += 1
+        self.stats.padded_rows += bucket - len(seqs)
+        return RunnerOutput(seqs, self._run_padded(seqs, bucket))
+
+    def bucket_for(self, batch: SchedulerOutput) -> int | None:
+        """The bucket that runs this step, or None when the eager runner must."""
+        if not self.compile_seconds or not is_pure_decode(batch):
+            return None  # before warmup(), nothing is compiled: a call would compile here
+        n = len(batch.scheduled)
+        return next((b for b in self.buckets if b >= n), None)
+
+    def _run_padded(self, seqs: list[Sequence], bucket: int) -> torch.Tensor:
+        pad = bucket - len(seqs)
+        positions = [s.num_computed_tokens for s in seqs] + [0] * pad
+        ids = [s.token_ids[p] for s, p in zip(seqs, positions, strict=False)] + [0] * pad
+        eager = self.eager
+        scratch = eager.pool.scratch_block
+        meta = BatchMetadata.build(
+            eager.pool,
+            [1] * bucket,
+            [p + 1 for p in positions],
+            [s.block_table for s in seqs] + [[scratch]] * pad,
+            eager.device,
+        )
+        with bound_metadata(meta):
+            logits = self._compiled(
+                eager.model,
+                torch.tensor([ids], dtype=torch.long, device=eager.device),
+                torch.tensor([positions], dtype=torch.long, device=eager.device),
+                self._keep[bucket],
+            )
+        return logits[: len(seqs)]
 
 
 def _logits(model, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor):

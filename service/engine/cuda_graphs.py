@@ -1,143 +1,178 @@
-"""Optional CUDA-graph replay of pure-decode steps for a PagedCore.
+"""CUDA graphs for decode steps: `GraphedRunner`, a runner strategy around `ModelRunner`.
 
-Not wired into the server: `scripts/device_check.py` uses it to time decode steps with and
-without graphs and to check that graph replay gives the same greedy tokens as the eager
-engine. It plugs into the core's runner as its `decode_step` (runner.py), the hook the CPU's
-compiled decode step (compiled_decode.py) uses too.
+PagedCore.step() is the one step function; with `--cuda-graphs` its runner is a GraphedRunner
+(paged_core.py). `execute(batch)` replays a captured graph when the batch is a pure decode
+that fits a bucket, and hands every other batch to the eager ModelRunner: steps with a prefill
+chunk (or a 1-token chunk that doesn't reach the prompt's end), more sequences than the
+largest bucket, a block table longer than `max_blocks`, or a request asking for prompt
+logprobs.
 
-How it works. A decode-only step of n sequences runs the model on a `[1, B]` batch, B the
-smallest captured bucket >= n. Everything the forward reads lives in static tensors that are
-rewritten before each replay:
+How a graph is fed. A decode step of n sequences runs the model on a `[1, B]` batch, B the
+smallest bucket >= n. Everything the forward reads lives in one persistent device buffer,
+rewritten before each replay by one host-to-device copy from a pinned staging buffer: input
+ids, positions, slot mapping, and every row's block table padded to `max_blocks`. The
+attention metadata is built once over those tensors (`BatchMetadata.static_decode`); its
+derived tensors (the SDPA group's mask, the Triton kernel's int32 tables) are recomputed at
+the start of each forward, inside the graph. The step's one device-to-host copy is then the
+sampler's (the sampled tokens and their logprobs).
 
-- input ids and positions `[1, B]`, the slot mapping `[B]`, the logits rows to keep `[B]`;
-- one decode `AttentionGroup` (attention.py) whose block index is `[B * max_blocks]`, every
-  sequence's block table padded to `max_blocks` with a scratch block, and whose query
-  positions are `[B, 1]`. The group's additive mask is built from those positions *inside*
-  the graph (its cache is emptied before capture), so replays recompute it.
+Padding rows (n < B) are 1-token queries at position 0 of the KV pool's scratch block: they
+never touch a sequence's cache, and their logits are dropped.
 
-Padding rows (n < B) are queries at position 0 whose K/V go to, and are read from, a block
-reserved for them at construction: they never touch a real sequence's cache, and their
-logits are dropped. The keys a real row gathers beyond its context (padding blocks) are
-masked by the causal test `key_pos <= query_pos`, as in the eager path.
-
-Steps with any prefill chunk, more sequences than the largest bucket, a block table longer
-than `max_blocks`, or a request asking for prompt logprobs run eagerly through the core's own
-runner. `capture=False` runs the same static-buffer forward without a graph: that is how the
-buffer logic is checked on a machine without CUDA.
-
-Only the SDPA attention path is captured: with `flash_attn` installed the eager engine would
-use flash-attn and the comparison would be between two kernels, so construction refuses.
+Attention inside a graph is the Triton kernel on CUDA (it walks each row's keys up to its
+position: `max_blocks` only sizes the tables). flash-attn is never captured, even where eager
+steps use it (blocks a multiple of 256 tokens): its launch takes the longest context as a
+host integer. The SDPA path would gather all `max_blocks` of every row each step, so on CUDA
+graphs need triton (`unavailable_reason`); on CPU the SDPA path runs the same static buffers
+without a graph (`capture=False`), which is how the buffer logic is tested here.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from . import attention
-from .attention import AttentionGroup, BatchMetadata
-from .paged_core import PagedCore
-from .runner import RunnerOutput, _wants_prompt_logprobs
+from .attention import BatchMetadata
+from .runner import ModelRunner, RunnerOutput, is_pure_decode
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
-from .types import EngineRequest, SamplingParams, StoppingParams
+
+log = logging.getLogger("textgen.engine")
+
+SMALL_BUCKETS = (1, 2, 4, 8)
+BUCKET_STEP = 16  # buckets past the small ones: every 16 sequences (at most 15 padding rows)
+
+
+def default_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every 16 up to max_batch_size, which is always the last bucket."""
+    if max_batch_size <= 0:
+        raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
+    sizes = {b for b in SMALL_BUCKETS if b < max_batch_size}
+    sizes.update(range(BUCKET_STEP, max_batch_size, BUCKET_STEP))
+    sizes.add(max_batch_size)
+    return tuple(sorted(sizes))
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    buckets: tuple[int, ...]  # decode batch sizes with a graph each
+    max_blocks: int  # longest block table a graph takes; longer sequences decode eagerly
+    # False: the same static buffers run without a graph (any device; how CPU tests run it)
+    capture: bool = True
+    progress: bool = False  # a tqdm bar over the captures (the server's start-up)
+
+    @classmethod
+    def for_engine(
+        cls, max_batch_size: int, max_total_tokens: int, block_size: int, **options
+    ) -> GraphSettings:
+        """Buckets up to the batch size, tables long enough for the longest request."""
+        return cls(
+            default_buckets(max_batch_size), math.ceil(max_total_tokens / block_size), **options
+        )
+
+    def __post_init__(self) -> None:
+        if not self.buckets or min(self.buckets) <= 0:
+            raise ValueError(f"buckets must be positive batch sizes, got {self.buckets}")
+        if self.max_blocks <= 0:
+            raise ValueError(f"max_blocks must be positive, got {self.max_blocks}")
+
+
+def unavailable_reason(device: torch.device, *, capture: bool = True) -> str | None:
+    """Why graphs can't run on `device` (None: they can)."""
+    if not capture:
+        return None
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device; the model is on {device.type}"
+    if not attention.triton_available(device):
+        return (
+            "CUDA graphs replay the Triton paged-attention kernel and triton does not import "
+            "here (the SDPA fallback would gather every sequence's whole block table each step)"
+        )
+    return None
 
 
 @dataclass
 class GraphStats:
     graph_steps: int = 0  # decode steps served by a graph (or the static path, capture=False)
-    eager_steps: int = 0  # steps run by the core's runner
+    eager_steps: int = 0  # steps handed to the eager runner
     padded_rows: int = 0  # padding rows computed, summed over graph steps
 
 
 class _DecodeGraph:
-    """Static buffers, and their CUDA graph, for decode batches of up to `batch` rows."""
+    """Static inputs, and their CUDA graph, for decode batches of up to `batch` rows."""
 
-    def __init__(self, core: PagedCore, batch: int, max_blocks: int, scratch_block: int) -> None:
-        runner = core.runner
+    def __init__(self, runner: ModelRunner, batch: int, max_blocks: int) -> None:
         self.runner = runner
         self.batch = batch
         self.max_blocks = max_blocks
         self.block_size = runner.pool.block_size
-        self.scratch_block = scratch_block
+        self.scratch_block = runner.pool.scratch_block
         device = runner.device
-        long = {"dtype": torch.long, "device": device}
-        self.ids = torch.zeros(1, batch, **long)
-        self.positions = torch.zeros(1, batch, **long)
-        self.slots = torch.zeros(batch, **long)
-        self.keep = torch.arange(batch, **long)
-        self.block_index = torch.zeros(batch * max_blocks, **long)
-        self.query_pos = torch.zeros(batch, 1, **long)
-        self.group = AttentionGroup(
-            token_start=0,
-            token_end=batch,
-            num_seqs=batch,
-            max_query_len=1,
-            max_blocks=max_blocks,
-            block_size=self.block_size,
-            block_index=self.block_index,
-            query_pos=self.query_pos,
-            is_real_query=torch.ones(batch, 1, dtype=torch.bool, device=device),
-            query_index=None,
-            output_index=None,
+        # ids | positions | slots | block tables: one buffer, one host-to-device copy a step
+        size = 3 * batch + batch * max_blocks
+        self._inputs = torch.zeros(size, dtype=torch.long, device=device)
+        pinned = device.type == "cuda"
+        self._host = torch.zeros(size, dtype=torch.long, pin_memory=pinned)
+        self._host_rows = self._host.numpy()  # writes through to the (pinned) tensor
+        self._copied = torch.cuda.Event() if pinned else None
+        b = batch
+        self.ids = self._inputs[:b].view(1, b)
+        self.positions = self._inputs[b : 2 * b]
+        self.meta = BatchMetadata.static_decode(
+            runner.pool,
+            slot_mapping=self._inputs[2 * b : 3 * b],
+            positions=self.positions,
+            block_tables=self._inputs[3 * b :].view(b, max_blocks),
         )
-        self.meta = BatchMetadata(
-            pool=runner.pool,
-            slot_mapping=self.slots,
-            query_lens=[1] * batch,
-            context_lens=[1] * batch,  # unused: the groups are prebuilt
-            block_tables=[[scratch_block]] * batch,  # unused likewise
-            device=device,
-            use_flash=False,
-            _groups=[self.group],
-        )
-        pin = device.type == "cuda"
-        # host staging: ids, positions, slots, query positions, then the block index
-        self._host = torch.zeros(4 * batch + batch * max_blocks, dtype=torch.long, pin_memory=pin)
+        self._keep = torch.arange(b, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
-        self._fill([])  # padding everywhere: a warm-up or capture only writes the scratch block
+        self.logits: torch.Tensor | None = None  # the graph's output, rewritten by each replay
+        self._fill([])  # padding everywhere: warm-up and capture only write the scratch block
 
     def fits(self, seqs: list[Sequence]) -> bool:
         return len(seqs) <= self.batch and all(len(s.block_table) <= self.max_blocks for s in seqs)
 
     def _fill(self, seqs: list[Sequence]) -> None:
-        b, nb, bs = self.batch, self.max_blocks, self.block_size
-        ids, pos, slots, qpos = [0] * b, [0] * b, [self.scratch_block * bs] * b, [0] * b
-        blocks = [self.scratch_block] * (b * nb)
+        """Stage the rows (padding past len(seqs)) and copy them to the device."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy has left the staging buffer
+        b, n, bs = self.batch, len(seqs), self.block_size
+        host = self._host_rows
+        ids, positions, slots = host[:b], host[b : 2 * b], host[2 * b : 3 * b]
+        tables = host[3 * b :].reshape(b, self.max_blocks)
+        ids[n:], positions[n:], slots[n:] = 0, 0, self.scratch_block * bs
+        tables[n:] = self.scratch_block
         for row, seq in enumerate(seqs):
             p = seq.num_computed_tokens  # the one new token's position
             table = seq.block_table
             ids[row] = seq.token_ids[p]
-            pos[row] = qpos[row] = p
+            positions[row] = p
             slots[row] = table[p // bs] * bs + p % bs
-            blocks[row * nb : row * nb + len(table)] = table
-        host = self._host
-        host[: 4 * b] = torch.tensor(ids + pos + slots + qpos, dtype=torch.long)
-        host[4 * b :] = torch.tensor(blocks, dtype=torch.long)
-        non_blocking = host.is_pinned()
-        self.ids.view(-1).copy_(host[:b], non_blocking=non_blocking)
-        self.positions.view(-1).copy_(host[b : 2 * b], non_blocking=non_blocking)
-        self.slots.copy_(host[2 * b : 3 * b], non_blocking=non_blocking)
-        self.query_pos.view(-1).copy_(host[3 * b : 4 * b], non_blocking=non_blocking)
-        self.block_index.copy_(host[4 * b :], non_blocking=non_blocking)
+            # entries past the table keep stale block ids: never read unmasked (the mask and
+            # the kernel stop at the row's position)
+            tables[row, : len(table)] = table
+        self._inputs.copy_(self._host, non_blocking=self._copied is not None)
+        if self._copied is not None:
+            self._copied.record()
 
     def _forward(self) -> torch.Tensor:
-        return self.runner._forward(self.ids, self.positions, self.meta, self.keep)
+        self.meta.refresh_static()  # inside the graph: replays recompute masks and tables
+        return self.runner.forward(self.ids, self.positions.view(1, -1), self.meta, self._keep)
 
-    def capture(self, pool=None) -> None:
+    def capture(self, pool) -> None:
         """Warm up on a side stream, then capture one forward into a CUDA graph."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.group._masks.clear()
                 self._forward()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        # an empty mask cache: the mask is then computed inside the graph from query_pos
-        self.group._masks.clear()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             self.logits = self._forward()
@@ -145,120 +180,77 @@ class _DecodeGraph:
         torch.cuda.synchronize()
 
     def run(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits `[len(seqs), vocab]` of one decode step of `seqs`."""
-        # The host staging buffer is reused each step: wait until the previous copies from it
-        # are done (they are, in practice: the sampler's .tolist() synchronized the stream).
-        if self._host.is_pinned():
-            torch.cuda.current_stream().synchronize()
+        """Logits `[len(seqs), vocab]` of one decode step of `seqs` (a view of the graph's
+        output: valid until the next run)."""
         self._fill(seqs)
         if self.graph is not None:
             self.graph.replay()
             logits = self.logits
         else:
-            self.group._masks.clear()  # positions changed: rebuild the mask
             logits = self._forward()
         return logits[: len(seqs)]
 
 
-class DecodeGraphs:
-    """Decode steps of `core` through captured graphs; everything else through the core.
+class GraphedRunner:
+    """The Runner protocol (runner.py): pure decode steps from graphs, the rest eagerly."""
 
-    From construction to close() it is the core's runner's `decode_step` (runner.py), like
-    compiled_decode.py's compiled graphs: `core.step()` (or `step()`) then replays a graph
-    for the steps it takes.
-    """
-
-    def __init__(
-        self,
-        core: PagedCore,
-        buckets: list[int],
-        max_blocks: int,
-        *,
-        capture: bool | None = None,
-    ) -> None:
-        device = core.runner.device
-        if capture is None:
-            capture = device.type == "cuda"
-        if capture and device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
-        if attention._flash_available(device):
-            raise NotImplementedError(
-                "graph capture covers the SDPA attention path only; flash_attn is installed, "
-                "so the eager engine would use another kernel"
-            )
-        if not buckets or min(buckets) <= 0:
-            raise ValueError(f"buckets must be positive batch sizes, got {buckets}")
-        if core.runner.decode_step is not None:
-            raise ValueError("the core's runner already has a decode step")
-        self.core = core
-        self.capture = capture
+    def __init__(self, eager: ModelRunner, settings: GraphSettings) -> None:
+        reason = unavailable_reason(eager.device, capture=settings.capture)
+        if reason:
+            raise ValueError(reason)
+        if eager.batch_invariant:
+            raise ValueError("CUDA graphs and batch-invariant execution don't combine")
+        if eager.pool.scratch_block is None:
+            raise ValueError("graph padding rows need a KV pool with a scratch block")
+        self.eager = eager
+        self.settings = settings
         self.stats = GraphStats()
-        self._scratch = _reserve_block(core)
-        scratch_block = self._scratch.block_table[0]
-        self.graphs: dict[int, _DecodeGraph] = {}
-        mempool = torch.cuda.graph_pool_handle() if capture else None
+        self.graphs: dict[int, _DecodeGraph] = {}  # by bucket, built by warmup()
+        self._sizes: list[int] = []
+
+    def warmup(self) -> None:
+        """The eager warm-up (allocates the KV pool), then `build_graphs()`: on the engine's
+        thread, at start-up."""
+        self.eager.warmup()
+        self.build_graphs()
+
+    def build_graphs(self) -> None:
+        """The static buffers of every bucket, captured into graphs when `capture`. Writes
+        only the pool's scratch block, so it may run beside live sequences (the device
+        check does); the KV pool must be allocated already."""
+        buckets = sorted(set(self.settings.buckets), reverse=True)
+        mempool = torch.cuda.graph_pool_handle() if self.settings.capture else None
+        what = "capturing CUDA graphs" if self.settings.capture else "building decode buffers"
+        bar = tqdm(buckets, desc=what, unit="graph", disable=not self.settings.progress)
         # largest first, so the smaller graphs reuse its memory pool
         with torch.inference_mode():
-            for batch in sorted(set(buckets), reverse=True):
-                graph = _DecodeGraph(core, batch, max_blocks, scratch_block)
-                if capture:
+            for batch in bar:
+                bar.set_postfix(batch=batch)
+                graph = _DecodeGraph(self.eager, batch, self.settings.max_blocks)
+                if self.settings.capture:
                     graph.capture(mempool)
                 self.graphs[batch] = graph
         self._sizes = sorted(self.graphs)
-        core.runner.decode_step = self
+        log.info("decode graphs ready for batch sizes %s", self._sizes)
 
-    def close(self) -> None:
-        """Give the scratch block back, drop the graphs and leave the runner eager."""
-        if self.core.runner.decode_step is self:
-            self.core.runner.decode_step = None
-        if self._scratch is not None:
-            self.core.block_manager.free(self._scratch)
-            self._scratch = None
-        self.graphs.clear()
-
-    def graph_for(self, batch: SchedulerOutput) -> _DecodeGraph | None:
-        if any(n != 1 for _, n in batch.scheduled):
-            return None
-        seqs = [s for s, _ in batch.scheduled]
-        if any(_wants_prompt_logprobs(s) for s in seqs):
-            return None
-        for size in self._sizes:
-            if size >= len(seqs):
-                graph = self.graphs[size]
-                return graph if graph.fits(seqs) else None
-        return None
-
-    # the runner's DecodeStep ----------------------------------------------------------
-
-    def run(self, batch: SchedulerOutput) -> RunnerOutput | None:
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         graph = self.graph_for(batch)
         if graph is None:
             self.stats.eager_steps += 1
-            return None
+            return self.eager.execute(batch)
         seqs = [s for s, _ in batch.scheduled]
         self.stats.graph_steps += 1
         self.stats.padded_rows += graph.batch - len(seqs)
         return RunnerOutput(seqs, graph.run(seqs))
 
-    def warm_up(self) -> None:
-        """Nothing: the graphs were captured at construction."""
-
-    def step(self):
-        return self.core.step()
-
-
-def _reserve_block(core: PagedCore) -> Sequence:
-    """Hold one KV block for the padding rows (a placeholder sequence owns it)."""
-    request = EngineRequest(
-        request_id="__cuda_graph_padding__",
-        prompt_ids=(0,),
-        sampling=SamplingParams(),
-        stopping=StoppingParams(max_new_tokens=1),
-    )
-    seq = Sequence(request, frozenset())
-    bm = core.block_manager
-    if bm.num_free_blocks < 1:
-        raise RuntimeError("no free KV block to reserve for graph padding")
-    bm.allocate(seq)
-    bm.append_slots(seq, 1)
-    return seq
+    def graph_for(self, batch: SchedulerOutput) -> _DecodeGraph | None:
+        """The bucket's graph when `batch` is a pure decode that fits one, else None."""
+        if not self.graphs or not is_pure_decode(batch):
+            return None
+        seqs = len(batch.scheduled)
+        size = next((s for s in self._sizes if s >= seqs), None)
+        if size is None:
+            return None
+        graph = self.graphs[size]
+        return graph if graph.fits([s for s, _ in batch.scheduled]) else None

@@ -14,11 +14,12 @@ import torch
 
 from ..errors import ErrorType
 from .block_manager import BlockManager, num_blocks_for_tokens
-from .compiled_decode import CompiledDecode, decode_buckets
+from .compiled_decode import CompiledRunner, CompileSettings
 from .core import StepOutput
+from .cuda_graphs import GraphedRunner, GraphSettings
 from .grammar import GrammarMasks, PendingMasks
 from .kv_pool import KVCachePool
-from .runner import ModelRunner, RunnerOutput
+from .runner import ModelRunner, Runner, RunnerOutput
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -38,7 +39,8 @@ class PagedCore:
         enable_prefix_caching: bool = True,
         grammars: GrammarMasks | None = None,
         batch_invariant: bool = False,
-        compile_decode: bool = False,
+        cuda_graphs: GraphSettings | None = None,
+        compile: CompileSettings | None = None,
     ) -> None:
         """
         Args:
@@ -51,9 +53,15 @@ class PagedCore:
             grammars: token masks for requests with a grammar; None: such requests are refused.
             batch_invariant: a request's tokens the same whatever runs beside it, for greedy
                 and seeded requests (runner.py, invariant_attention.py); CPU only.
-            compile_decode: run decode steps of up to 32 sequences through torch.compile'd
-                graphs, one per batch bucket, compiled by warm_up() (compiled_decode.py).
+            cuda_graphs: decode steps replayed from graphs per batch bucket, captured by
+                warm_up() (cuda_graphs.py); None: every step eager.
+            compile: decode steps through torch.compile'd graphs per batch bucket, compiled
+                by warm_up() (compiled_decode.py; CPU only, so never with cuda_graphs).
         """
+        if cuda_graphs is not None and compile is not None:
+            raise ValueError(
+                "cuda_graphs and compile are two runner strategies (CUDA, CPU): pick one"
+            )
         if max_batch_total_tokens <= 0:
             raise ValueError(
                 f"max_batch_total_tokens must be positive, got {max_batch_total_tokens}"
@@ -65,19 +73,14 @@ class PagedCore:
             max_batch_prefill_tokens=max_batch_prefill_tokens,
             max_batch_size=max_batch_size,
         )
-        if compile_decode and batch_invariant:
-            raise ValueError(
-                "--compile with --deterministic is not supported: the compiled decode step "
-                "pads batches to its own buckets, outside the batch-invariant layout"
-            )
-        # padded steps (batch-invariant ones, compiled decodes) write their padding tokens to
-        # a scratch block
-        pool = KVCachePool(
-            num_blocks, block_size, scratch_blocks=int(batch_invariant or compile_decode)
-        )
-        self.runner = ModelRunner(model, pool, batch_invariant=batch_invariant)
-        if compile_decode:
-            self.runner.decode_step = CompiledDecode(self.runner, decode_buckets(max_batch_size))
+        # one scratch block for padding tokens (batch-invariant steps, graph buckets, compiled
+        # buckets): they write and read only there
+        pool = KVCachePool(num_blocks, block_size, scratch_blocks=1)
+        self.runner: Runner = ModelRunner(model, pool, batch_invariant=batch_invariant)
+        if cuda_graphs is not None:
+            self.runner = GraphedRunner(self.runner, cuda_graphs)
+        elif compile is not None:
+            self.runner = CompiledRunner(self.runner, compile)
         self.sampler = Sampler()
         self.grammars = grammars
         self._steps = 0
@@ -114,8 +117,8 @@ class PagedCore:
 
     def warm_up(self) -> None:
         """Allocate every layer's KV pool (out of memory shows at startup) and run the
-        lazy initialisations: one 1-token forward, then the decode graphs' compilation when
-        compile_decode (EngineLoop calls it on its thread)."""
+        lazy initialisations: one 1-token forward, then the graph captures or compiles if
+        any (EngineLoop calls it on its thread)."""
         self.runner.warmup()
 
     @torch.inference_mode()

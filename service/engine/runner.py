@@ -53,13 +53,14 @@ class RunnerOutput:
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
-class DecodeStep(Protocol):
-    """Another way to run some steps (compiled_decode.py's compiled graphs): run() gives
-    their output, or None for the eager forward to run the step."""
+class Runner(Protocol):
+    """What PagedCore drives: ModelRunner, or a strategy wrapping it (cuda_graphs.py's
+    GraphedRunner, compiled_decode.py's CompiledRunner)."""
 
-    def run(self, batch: SchedulerOutput) -> RunnerOutput | None: ...
+    def warmup(self) -> None:
+        """Run once, at start-up on the engine's thread, what the first request would."""
 
-    def warm_up(self) -> None: ...
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput: ...
 
 
 class ModelRunner:
@@ -82,7 +83,6 @@ class ModelRunner:
         if batch_invariant and pool.scratch_block is None:
             raise ValueError("batch-invariant execution needs a KV pool with a scratch block")
         self.batch_invariant = batch_invariant
-        self.decode_step: DecodeStep | None = None
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -93,16 +93,10 @@ class ModelRunner:
             self.pool, [1], [1], [[0]], self.device, batch_invariant=self.batch_invariant
         )
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        self._forward(ids, ids, meta, torch.zeros(1, dtype=torch.long, device=self.device))
-        if self.decode_step is not None:
-            self.decode_step.warm_up()
+        self.forward(ids, ids, meta, torch.zeros(1, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
-        if self.decode_step is not None:
-            result = self.decode_step.run(batch)
-            if result is not None:
-                return result
         if self.batch_invariant:
             layout = _lay_out(batch, ROW_MULTIPLE, self.pool.scratch_block)
         else:
@@ -115,7 +109,7 @@ class ModelRunner:
             self.device,
             batch_invariant=self.batch_invariant,
         )
-        logits = self._forward(
+        logits = self.forward(
             self._tensor([layout.token_ids]),
             self._tensor([layout.positions]),
             meta,
@@ -131,10 +125,11 @@ class ModelRunner:
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _forward(
+    def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata, keep: torch.Tensor
     ) -> torch.Tensor:
-        """-> logits `[len(keep), vocab]`."""
+        """-> logits `[len(keep), vocab]`. Public for runner strategies that lay out
+        their own inputs (cuda_graphs.py)."""
         if keep.numel() == 0:  # a step of prefill chunks only: nothing to project
             keep = keep.new_zeros(1)
         out = self.model(
@@ -172,7 +167,7 @@ class _Layout:
         self.query_lens.append(num_new)
         self.context_lens.append(start + num_new)
         self.block_tables.append(seq.block_table)
-        if _wants_prompt_logprobs(seq):
+        if wants_prompt_logprobs(seq):
             self.prompt_spans.append((seq, len(self.keep), start, num_new))
             self.keep.extend(range(offset, offset + num_new))
         elif reaches_end:
@@ -236,7 +231,16 @@ def check_model_supported(model: torch.nn.Module) -> None:
         )
 
 
-def _wants_prompt_logprobs(seq: Sequence) -> bool:
+def is_pure_decode(batch: SchedulerOutput) -> bool:
+    """Every sequence computes its one last token, and none wants prompt logprobs: the
+    steps the runner strategies (cuda_graphs.py, compiled_decode.py) take over."""
+    return all(
+        n == 1 and s.num_computed_tokens + 1 == s.num_tokens and not wants_prompt_logprobs(s)
+        for s, n in batch.scheduled
+    )
+
+
+def wants_prompt_logprobs(seq: Sequence) -> bool:
     # Only before the first generated token: a recompute after preemption already reported them.
     return seq.request.decoder_input_details and seq.num_output_tokens == 0
 

@@ -1,9 +1,15 @@
 """Logits -> next tokens for a whole batch, on the logits' device.
 
 Per-request parameters are applied as batched tensor ops over the rows that use
-them; greedy rows take an argmax. Sampled rows draw from their own seeded
-torch.Generator, one draw per step, so a seed gives the same text whatever else
-shares the batch.
+them; greedy rows take an argmax. Sampled rows draw together, with no per-row launch:
+each row's draw is one uniform number, a counter-based hash (splitmix64) of its seed
+and the position it samples, looked up in the row's cumulative distribution. A seed
+therefore gives the same text whatever else shares the batch, and a step recomputed
+after a preemption the same draw.
+
+Host <-> device traffic of a step: nothing for the parameters of an all-greedy batch,
+one small host-to-device copy when some row samples, and one device-to-host copy of
+the tokens with their logprobs (plus one for top_n_tokens when asked).
 
 Logprobs are those of the distribution after penalties, bias and temperature and
 before top-k/top-p/typical truncation (what TGI reports).
@@ -11,6 +17,7 @@ before top-k/top-p/typical truncation (what TGI reports).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,21 +41,19 @@ class Sampler:
         logits = logits.float()
         logits = self._apply_penalties(logits, seqs, params)
         logits = _apply_logit_bias(logits, params)
-        sampled_rows = [i for i, p in enumerate(params) if p.do_sample]
-        if sampled_rows:
-            temps = torch.tensor(
-                [params[i].temperature for i in sampled_rows], device=logits.device
-            )
-            logits[sampled_rows] = logits[sampled_rows] / temps.unsqueeze(1)
+        rows = _SampledRows.build(seqs, params, logits.device)
+        if rows is not None:
+            logits = logits / rows.temperatures.unsqueeze(1)  # 1.0 on greedy rows
         logprobs = torch.log_softmax(logits, dim=-1)
 
         next_ids = torch.argmax(logprobs, dim=-1)
-        if sampled_rows:
-            next_ids[sampled_rows] = self._draw(logprobs[sampled_rows], seqs, params, sampled_rows)
+        if rows is not None:
+            next_ids.index_copy_(0, rows.index, _draw(logprobs.index_select(0, rows.index), rows))
         chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
         top = _top_tokens(logprobs, params)
-        # the one host sync of the step
-        return SampleResult(next_ids.tolist(), chosen.tolist(), top)
+        # the one host read of the step: ids (exact in float64 below 2^53) with logprobs
+        ids, chosen_logprobs = torch.stack([next_ids.double(), chosen.double()]).tolist()
+        return SampleResult([int(i) for i in ids], chosen_logprobs, top)
 
     # penalties ---------------------------------------------------------------
 
@@ -78,40 +83,96 @@ class Sampler:
         logits[rows] = sub
         return logits
 
-    # drawing -----------------------------------------------------------------
 
-    def _draw(
-        self,
-        logprobs: torch.Tensor,
-        seqs: list[Sequence],
-        params: list[SamplingParams],
-        rows: list[int],
-    ) -> torch.Tensor:
-        sub_params = [params[i] for i in rows]
-        logprobs = _truncate(logprobs, sub_params)
-        probs = torch.softmax(logprobs, dim=-1)
-        # Validation keeps the parameters finite and sane; should a row still come out
-        # as no distribution, it falls back to its most likely token rather than failing
-        # the whole batch inside multinomial.
-        probs = probs.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-        broken = probs.sum(-1) <= 0
-        if broken.any():
-            probs[broken] = torch.nn.functional.one_hot(
-                logprobs[broken].nan_to_num(nan=float("-inf")).argmax(-1), probs.shape[-1]
-            ).to(probs.dtype)
-        draws = [
-            torch.multinomial(probs[j], 1, generator=_generator(seqs[i], probs.device))
-            for j, i in enumerate(rows)
-        ]
-        return torch.cat(draws)
+# drawing ---------------------------------------------------------------------
 
 
-def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
-    if seq.sampler_state is None:
-        gen = torch.Generator(device=device)
-        gen.manual_seed(seq.request.sampling.seed % (2**63))
-        seq.sampler_state = gen
-    return seq.sampler_state  # type: ignore[return-value]
+@dataclass(slots=True)
+class _SampledRows:
+    """The sampled rows' parameters on the device, from one host-to-device copy."""
+
+    index: torch.Tensor  # [m] long: the rows that sample
+    uniforms: torch.Tensor  # [m] float64 in [0, 1): the row's draw, from (seed, position)
+    temperatures: torch.Tensor  # [n] float32, every row (1.0 where greedy)
+    top_k: torch.Tensor  # [m] float32, inf where off
+    top_p: torch.Tensor  # [m] float32, inf where off
+    typical_p: torch.Tensor  # [m] float32
+    truncate: bool  # some row has top_k, top_p or typical_p on
+    typical: bool  # some row has typical_p on
+    max_top_k: int | None  # the largest top_k when every row has one
+
+    @classmethod
+    def build(
+        cls, seqs: list[Sequence], params: list[SamplingParams], device: torch.device
+    ) -> _SampledRows | None:
+        """None when every row is greedy."""
+        index = [i for i, p in enumerate(params) if p.do_sample]
+        if not index:
+            return None
+        n, m = len(params), len(index)
+        sub = [params[i] for i in index]
+        # keyed by the position sampled: a row's draws differ from step to step, never with
+        # the batch around it
+        uniforms = [_uniform(p.seed, seqs[i].num_tokens) for i, p in zip(index, sub)]
+        # float64 holds the row numbers exactly: everything in one copy
+        packed = torch.tensor(
+            [p.temperature if p.do_sample else 1.0 for p in params]
+            + [float(i) for i in index]
+            + uniforms
+            + [float(p.top_k) if p.top_k > 0 else math.inf for p in sub]
+            + [p.top_p if p.top_p < 1.0 else math.inf for p in sub]  # off: no rounding
+            + [p.typical_p for p in sub],
+            dtype=torch.float64,
+        ).to(device)
+        rest = packed[n + 2 * m :].float()
+        return cls(
+            index=packed[n : n + m].long(),
+            uniforms=packed[n + m : n + 2 * m],
+            temperatures=packed[:n].float(),
+            top_k=rest[:m],
+            top_p=rest[m : 2 * m],
+            typical_p=rest[2 * m :],
+            truncate=any(p.top_k > 0 or p.top_p < 1.0 or p.typical_p < 1.0 for p in sub),
+            typical=any(p.typical_p < 1.0 for p in sub),
+            max_top_k=max(p.top_k for p in sub) if all(p.top_k > 0 for p in sub) else None,
+        )
+
+
+def _draw(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
+    """One token per row of `logprobs` ([m, vocab], the sampled rows), all rows at once: the
+    first token whose cumulative probability exceeds the row's uniform share of the total."""
+    truncated = _truncate(logprobs, rows) if rows.truncate else logprobs
+    probs = torch.softmax(truncated, dim=-1).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    picked = torch.searchsorted(cdf, rows.uniforms.unsqueeze(1) * total, right=True).squeeze(1)
+    # rounding can put the target at the total: stay on the last token with any probability
+    tokens = torch.arange(probs.shape[1], device=probs.device)
+    last_possible = torch.where(probs > 0, tokens, 0).amax(dim=-1)
+    picked = torch.minimum(picked, last_possible)
+    # Validation keeps the parameters finite and sane; should a row still come out as no
+    # distribution, it falls back to its most likely token rather than failing the batch.
+    fallback = logprobs.nan_to_num(nan=float("-inf")).argmax(-1)
+    return torch.where(total.squeeze(1) > 0, picked, fallback)
+
+
+# splitmix64 (Steele et al.): a counter-based generator, so a draw needs no state
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + _GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) from a request's seed and the position it samples (53 bits)."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 11) * 2.0**-53
 
 
 def _counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -134,31 +195,33 @@ def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     return logits
 
 
-def _truncate(logprobs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """top_k, top_p and typical_p as masks over one sort of the rows."""
-    if all(p.top_k == 0 and p.top_p >= 1.0 and p.typical_p >= 1.0 for p in params):
-        return logprobs
-    device = logprobs.device
+def _truncate(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
+    """top_k, top_p and typical_p as masks over one sort of the rows. When every row has a
+    top_k and none typical_p, only the largest top_k are sorted (torch.topk): tokens past
+    it are dropped whatever the row's top_p, and a full sort of a large vocabulary costs
+    ~6 ms a row on CPU."""
     vocab = logprobs.shape[1]
-    sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
+    if rows.max_top_k is not None and not rows.typical:
+        sorted_lp, order = torch.topk(logprobs, min(rows.max_top_k, vocab), dim=-1)
+    else:
+        sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
     probs = sorted_lp.exp()
-    ranks = torch.arange(vocab, device=device).unsqueeze(0)
-    keep = torch.ones_like(sorted_lp, dtype=torch.bool)
-
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-    keep &= ranks < top_k.unsqueeze(1)
-
-    top_p = torch.tensor([p.top_p for p in params], device=device)
+    ranks = torch.arange(sorted_lp.shape[1], device=logprobs.device).unsqueeze(0)
+    keep = ranks < rows.top_k.unsqueeze(1)
     mass_before = probs.cumsum(-1) - probs
-    keep &= mass_before < top_p.unsqueeze(1)
-
-    typical_p = torch.tensor([p.typical_p for p in params], device=device)
-    if (typical_p < 1.0).any():
-        keep &= _typical_keep(sorted_lp, probs, typical_p)
-
+    keep &= mass_before < rows.top_p.unsqueeze(1)
     keep[:, 0] = True  # the most probable token always survives
-    masked = sorted_lp.masked_fill(~keep, float("-inf"))
-    return torch.empty_like(logprobs).scatter_(1, order, masked)
+    # top-k and top-p as a threshold: tokens tied with the last one kept stay too (as HF's
+    # top-k), so the kept set doesn't hang on how a sort ordered ties, which topk and sort
+    # do differently (a row alone and in a batch may take either)
+    threshold = sorted_lp.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
+    truncated = logprobs.masked_fill(logprobs < threshold, float("-inf"))
+    if rows.typical:  # a full sort: the fast path excludes typical_p
+        typical = _typical_keep(sorted_lp, probs, rows.typical_p)
+        typical[:, 0] = True
+        kept = torch.empty_like(typical).scatter_(1, order, typical)
+        truncated = truncated.masked_fill(~kept, float("-inf"))
+    return truncated
 
 
 def _typical_keep(sorted_lp: torch.Tensor, probs: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,6 @@ class Sequence:
     last_token_time: float | None = None
     num_preemptions: int = 0
     arrival_order: int = 0  # set by the scheduler when it is added: ties between priorities
-    sampler_state: object | None = None  # owned by the sampler (e.g. a torch.Generator)
     grammar_state: object | None = None  # owned by GrammarMasks (the request's matcher)
 
     def __post_init__(self) -> None:

@@ -220,3 +220,19 @@ def test_sampler_rows_are_the_same_alone_and_in_a_batch():
         busy = Sampler().sample(logits, seqs)
         assert (busy.token_ids[11], busy.logprobs[11]) == (alone.token_ids[0], alone.logprobs[0])
         assert busy.top_tokens[11] == alone.top_tokens[0]
+
+
+def test_truncated_rows_keep_the_same_tokens_whichever_sort_the_batch_takes():
+    """A top_k row alone sorts only its top k (torch.topk); beside a top_p row the batch takes
+    a full sort, which orders ties otherwise: bf16 logits over a 49k vocabulary tie a lot."""
+    g = torch.Generator().manual_seed(8)
+    vocab = 49152
+    top_k = SamplingParams(do_sample=True, seed=5, temperature=0.9, top_k=40)
+    top_p = SamplingParams(do_sample=True, seed=6, temperature=0.9, top_p=0.9)
+    for step in range(8):
+        row = (torch.randn(vocab, generator=g) * 2).to(torch.bfloat16).float()
+        seq = make_seq(list(range(3 + step)), sampling=top_k)
+        alone = Sampler().sample(row[None].clone(), [seq])
+        other = (torch.randn(vocab, generator=g) * 2).to(torch.bfloat16).float()
+        busy = Sampler().sample(torch.stack([other, row]), [make_seq([1], sampling=top_p), seq])
+        assert (busy.token_ids[1], busy.logprobs[1]) == (alone.token_ids[0], alone.logprobs[0])

@@ -1,19 +1,26 @@
-"""The compiled decode step (compiled_decode.py): float32 greedy tokens equal generate's
-through padding, preemption and aborts, and steady state never recompiles."""
+"""CompiledRunner (compiled_decode.py): float32 greedy tokens equal generate's through
+padding, preemption and aborts, and steady state never recompiles."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from textgen.service.engine.compiled_decode import CompiledDecode, decode_buckets
+from textgen.service.engine.compiled_decode import (
+    CompiledRunner,
+    CompileSettings,
+    decode_buckets,
+)
+from textgen.service.engine.cuda_graphs import GraphSettings
+from textgen.service.engine.kv_pool import KVCachePool
 from textgen.service.engine.paged_core import PagedCore
+from textgen.service.engine.runner import ModelRunner
+from textgen.service.engine.scheduler import SchedulerOutput
 
 from .factories import (
     VOCAB_SIZE,
     assert_idle,
     assert_matches_generate,
     engine_copy,
-    make_core,
     make_seq,
     random_prompt,
     run_to_completion,
@@ -29,23 +36,24 @@ def compiled_core(tiny_llama) -> PagedCore:
         max_batch_prefill_tokens=64,
         max_batch_size=4,
         block_size=8,
-        compile_decode=True,
+        compile=CompileSettings.for_engine(4),
     )
     core.warm_up()  # compiles every bucket
     return core
 
 
 def test_buckets_are_powers_of_two_up_to_the_batch_size():
-    assert decode_buckets(256) == [1, 2, 4, 8, 16, 32]
-    assert decode_buckets(5) == [1, 2, 4, 5]
-    assert decode_buckets(1) == [1]
+    assert decode_buckets(256) == (1, 2, 4, 8, 16, 32)
+    assert decode_buckets(5) == (1, 2, 4, 5)
+    assert decode_buckets(1) == (1,)
 
 
 def test_compiled_greedy_equals_generate_through_preemption_without_recompiling(
     compiled_core, tiny_llama
 ):
-    decode = compiled_core.runner.decode_step
-    assert sorted(decode.compile_seconds) == decode.buckets == [1, 2, 4]
+    runner = compiled_core.runner
+    assert isinstance(runner, CompiledRunner)
+    assert sorted(runner.compile_seconds) == runner.buckets == [1, 2, 4]
     g = torch.Generator().manual_seed(2)
     seqs = [
         make_seq(random_prompt(10 + 3 * i, VOCAB_SIZE, g), request_id=f"c{i}", max_new_tokens=9 + i)
@@ -57,7 +65,8 @@ def test_compiled_greedy_equals_generate_through_preemption_without_recompiling(
             compiled_core.add(seq)
         run_to_completion(compiled_core)
     assert compiled_core.stats().preemptions > 0
-    assert decode.steps > 0 and decode.padded_rows > 0
+    stats = runner.stats
+    assert stats.compiled_steps > 0 and stats.padded_rows > 0 and stats.eager_steps > 0
     assert_matches_generate(tiny_llama, seqs)
     assert_idle(compiled_core)
 
@@ -70,10 +79,10 @@ def test_abort_between_compiled_steps_frees_everything(compiled_core):
     ]
     for seq in seqs:
         compiled_core.add(seq)
-    steps_before = compiled_core.runner.decode_step.steps
+    steps_before = compiled_core.runner.stats.compiled_steps
     for _ in range(6):
         compiled_core.step()
-    assert compiled_core.runner.decode_step.steps > steps_before
+    assert compiled_core.runner.stats.compiled_steps > steps_before
     compiled_core.abort(seqs[1])
     compiled_core.step()  # the others go on, one row fewer
     for seq in seqs:
@@ -82,18 +91,38 @@ def test_abort_between_compiled_steps_frees_everything(compiled_core):
 
 
 def test_needs_a_scratch_block(tiny_llama):
-    core = make_core(tiny_llama)  # no compile_decode: its pool has no scratch block
+    eager = ModelRunner(engine_copy(tiny_llama), KVCachePool(4, 8))  # no scratch block
     with pytest.raises(ValueError, match="scratch block"):
-        CompiledDecode(core.runner, [1])
+        CompiledRunner(eager, CompileSettings((1,)))
 
 
-def test_not_with_batch_invariance(tiny_llama):
-    with pytest.raises(ValueError, match="--deterministic"):
-        PagedCore(
+def test_not_with_batch_invariance_nor_with_cuda_graphs(tiny_llama):
+    def core(**options):
+        return PagedCore(
             engine_copy(tiny_llama),
             max_batch_total_tokens=96,
             max_batch_prefill_tokens=64,
             max_batch_size=4,
-            batch_invariant=True,
-            compile_decode=True,
+            compile=CompileSettings((1,)),
+            **options,
         )
+
+    with pytest.raises(ValueError, match="--deterministic"):
+        core(batch_invariant=True)
+    with pytest.raises(ValueError, match="pick one"):
+        core(cuda_graphs=GraphSettings((1,), 4, capture=False))
+    with pytest.raises(ValueError, match="buckets"):
+        CompileSettings(())
+
+
+def test_a_runner_built_without_warm_up_runs_everything_eagerly(tiny_llama):
+    eager = ModelRunner(engine_copy(tiny_llama), KVCachePool(4, 8, scratch_blocks=1))
+    runner = CompiledRunner(eager, CompileSettings((1,)))
+    seq = make_seq([1, 2, 3], request_id="e", max_new_tokens=2)
+    seq.block_table.append(0)
+    seq.num_computed_tokens = 2  # its one last prompt token to compute: a pure decode
+    batch = SchedulerOutput(scheduled=[(seq, 1)])
+    assert runner.bucket_for(batch) is None  # nothing compiled yet: no compile on a request
+    out = runner.execute(batch)
+    assert out.sample_seqs == [seq] and out.sample_logits.shape == (1, VOCAB_SIZE)
+    assert runner.stats.eager_steps == 1 and runner.stats.compiled_steps == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 
 import grpc
 import pytest
@@ -82,7 +83,13 @@ def test_metrics_move_by_exactly_what_happened(traced_server):
             client.generate("hello", max_new_tokens=2)
         stream.close()
 
+    # the server records the cancel when grpc.aio ends the RPC, just after close() returns
+    deadline = time.monotonic() + 10
     after = scrape(traced_server)
+    while delta(after, before, "textgen_requests_cancelled_total") < 1:
+        assert time.monotonic() < deadline, "the cancelled stream was never counted"
+        time.sleep(0.05)
+        after = scrape(traced_server)
     assert delta(after, before, "tgi_request_count") == 4
     assert delta(after, before, "tgi_request_success") == 1
     assert delta(after, before, 'tgi_request_failure{err="validation"}') == 1

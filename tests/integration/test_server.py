@@ -149,6 +149,7 @@ def test_info(stub, tiny_server):
 
     assert info.torch_threads == default_torch_threads() == tiny_server.engine.torch_threads
     assert info.validation_workers == tiny_server.settings.validation_workers
+    assert not info.cuda_graphs  # on CPU graphs are off by default (refused when asked for)
     assert info.compile is False  # --compile is opt-in
 
 

@@ -28,3 +28,29 @@ async def test_start_replica_refuses_it(tiny_model_dir):
 def test_max_input_tokens_must_leave_room():
     with pytest.raises(ValueError, match="must be < --max-total-tokens"):
         Settings(max_input_tokens=512, max_total_tokens=512).resolved_limits(1024)
+
+
+async def test_cuda_graphs_asked_for_on_cpu_are_refused_at_startup(tiny_model_dir):
+    settings = tiny_settings(tiny_model_dir, cuda_graphs=True)
+    with pytest.raises(ValueError, match="--cuda-graphs: CUDA graphs need a CUDA device"):
+        await start_replica(settings)
+
+
+def test_cuda_graphs_flag_and_environment(monkeypatch):
+    import argparse
+
+    from textgen.service.config import add_serve_arguments, settings_from_args
+
+    def parsed(*argv):
+        parser = argparse.ArgumentParser()
+        add_serve_arguments(parser)
+        return settings_from_args(parser.parse_args(list(argv))).cuda_graphs
+
+    monkeypatch.delenv("TEXTGEN_CUDA_GRAPHS", raising=False)
+    assert parsed() is None  # on where the device is CUDA
+    assert parsed("--cuda-graphs") is True and parsed("--no-cuda-graphs") is False
+    monkeypatch.setenv("TEXTGEN_CUDA_GRAPHS", "0")
+    assert parsed() is False and parsed("--cuda-graphs") is True
+    monkeypatch.setenv("TEXTGEN_CUDA_GRAPHS", "maybe")
+    with pytest.raises(ValueError, match="TEXTGEN_CUDA_GRAPHS"):
+        parsed()

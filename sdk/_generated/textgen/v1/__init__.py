@@ -592,9 +592,15 @@ class InfoResponse(betterproto2.Message):
     as loaded (in model_dtype).
     """
 
-    compile: "bool" = betterproto2.field(26, betterproto2.TYPE_BOOL)
+    cuda_graphs: "bool" = betterproto2.field(26, betterproto2.TYPE_BOOL)
     """
-    Decode steps run through torch.compile'd graphs, one per batch bucket (--compile).
+    Decode steps replayed from CUDA graphs captured per batch bucket at start-up
+    (--cuda-graphs; on by default on a CUDA device).
+    """
+
+    compile: "bool" = betterproto2.field(27, betterproto2.TYPE_BOOL)
+    """
+    Decode steps run through torch.compile'd graphs, one per batch bucket (--compile; CPU).
     """
 
 

@@ -1,0 +1,90 @@
+"""The batched sampler: every sampled row drawn at once from a uniform keyed by (seed,
+position), top-k/top-p/typical masks over one sort, a fallback for rows with no
+distribution."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from textgen.service.engine import sampler
+from textgen.service.engine.sampler import Sampler
+from textgen.service.engine.types import SamplingParams
+
+from .factories import make_seq
+
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+
+
+def rows_of(logits: torch.Tensor, **sampling) -> list:
+    """One sequence per row, seeds 0..n-1 (so each row draws its own uniform)."""
+    return [
+        make_seq([1, 2, 3], request_id=f"s{i}", sampling=SamplingParams(seed=i, **sampling))
+        for i in range(logits.shape[0])
+    ]
+
+
+def test_draws_follow_the_distribution():
+    n = 4000
+    logits = PROBS.log().repeat(n, 1)
+    result = Sampler().sample(logits, rows_of(logits, do_sample=True))
+    counts = torch.bincount(torch.tensor(result.token_ids), minlength=4).float()
+    sigma = (n * PROBS * (1 - PROBS)).sqrt()
+    assert ((counts - n * PROBS).abs() < 4 * sigma).all(), counts
+    # logprobs are of the distribution before truncation, for the token drawn
+    assert result.logprobs[0] == pytest.approx(math.log(PROBS[result.token_ids[0]]), abs=1e-6)
+
+
+def test_truncation_keeps_only_the_allowed_tokens():
+    logits = PROBS.log().repeat(400, 1)
+    for sampling in ({"top_k": 2}, {"top_p": 0.6}, {"top_k": 3, "top_p": 0.6}):
+        ids = Sampler().sample(logits.clone(), rows_of(logits, do_sample=True, **sampling))
+        assert set(ids.token_ids) == {0, 1}, sampling
+
+
+def test_top_k_on_every_row_sorts_only_the_top_and_agrees_with_the_full_sort():
+    torch.manual_seed(0)
+    logprobs = torch.randn(6, 1000).mul(3).log_softmax(-1)
+    seqs = [
+        make_seq([1], sampling=SamplingParams(do_sample=True, top_k=k, top_p=p, seed=k))
+        for k, p in [(1, 1.0), (5, 0.9), (40, 1.0), (40, 0.5), (200, 0.95), (3, 1.0)]
+    ]
+    rows = sampler._SampledRows.build(seqs, [s.request.sampling for s in seqs], logprobs.device)
+    assert rows.max_top_k == 200
+    fast = sampler._truncate(logprobs, rows)
+    full = sampler._truncate(logprobs, dataclasses.replace(rows, max_top_k=None))
+    assert torch.equal(fast, full)
+
+
+def test_a_seed_and_position_give_the_same_draw_in_any_batch():
+    logits = PROBS.log().repeat(8, 1)
+    alone = Sampler().sample(logits[:1].clone(), rows_of(logits[:1], do_sample=True))
+    seqs = rows_of(logits, do_sample=True)
+    seqs[0] = make_seq([1, 2, 3], request_id="s0", sampling=SamplingParams(do_sample=True, seed=0))
+    busy = Sampler().sample(logits.clone(), seqs)
+    assert busy.token_ids[0] == alone.token_ids[0]
+    assert sampler._uniform(7, 10) != sampler._uniform(7, 11) != sampler._uniform(8, 10)
+    assert 0.0 <= sampler._uniform(2**64 - 1, 0) < 1.0
+
+
+def test_greedy_rows_beside_sampled_ones_take_the_argmax():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 1.0, 9.0]])
+    seqs = [
+        make_seq([1], request_id="g0"),
+        make_seq([1], request_id="s", sampling=SamplingParams(do_sample=True, temperature=0.5)),
+        make_seq([1], request_id="g2"),
+    ]
+    result = Sampler().sample(logits, seqs)
+    assert result.token_ids[0] == 1 and result.token_ids[2] == 2
+    # the greedy rows' logprobs are at temperature 1
+    assert result.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[1].item())
+
+
+def test_a_row_without_a_distribution_falls_back_to_its_argmax():
+    logits = torch.tensor([[float("nan")] * 4, [0.0, 0.0, 7.0, 0.0]])
+    seqs = rows_of(logits, do_sample=True, top_p=0.5)
+    result = Sampler().sample(logits, seqs)
+    assert result.token_ids[1] == 2
+    assert 0 <= result.token_ids[0] < 4
