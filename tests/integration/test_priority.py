@@ -73,8 +73,9 @@ def test_a_high_priority_request_starts_before_earlier_low_ones(saturable):
     assert set(first_token_at) == {name for name, _, _ in calls}
     waiting_low = [first_token_at[f"low-{i}"] for i in range(3)]
     assert first_token_at["high"] < min(waiting_low), first_token_at
-    # among equals, arrival order
-    assert waiting_low == sorted(waiting_low)
+    # among equals, arrival order: none starts a step before an earlier one (two that start in
+    # the same step reach their clients in either order, microseconds apart)
+    assert all(b > a - STEP_DELAY / 2 for a, b in zip(waiting_low, waiting_low[1:])), waiting_low
 
 
 def test_a_full_queue_refuses_the_lowest_priority_first(tiny_model_dir):
