@@ -5,6 +5,7 @@ the lowest priority first; the metrics count requests by priority."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -75,7 +76,7 @@ def test_a_high_priority_request_starts_before_earlier_low_ones(saturable):
     assert first_token_at["high"] < min(waiting_low), first_token_at
     # among equals, arrival order: none starts a step before an earlier one (two that start in
     # the same step reach their clients in either order, microseconds apart)
-    assert all(b > a - STEP_DELAY / 2 for a, b in zip(waiting_low, waiting_low[1:])), waiting_low
+    assert all(b > a - STEP_DELAY / 2 for a, b in itertools.pairwise(waiting_low)), waiting_low
 
 
 def test_a_full_queue_refuses_the_lowest_priority_first(tiny_model_dir):
