@@ -17,6 +17,8 @@ on one replica. A request without a key (metadata routes) is spread at random.
 
 from __future__ import annotations
 
+from .lua_json import TOP_LEVEL_VALUE
+
 AFFINITY_HEADER = "x-textgen-affinity"
 SESSION_HEADER = "x-session-id"
 # Enough to tell system prompts apart, short enough to be shared by every turn of a chat.
@@ -79,49 +81,12 @@ local function field(s, number)
   return nil
 end
 
--- The raw text of top-level string `key` of the JSON object s, or nil. Strings and
--- nested values are skipped, so a "prompt_cache_key" inside a message doesn't count.
-local function top_level_string(s, key)
-  local i, depth, last, key_before = 1, 0, nil, nil
-  while true do
-    i = s:find('["{}%[%]:]', i)
-    if i == nil then return nil end
-    local c = s:sub(i, i)
-    if c == '"' then
-      local j = i + 1
-      while true do
-        j = s:find('["\\]', j)
-        if j == nil then return nil end
-        if s:sub(j, j) == '"' then break end
-        j = j + 2
-      end
-      local text = s:sub(i + 1, j - 1)
-      if last == ":" then
-        if depth == 1 and key_before == key then return text end
-        last = nil
-      else
-        last, key_before = text, text
-      end
-      i = j + 1
-    else
-      if c == ":" then
-        last = ":"
-      elseif c == "{" or c == "[" then
-        depth = depth + 1
-        last = nil
-      else
-        depth = depth - 1
-        last = nil
-      end
-      i = i + 1
-    end
-  end
-end
+__TOP_LEVEL_VALUE__
 
 local function routing_key(handle, method, message, headers)
   if JSON_METHODS[method] and message ~= nil then
-    local cache_key = top_level_string(message, "prompt_cache_key")
-    if cache_key ~= nil and cache_key ~= "" then return "k:" .. cache_key end
+    local cache_key, quoted = top_level_value(message, "prompt_cache_key")
+    if quoted and cache_key ~= "" then return "k:" .. cache_key end
   end
   local session = headers:get(SESSION)
   if session ~= nil and session ~= "" then return "s:" .. session end
@@ -163,6 +128,7 @@ def lua_source() -> str:
         .replace("__PROMPT_PREFIX_BYTES__", str(PROMPT_PREFIX_BYTES))
         .replace("__PROMPT_FIELDS__", ", ".join(f"{m} = {n}" for m, n in fields.items()))
         .replace("__JSON_METHODS__", ", ".join(f"{m} = true" for m in OPENAI_METHODS))
+        .replace("__TOP_LEVEL_VALUE__", TOP_LEVEL_VALUE.strip())
     )
 
 
