@@ -150,7 +150,11 @@ async def run_load(args, prompts: list[str], grammar: dict | None = None) -> Rep
         ]
         await asyncio.gather(*(_drain(stub.GenerateStream(r, timeout=args.timeout)) for r in warm))
         with tqdm(
-            total=n * args.max_new_tokens, unit="tok", desc="bench", file=sys.stderr
+            total=n * args.max_new_tokens,
+            unit="tok",
+            desc="bench",
+            file=sys.stderr,
+            mininterval=1.0,
         ) as progress:
 
             async def worker() -> None:
