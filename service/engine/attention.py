@@ -196,7 +196,7 @@ class BatchMetadata:
             block_tables=block_tables,
             device=device,
             use_flash=_flash_available(device),
-            use_triton=_triton_available(device),
+            use_triton=triton_available(device),
             batch_invariant=batch_invariant,
         )
 
@@ -240,7 +240,7 @@ class BatchMetadata:
             block_tables=[],
             device=device,
             use_flash=False,
-            use_triton=_triton_available(device),
+            use_triton=triton_available(device),
             _groups=[group],
             _block_table=BlockTableIndices(
                 query_starts=torch.arange(num_seqs + 1, **int32),
@@ -636,13 +636,9 @@ def _triton_module() -> ModuleType | None:
     return triton_attention
 
 
-def _triton_available(device: torch.device) -> bool:
-    return device.type == "cuda" and _triton_module() is not None
-
-
 def triton_available(device: torch.device) -> bool:
     """Whether the Triton kernel runs on `device` (CUDA, triton importable)."""
-    return _triton_available(device)
+    return device.type == "cuda" and _triton_module() is not None
 
 
 def _tokens_first(query: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from .attention import BatchMetadata, bound_metadata
-from .runner import ModelRunner, RunnerOutput, is_pure_decode
+from .runner import ModelRunner, RunnerOutput, decode_bucket
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
@@ -144,10 +144,9 @@ class CompiledRunner:
 
     def bucket_for(self, batch: SchedulerOutput) -> int | None:
         """The bucket that runs this step, or None when the eager runner must."""
-        if not self.compile_seconds or not is_pure_decode(batch):
+        if not self.compile_seconds:
             return None  # before warmup(), nothing is compiled: a call would compile here
-        n = len(batch.scheduled)
-        return next((b for b in self.buckets if b >= n), None)
+        return decode_bucket(batch, self.buckets)
 
     def _run_padded(self, seqs: list[Sequence], bucket: int) -> torch.Tensor:
         pad = bucket - len(seqs)

@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from . import attention
 from .attention import BatchMetadata
-from .runner import ModelRunner, RunnerOutput, is_pure_decode
+from .runner import ModelRunner, RunnerOutput, decode_bucket
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
@@ -246,11 +246,8 @@ class GraphedRunner:
 
     def graph_for(self, batch: SchedulerOutput) -> _DecodeGraph | None:
         """The bucket's graph when `batch` is a pure decode that fits one, else None."""
-        if not self.graphs or not is_pure_decode(batch):
-            return None
-        seqs = len(batch.scheduled)
-        size = next((s for s in self._sizes if s >= seqs), None)
-        if size is None:
+        size = decode_bucket(batch, self._sizes)
+        if size is None:  # not a pure decode, too wide, or no graphs built yet (no sizes)
             return None
         graph = self.graphs[size]
         return graph if graph.fits([s for s, _ in batch.scheduled]) else None

@@ -240,6 +240,15 @@ def is_pure_decode(batch: SchedulerOutput) -> bool:
     )
 
 
+def decode_bucket(batch: SchedulerOutput, buckets: list[int]) -> int | None:
+    """The smallest of the sorted `buckets` that holds this step when it is a pure decode;
+    None when the eager runner must take it."""
+    if not is_pure_decode(batch):
+        return None
+    n = len(batch.scheduled)
+    return next((b for b in buckets if b >= n), None)
+
+
 def wants_prompt_logprobs(seq: Sequence) -> bool:
     # Only before the first generated token: a recompute after preemption already reported them.
     return seq.request.decoder_input_details and seq.num_output_tokens == 0

@@ -244,8 +244,8 @@ def test_refuses_what_it_does_not_handle():
 
 
 def test_triton_is_available_on_cuda_devices_only():
-    assert attention._triton_available(torch.device("cuda"))
-    assert not attention._triton_available(CPU)
+    assert attention.triton_available(torch.device("cuda"))
+    assert not attention.triton_available(CPU)
 
 
 @pytest.mark.parametrize(
@@ -357,7 +357,7 @@ def test_engine_on_the_triton_kernel_matches_generate(model_name, request, monke
     def sdpa(*args):
         raise AssertionError("a layer took the SDPA path")
 
-    monkeypatch.setattr(attention, "_triton_available", lambda device: True)
+    monkeypatch.setattr(attention, "triton_available", lambda device: True)
     monkeypatch.setattr(attention, "_triton_attention", counted)
     monkeypatch.setattr(attention, "_sdpa_attention", sdpa)
     core = make_core(model, prefill_tokens=48)

@@ -194,10 +194,9 @@ def test_server_reports_it_and_generates_greedily(tiny_model_dir, method):
 def test_cuda_quantized_model_generates_in_the_paged_engine(tiny_model_dir, method):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    pytest.importorskip("torchao")
     need = {"int8": (0, 0), "int4": q.INT4_CUDA_MIN_CAPABILITY, "fp8": q.FP8_MIN_CAPABILITY}
     if torch.cuda.get_device_capability() < need[method]:
-        pytest.skip(f"{method} needs compute capability {need[method]}")
+        pytest.skip(f"needs a GPU of compute capability {need[method]} ({method} kernels)")
     from engine.factories import make_seq, run_to_completion
     from textgen.service.engine.paged_core import PagedCore
 
