@@ -212,6 +212,13 @@ def format_table(report: Report) -> str:
         rows.append(
             ("server RSS / peak (MiB)", f"{report.server_rss_mib} / {report.server_peak_rss_mib}")
         )
+    compared = report.core or report.baseline
+    if compared and len(compared.get("rounds", ())) > 1:
+        # the rows above are the first load's; those below, medians over the rounds
+        rows.append(
+            (f"served tok/s, median of {len(compared['rounds'])} rounds",
+             compared["served_output_tokens_per_s"])
+        )  # fmt: skip
     if report.core:
         c = report.core
         rows.append((f"core alone, {c['dtype']} (tok/s)", c["output_tokens_per_s"]))
@@ -299,7 +306,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="with --grammar: alternate plain and constrained loads this many times; with "
         "--compare-serve-args: loads on the two servers; with --core or --baseline: served "
-        "and comparison runs (the ratios reported are medians)",
+        "and comparison runs (the ratios, and the served, core and loop figures beside them, "
+        "are medians over the rounds)",
     )
 
 
@@ -426,12 +434,26 @@ def _comparison_rounds(args, prompts: list[str], config: ServedConfig, report: R
             )
             loop_rounds.append(plain)
     if core_rounds:
-        report.core = _medians(core_rounds, ("served_over_core", "itl_p50_over_core_step"))
+        report.core = _medians(core_rounds, _CORE_MEDIANS)
     if loop_rounds:
-        report.baseline = _medians(loop_rounds, ("served_over_loop",))
+        report.baseline = _medians(loop_rounds, _LOOP_MEDIANS)
         naive = loop.naive_generate(prompts, args.max_new_tokens)
         report.baseline["naive_generate_tokens_per_s"] = naive
-        report.baseline["served_over_naive"] = _ratio(report.output_tokens_per_s, naive)
+        served_tok_s = report.baseline["served_output_tokens_per_s"]
+        report.baseline["served_over_naive"] = _ratio(served_tok_s, naive)
+
+
+# what _medians takes the median of: each ratio, and the figures it divides, so the
+# printed served, core and loop figures agree with the ratio printed beside them
+_CORE_MEDIANS = (
+    "served_over_core",
+    "itl_p50_over_core_step",
+    "output_tokens_per_s",
+    "decode_step_p50_ms",
+    "served_output_tokens_per_s",
+    "served_itl_p50_ms",
+)
+_LOOP_MEDIANS = ("served_over_loop", "loop_tokens_per_s", "served_output_tokens_per_s")
 
 
 def _ratio(a: float, b: float) -> float:
@@ -440,11 +462,12 @@ def _ratio(a: float, b: float) -> float:
 
 
 def _medians(rounds: list[dict], keys: tuple[str, ...]) -> dict:
-    """The last round's figures, every round's, and the median of each ratio."""
+    """Every round's figures, and the median over the rounds of each of `keys` (the
+    last round's value for any other key)."""
     out = dict(rounds[-1])
     out["rounds"] = rounds
     for key in keys:
-        if all(key in r for r in rounds):
+        if all(r.get(key) is not None for r in rounds):
             out[key] = statistics.median(r[key] for r in rounds)
     return out
 

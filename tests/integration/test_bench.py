@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 import pytest
-from textgen.service.bench import add_bench_arguments, format_table, run_load
+from textgen.service.bench import Report, add_bench_arguments, format_table, run_load
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -102,6 +102,27 @@ def test_bench_compares_with_the_core_alone_and_plain_transformers(tiny_server, 
         r["served_over_loop"] for r in base["rounds"]
     )
     assert base["naive_generate_tokens_per_s"] > 0
+    # the figures beside each ratio are medians too, so the printed table agrees with itself
+    for block, keys in (
+        (
+            core,
+            (
+                "output_tokens_per_s",
+                "decode_step_p50_ms",
+                "served_output_tokens_per_s",
+                "served_itl_p50_ms",
+            ),
+        ),
+        (base, ("loop_tokens_per_s", "served_output_tokens_per_s")),
+    ):
+        for key in keys:
+            assert block[key] == statistics.median(r[key] for r in block["rounds"]), key
+    assert base["served_over_naive"] == pytest.approx(
+        base["served_output_tokens_per_s"] / base["naive_generate_tokens_per_s"], rel=1e-2
+    )
+    rows = [line.split() for line in format_table(Report(**report)).splitlines()]
+    assert ["served", "tok/s,", "median", "of", "2", "rounds",
+            str(core["served_output_tokens_per_s"])] in rows  # fmt: skip
 
 
 def test_bench_prices_a_server_flag_against_a_second_server(tiny_model_dir, tmp_path):
