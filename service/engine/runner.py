@@ -9,13 +9,16 @@ Batch-invariant mode (`batch_invariant`): besides the attention's fixed key chun
 matmul sees a row count that is a multiple of ROW_MULTIPLE. Padding tokens (token 0 at
 position 0 of the pool's scratch block, one 1-token query each, laid out with the decodes)
 round the flattened batch up, and the logits rows to keep are rounded up with repeats.
-NOTE measured on this CPU (torch 2.13): float32 `F.linear` computes the last M % 4 rows of
-a product of M < 12 rows otherwise than a longer product; bfloat16 computes a lone row
-(M = 1) otherwise for input widths of 1152 and more (the MLP's down projection).
+NOTE measured on an AMD EPYC (torch 2.13): float32 `F.linear` computes the last M % 4 rows
+of a product of M < 12 rows otherwise than a longer product; bfloat16 computes a lone row
+(M = 1) otherwise for input widths of 1152 and more (the MLP's down projection). Other CPUs
+pick their blocking by the row count at any size, so every `F.linear` of the forward runs
+over fixed blocks of rows as well (invariant_linear.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,6 +27,7 @@ from transformers import AttentionInterface
 
 from .attention import ATTENTION_NAME, METADATA_KWARG, BatchMetadata, paged_attention_forward
 from .invariant_attention import ROW_MULTIPLE
+from .invariant_linear import fixed_rows_linears, linear_modules
 from .kv_pool import KVCachePool
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
@@ -83,6 +87,8 @@ class ModelRunner:
         if batch_invariant and pool.scratch_block is None:
             raise ValueError("batch-invariant execution needs a KV pool with a scratch block")
         self.batch_invariant = batch_invariant
+        # batch-invariant matmuls: the model's Linear layers, over fixed blocks of rows
+        self._linears = linear_modules(model) if batch_invariant else []
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -132,13 +138,14 @@ class ModelRunner:
         their own inputs (cuda_graphs.py)."""
         if keep.numel() == 0:  # a step of prefill chunks only: nothing to project
             keep = keep.new_zeros(1)
-        out = self.model(
-            input_ids=ids,
-            position_ids=positions,
-            use_cache=False,
-            logits_to_keep=keep,
-            **{METADATA_KWARG: meta},
-        )
+        with fixed_rows_linears(self._linears) if self._linears else contextlib.nullcontext():
+            out = self.model(
+                input_ids=ids,
+                position_ids=positions,
+                use_cache=False,
+                logits_to_keep=keep,
+                **{METADATA_KWARG: meta},
+            )
         return out.logits[0]
 
 

@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from textgen.service.engine import invariant_attention
+import torch.nn.functional as F
+from textgen.service.engine import invariant_attention, invariant_linear
 from textgen.service.engine.invariant_attention import ChunkedMask, _merge_chunks
+from textgen.service.engine.invariant_linear import (
+    fixed_rows_linear,
+    fixed_rows_linears,
+    linear_modules,
+)
 from textgen.service.engine.runner import _lay_out
 from textgen.service.engine.sampler import Sampler
 from textgen.service.engine.types import SamplingParams
@@ -236,3 +242,46 @@ def test_truncated_rows_keep_the_same_tokens_whichever_sort_the_batch_takes():
         other = (torch.randn(vocab, generator=g) * 2).to(torch.bfloat16).float()
         busy = Sampler().sample(torch.stack([other, row]), [make_seq([1], sampling=top_p), seq])
         assert (busy.token_ids[1], busy.logprobs[1]) == (alone.token_ids[0], alone.logprobs[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fixed_rows_linear_gives_a_row_the_same_bits_in_any_batch(dtype):
+    """The matmul under batch-invariant mode: a row's product is the same bits with 1 or
+    300 rows beside it, at any place among them (oneDNN/MKL pick their blocking by the row
+    count on some CPUs, so plain F.linear need not be), and it is F.linear's value."""
+    g = torch.Generator().manual_seed(0)
+    # the MLP's down projection, outputs of order 1
+    weight = (torch.randn(576, 1536, generator=g) / 1536**0.5).to(dtype)
+    bias = torch.randn(576, generator=g).to(dtype)
+    pool = torch.randn(400, 1536, generator=g).to(dtype)
+    probe = fixed_rows_linear(pool[:1], weight, bias)[0]
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2  # summed in another order
+    plain = F.linear(pool[:1], weight, bias)[0]
+    torch.testing.assert_close(probe, plain, atol=tolerance, rtol=tolerance)
+    for num_rows in (2, 3, 8, 31, 33, 64, 65, 128, 300):
+        rows = pool[torch.randperm(399, generator=g)[: num_rows - 1] + 1]
+        place = int(torch.randint(num_rows, (1,), generator=g))
+        batch = torch.cat([rows[:place], pool[:1], rows[place:]]).unsqueeze(0)  # [1, T, D]
+        out = fixed_rows_linear(batch, weight, bias)
+        assert out.shape == (1, num_rows, 576)
+        assert torch.equal(out[0, place], probe), (num_rows, place)
+
+
+def test_fixed_rows_linears_cover_the_layers_inside_the_block_only(monkeypatch):
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return fixed_rows_linear(*args, **kwargs)
+
+    monkeypatch.setattr(invariant_linear, "fixed_rows_linear", counted)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        with fixed_rows_linears(linear_modules(model)):
+            inside = model(x)
+        assert calls == [(5, 16), (5, 8)]  # both layers went through it
+        outside = model(x)  # and after the block, they are plain Linear layers again
+    assert calls == [(5, 16), (5, 8)]
+    assert "forward" not in vars(model[0])
+    torch.testing.assert_close(inside, outside)
