@@ -21,7 +21,9 @@ from textgen.service.proto import text_generation_service_pb2 as svc_pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
 
 TEXTGEN = Path(sys.executable).with_name("textgen")
-START_TIMEOUT = 60.0
+# a replica's first start may convert the embedded model (35 s on a slow 2-core machine)
+# while the others wait for it on its lock and then load it: allow for that
+START_TIMEOUT = 180.0
 
 
 def free_port() -> int:
