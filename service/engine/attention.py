@@ -14,8 +14,10 @@ the per-layer cost has no Python loop over sequences.
 Three backends; this module only picks one per call (`_pick_kernel`):
 - CPU, and the reference for the others: torch SDPA over gathered blocks, in at most two
   calls per layer: one for the single-token queries (decodes), one for the multi-token chunks
-  padded to the longest chunk. With `batch_invariant` the keys are cut into fixed chunks and
-  each row's result no longer depends on the rest of the batch (invariant_attention.py).
+  padded to the longest chunk. A sequence decoding alone (one stream) attends a slice of its
+  gathered keys with no mask: SDPA's fastest case, as in plain transformers' decode. With
+  `batch_invariant` the keys are cut into fixed chunks and each row's result no longer
+  depends on the rest of the batch (invariant_attention.py).
 - CUDA with `triton`: triton_attention.py's kernel, one launch per layer for decodes and
   chunks alike, reading the pool in place through the block tables.
 - CUDA with the `flash_attn` package: `flash_attn_varlen_func` over the unpadded batch.
@@ -73,6 +75,9 @@ class AttentionGroup:
     # batch-invariant attention: keys per chunk (max_blocks * block_size is a multiple);
     # None: the reference path, one SDPA call over all of them
     chunk_tokens: int | None = None
+    # one sequence decoding (b == q == 1, not batch-invariant): its context length. Its keys
+    # are then a prefix of the gathered ones and SDPA runs on that slice with no mask.
+    single_context_len: int | None = None
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # (window, G, dtype)
     _chunked_masks: dict[tuple, ChunkedMask] = field(default_factory=dict)
 
@@ -120,10 +125,10 @@ class AttentionGroup:
             allowed &= key_pos > query_pos - window
         # Padding rows would be fully masked and SDPA gives NaN there: let them attend
         # everything (the pool is zero-filled, so finite) and drop their output.
-        allowed |= ~self.is_real_query.unsqueeze(-1)
         b, q, k = allowed.shape
-        if q == 1:
+        if q == 1:  # decodes: no padding rows
             return allowed.view(b, 1, 1, k)
+        allowed |= ~self.is_real_query.unsqueeze(-1)
         return allowed.unsqueeze(1).expand(b, num_groups, q, k).reshape(b, 1, num_groups * q, k)
 
 
@@ -179,18 +184,10 @@ class BatchMetadata:
         device: torch.device,
         batch_invariant: bool = False,
     ) -> BatchMetadata:
-        bs = pool.block_size
-        num_tokens = sum(query_lens)
-        q_lens = torch.tensor(query_lens)
-        starts = torch.tensor(context_lens) - q_lens  # first new position of each sequence
-        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
-        token_offset = torch.arange(num_tokens) - (torch.cumsum(q_lens, 0) - q_lens)[seq_of_token]
-        positions = starts[seq_of_token] + token_offset
-        tables = _pad_tables(block_tables)
-        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        slots = _slots(query_lens, context_lens, block_tables, pool.block_size)
         return cls(
             pool=pool,
-            slot_mapping=slots.to(device, non_blocking=True),
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True),
             query_lens=query_lens,
             context_lens=context_lens,
             block_tables=block_tables,
@@ -306,6 +303,24 @@ class BatchMetadata:
         return groups
 
 
+def _slots(
+    query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> list[int]:
+    """The pool slot of each new token, in batch order: one `range` per block a sequence's
+    new tokens touch. Host lists, not tensor ops: a decode step's few dozen slots cost
+    microseconds this way, against ~0.1 ms for a dozen tiny tensor ops on a slow CPU."""
+    slots: list[int] = []
+    for num_new, context_len, table in zip(query_lens, context_lens, block_tables):
+        position = context_len - num_new
+        while position < context_len:
+            block, offset = divmod(position, block_size)
+            run = min(block_size - offset, context_len - position)
+            first = table[block] * block_size + offset
+            slots.extend(range(first, first + run))
+            position += run
+    return slots
+
+
 def _pad_tables(block_tables: list[list[int]], multiple: int = 1) -> torch.Tensor:
     """`[B, max_blocks]` long, padded with block 0 (never read unmasked) to a multiple of
     `multiple` blocks."""
@@ -325,6 +340,22 @@ def _build_group(
     num_seqs, max_q = len(query_lens), max(query_lens)
     chunk_tokens = invariant_attention.chunk_tokens_for(block_size) if batch_invariant else None
     tables = _pad_tables(block_tables, (chunk_tokens or block_size) // block_size)
+    if max_q == 1:  # decodes: each query is its sequence's last position (host lists again)
+        return AttentionGroup(
+            token_start=token_start,
+            token_end=token_start + num_seqs,
+            num_seqs=num_seqs,
+            max_query_len=1,
+            max_blocks=tables.shape[1],
+            block_size=block_size,
+            block_index=tables.flatten().to(device),
+            query_pos=torch.tensor(context_lens).sub_(1).view(num_seqs, 1).to(device),
+            is_real_query=torch.ones(num_seqs, 1, dtype=torch.bool, device=device),
+            query_index=None,
+            output_index=None,
+            chunk_tokens=chunk_tokens,
+            single_context_len=context_lens[0] if num_seqs == 1 and not batch_invariant else None,
+        )
     q_lens = torch.tensor(query_lens)
     row = torch.arange(max_q)
     first_pos = torch.tensor(context_lens) - q_lens
@@ -527,13 +558,17 @@ def _sdpa_attention(
     window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
+    groups = meta.groups()  # at most two: decodes, then chunks
+    if len(groups) == 1:  # most steps (all decodes, or all chunks): no slice, no cat
+        group = groups[0]
+        attend = _attend_decodes if group.max_query_len == 1 else _attend_chunks
+        return attend(query[0], cache, group, scaling, window, softcap)[None]
     outputs = []
-    for group in meta.groups():  # at most two: decodes, then chunks
+    for group in groups:
         rows = query[0, :, group.token_start : group.token_end]  # [H, Tg, D]
         attend = _attend_decodes if group.max_query_len == 1 else _attend_chunks
         outputs.append(attend(rows, cache, group, scaling, window, softcap))
-    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-    return out.unsqueeze(0)  # [1, T, H, Dv]
+    return torch.cat(outputs)[None]  # [1, T, H, Dv]
 
 
 def _attend_decodes(
@@ -590,6 +625,11 @@ def _attend_rows(
     """Query rows `[b, KVH, R, D]` over each sequence's cached K/V -> `[b, KVH, R, Dv]`;
     `mask_groups`: the query heads per mask row (1: one mask row for all R rows)."""
     keys, values = _gather(cache.keys, group), _gather(cache.values, group)
+    context_len = group.single_context_len
+    if context_len is not None:  # the keys it sees: the last `window` of its context
+        first = max(0, context_len - window) if window else 0
+        keys, values = keys[:, :, first:context_len], values[:, :, first:context_len]
+        return _attend(rows, keys, values, None, scaling, softcap)
     if group.chunk_tokens is None:
         mask = group.mask(window, mask_groups, rows.dtype)
         return _attend(rows, keys, values, mask, scaling, softcap)
@@ -610,7 +650,7 @@ def _attend(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     scaling: float,
     softcap: float | None,
 ) -> torch.Tensor:
@@ -618,7 +658,9 @@ def _attend(
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
     # SDPA has no logit soft-capping (Gemma2): the eager formula, softmax in float32.
     scores = torch.matmul(query, keys.transpose(-1, -2)) * scaling
-    scores = torch.tanh(scores / softcap) * softcap + mask
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
     return torch.matmul(probs, values)
 

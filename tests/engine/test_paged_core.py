@@ -225,6 +225,22 @@ def test_sliding_window_model_matches_generate(model_name, request):
     assert_matches_generate(model, seqs)
 
 
+@pytest.mark.parametrize("model_name", ["tiny_llama", "tiny_mistral_sliding", "tiny_gemma2"])
+def test_a_sequence_decoding_alone_matches_generate(model_name, request):
+    """One decoding sequence attends its own keys with no mask (a slice of the gathered
+    blocks: the last `window` of its context on sliding-window layers); past the window,
+    across block boundaries and with Gemma2's soft-capping it must give generate's tokens."""
+    model = request.getfixturevalue(model_name)
+    core = make_core(model, prefill_tokens=40)
+    g = torch.Generator().manual_seed(11)
+    for n in (1, 15, 70):  # its context then crosses 16-token blocks and the 24-token window
+        seq = make_seq(random_prompt(n, VOCAB_SIZE, g), request_id=f"alone{n}", max_new_tokens=20)
+        core.add(seq)
+        run_to_completion(core)
+        assert_matches_generate(model, [seq])
+    assert_idle(core)
+
+
 def test_request_larger_than_the_pool_is_refused(tiny_llama):
     core = make_core(tiny_llama, total_tokens=64)
     with pytest.raises(EngineError):

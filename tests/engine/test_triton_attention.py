@@ -118,7 +118,7 @@ def attend_both(batch: Batch, *, window=None, softcap=None) -> tuple[torch.Tenso
 def sdpa_in_float32(batch: Batch, *, window=None, softcap=None) -> torch.Tensor:
     cache = batch.pool.layer(0, batch.key, batch.value)
     keys, values = cache.keys.float(), cache.values.float()
-    cache32 = LayerCache(keys, values, keys.flatten(0, 1), values.flatten(0, 1))
+    cache32 = LayerCache.over(keys, values)
     scale = batch.query.shape[-1] ** -0.5
     return attention._sdpa_attention(
         batch.query.float(), cache32, batch.meta, scale, window, softcap
