@@ -58,6 +58,39 @@ def test_top_k_on_every_row_sorts_only_the_top_and_agrees_with_the_full_sort():
     assert torch.equal(fast, full)
 
 
+def test_top_p_sorts_a_prefix_when_it_holds_the_nucleus_and_agrees_with_the_full_sort(
+    monkeypatch,
+):
+    """top-p rows sort only the most probable TOP_P_PREFIX tokens when those hold every
+    row's kept set; a row whose nucleus spills past them sends the batch to a full sort.
+    Each row's truncation is the full sort's either way, so it doesn't hang on the batch."""
+    monkeypatch.setattr(sampler, "TOP_P_PREFIX", 64)
+    torch.manual_seed(0)
+    peaked = torch.randn(5, 4000).mul(6).log_softmax(-1)  # a 0.9 nucleus of a few tokens
+    flat = torch.randn(1, 4000).mul(0.1).log_softmax(-1)  # a 0.9 nucleus of thousands
+    settings = [(0, 0.9), (0, 0.5), (50, 0.95), (0, 1.0), (3000, 0.9)]  # (top_k, top_p)
+    peaked_seqs = [
+        make_seq([1], sampling=SamplingParams(do_sample=True, top_k=k, top_p=p, seed=i))
+        for i, (k, p) in enumerate(settings)
+    ]
+    flat_seq = make_seq([1], sampling=SamplingParams(do_sample=True, top_p=0.9, seed=9))
+    sorts = []
+    real_sort = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(1) or real_sort(*a, **k))
+
+    def truncate(logprobs, seqs):
+        rows = sampler._SampledRows.build(seqs, [s.request.sampling for s in seqs], "cpu")
+        return sampler._truncate(logprobs, rows)
+
+    prefix = truncate(peaked, peaked_seqs)
+    assert not sorts, "the peaked rows' nuclei fit in the prefix: no full sort"
+    assert (prefix[3] > float("-inf")).all(), "a row without top-k or top-p keeps every token"
+    mixed = truncate(torch.cat([peaked, flat]), [*peaked_seqs, flat_seq])
+    assert sorts, "the flat row's nucleus spills past the prefix: a full sort"
+    assert torch.equal(mixed[:5], prefix)
+    assert (mixed[5] > float("-inf")).sum() > 64
+
+
 def test_a_seed_and_position_give_the_same_draw_in_any_batch():
     logits = PROBS.log().repeat(8, 1)
     alone = Sampler().sample(logits[:1].clone(), rows_of(logits[:1], do_sample=True))
