@@ -133,7 +133,7 @@ RETRY_ON = (
     "resource-exhausted",  # gRPC 8 = TGI's 429 `overloaded`: that replica is full
     "unavailable",  # gRPC 14: a draining replica refusing new work
 )
-# At most three replicas per request; previous_hosts keeps a retry off the replicas
+# At most four attempts per request; previous_hosts keeps a retry off the replicas
 # already tried. TRAP: the predicate only makes the balancer draw again, up to
 # HOST_SELECTION_ATTEMPTS more times, after which Envoy takes its last draw, tried or
 # not. And least-request favours the replica that just failed: a dead one has no
@@ -144,8 +144,22 @@ RETRY_ON = (
 # failed after all three tries (off a full one, 0.5**6 = 1.6 % went back and were
 # refused again). With 100: 0.75**101 < 1e-12 per retry (three replicas, two tried:
 # (8/9)**101 < 1e-5). A draw costs well under a microsecond; only retries repeat it.
-NUM_RETRIES = 2
+# TRAP 2: the prefix-affinity ring's bounded load (affinity.py) undoes all that for
+# a dead replica. Its 0 active requests lower the mean, so a live replica with a
+# few streams counts as overloaded, and every draw that lands on it overflows to
+# the least loaded host: the dead one, on every attempt, until outlier detection
+# (two connection failures or resets) has ejected it and Envoy's main thread has
+# told the worker threads. That takes microseconds on a quiet machine, but 15 ms
+# and more on two busy cores: with 5 ms back-offs all three attempts of a request
+# sent right after a kill -9 could fail within that window (1 run in 16 of
+# tests/integration/test_replicas.py's kill scenario, measured). So the retries
+# span that window instead of racing it: Envoy's default back-off (25 ms base; the
+# nth retry waits uniformly [0, 25 * 2**(n-1)) ms, capped at 250 ms) and three of
+# them, 87 ms on average. All three fall within 15 ms with odds of 0.5 %. A
+# refused request (429, draining) waits 12 ms on average before its retry.
+NUM_RETRIES = 3
 HOST_SELECTION_ATTEMPTS = 100
+RETRY_BACK_OFF = {"base_interval": "0.025s", "max_interval": "0.25s"}
 # A metadata call (info, tokenize, health) stuck this long on one replica is tried on
 # another; generation routes have none (see retry_policy).
 QUICK_PER_TRY_TIMEOUT = "5s"
@@ -195,8 +209,7 @@ def retry_policy(generation: bool) -> dict:
             }
         ],
         "host_selection_retry_max_attempts": HOST_SELECTION_ATTEMPTS,
-        # a refusal is immediate: go to the next replica at once, not after 25 ms+
-        "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
+        "retry_back_off": RETRY_BACK_OFF,
     }
     if not generation:
         policy["per_try_timeout"] = QUICK_PER_TRY_TIMEOUT

@@ -25,6 +25,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from replica_processes import Proc, Proxy, Replica, free_port, wait_until
+from textgen.envoy.clusters import NUM_RETRIES
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
 
@@ -270,8 +271,11 @@ def test_killed_replica_under_load(stable, victim, proxy):
         results = [f.result(timeout=40) for f in streams]  # none hangs
 
     assert [a[0] for a in after] == ["ok"] * len(after), after
-    # one that met the dead replica was resent once, to the stable one, never back
-    assert {a[1] for a in after} <= {"1", "2"}, after
+    # One that met the dead replica was resent, within the retry policy's attempts.
+    # Until Envoy's workers learn of its ejection (ms), the ring's bounded load can
+    # send a retry back to it (clusters.py, TRAP 2); the back-offs outlast that.
+    attempts = {str(n) for n in range(1, NUM_RETRIES + 2)}
+    assert {a[1] for a in after} <= attempts, after
     assert out_at, watch.flags
     left_after = out_at - killed
     assert left_after < 4.0, left_after
