@@ -2,7 +2,10 @@
 together (staggered arrivals, mixed prompt lengths, most longer than one prefill chunk, some
 contexts longer than one attention key chunk, shared prefixes) give the same tokens as the
 same requests sent one at a time. In the default dtype (bfloat16 on a CPU with native bf16;
-without the flag 10 of these 48 outputs differed there) and in float32."""
+without the flag 10-19 of these 48 outputs differed there) every request is checked alone;
+in float32 every third (16 of them, each truncation kind among them): a lone request costs
+a whole 32-row step there, 2.7 s, and on an Intel Xeon with AMX none of the 48 differed
+even without the flag."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ NUM_GREEDY = 32
 NUM_SEEDED = 16
 MAX_NEW_TOKENS = 16
 STAGGER_S = 0.04  # between arrivals: requests join while others prefill and decode
+ALONE_EVERY = {"auto": 1, "float32": 3}  # which requests are sent again alone, by dtype
 
 TOPICS = ["the sea", "Paris", "a robot", "autumn", "Python", "the moon", "bread", "music"]
 
@@ -69,21 +73,23 @@ def server(request):
         if not served.grpc_target:
             pytest.fail("textgen serve did not become ready:\n" + served.log[-3000:])
         served.drain_log()
-        yield served.grpc_target
+        yield served.grpc_target, ALONE_EVERY[dtype]
         served.proc.send_signal(signal.SIGTERM)
         served.proc.wait(60)
 
 
 def test_requests_together_equal_requests_alone(server):
-    with Client(server, timeout=60) as client:
+    target, alone_every = server
+    with Client(target, timeout=60) as client:
         assert client.info().deterministic
     num = NUM_GREEDY + NUM_SEEDED
     # arrivals interleave greedy and seeded, short and long prompts
     order = sorted(range(num), key=lambda i: (i * 7) % num)
     with cf.ThreadPoolExecutor(num) as pool:
-        futures = {i: pool.submit(_generate, server, i, k * STAGGER_S) for k, i in enumerate(order)}
+        futures = {i: pool.submit(_generate, target, i, k * STAGGER_S) for k, i in enumerate(order)}
         together = [futures[i].result(timeout=600) for i in range(num)]
-    alone = [_generate(server, i) for i in range(num)]
-    differing = [i for i in range(num) if together[i] != alone[i]]
-    assert not differing, f"{len(differing)} of {num} outputs differ: requests {differing}"
-    assert all(len(tokens) == MAX_NEW_TOKENS for tokens in alone)
+    checked = range(0, num, alone_every)
+    alone = {i: _generate(target, i) for i in checked}
+    differing = [i for i in checked if together[i] != alone[i]]
+    assert not differing, f"{len(differing)} of {len(checked)} outputs differ: requests {differing}"
+    assert all(len(tokens) == MAX_NEW_TOKENS for tokens in alone.values())
