@@ -46,8 +46,12 @@ class Sampler:
             logits = logits / rows.temperatures.unsqueeze(1)  # 1.0 on greedy rows
         logprobs = torch.log_softmax(logits, dim=-1)
 
-        next_ids = torch.argmax(logprobs, dim=-1)
-        if rows is not None:
+        if rows is None:
+            next_ids = torch.argmax(logprobs, dim=-1)
+        elif rows.every_row:  # no greedy row: no argmax
+            next_ids = _draw(logprobs, rows)
+        else:
+            next_ids = torch.argmax(logprobs, dim=-1)
             next_ids.index_copy_(0, rows.index, _draw(logprobs.index_select(0, rows.index), rows))
         chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
         top = _top_tokens(logprobs, params)
@@ -97,6 +101,8 @@ class _SampledRows:
     top_k: torch.Tensor  # [m] float32, inf where off
     top_p: torch.Tensor  # [m] float32, inf where off
     typical_p: torch.Tensor  # [m] float32
+    untruncated: torch.Tensor  # [m] bool: neither top_k nor top_p (every token kept)
+    every_row: bool  # no row of the batch is greedy
     truncate: bool  # some row has top_k, top_p or typical_p on
     typical: bool  # some row has typical_p on
     max_top_k: int | None  # the largest top_k when every row has one
@@ -132,6 +138,8 @@ class _SampledRows:
             top_k=rest[:m],
             top_p=rest[m : 2 * m],
             typical_p=rest[2 * m :],
+            untruncated=torch.isinf(rest[:m]) & torch.isinf(rest[m : 2 * m]),
+            every_row=m == n,
             truncate=any(p.top_k > 0 or p.top_p < 1.0 or p.typical_p < 1.0 for p in sub),
             typical=any(p.typical_p < 1.0 for p in sub),
             max_top_k=max(p.top_k for p in sub) if all(p.top_k > 0 for p in sub) else None,
@@ -140,21 +148,56 @@ class _SampledRows:
 
 def _draw(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
     """One token per row of `logprobs` ([m, vocab], the sampled rows), all rows at once: the
-    first token whose cumulative probability exceeds the row's uniform share of the total."""
-    truncated = _truncate(logprobs, rows) if rows.truncate else logprobs
-    probs = torch.softmax(truncated, dim=-1).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-    total = cdf[:, -1:]
-    picked = torch.searchsorted(cdf, rows.uniforms.unsqueeze(1) * total, right=True).squeeze(1)
-    # rounding can put the target at the total: stay on the last token with any probability
-    tokens = torch.arange(probs.shape[1], device=probs.device)
-    last_possible = torch.where(probs > 0, tokens, 0).amax(dim=-1)
-    picked = torch.minimum(picked, last_possible)
+    first token whose cumulative probability exceeds the row's uniform share of the total,
+    in vocabulary order."""
+    m, vocab = logprobs.shape
+    # the probabilities in whole DRAW_BLOCKs (zeros past the vocabulary): exp of log-softmax
+    # values (<= 0) needs no max subtracted
+    blocks = logprobs.new_empty(m, -(-vocab // DRAW_BLOCK), DRAW_BLOCK)
+    blocks.view(m, -1)[:, vocab:] = 0.0
+    probs = torch.exp(logprobs, out=blocks.view(m, -1)[:, :vocab])
+    if rows.truncate:
+        probs.masked_fill_(_dropped(logprobs, rows), 0.0)
+    picked, total = _inverse_cdf(blocks, rows.uniforms)
     # Validation keeps the parameters finite and sane; should a row still come out as no
-    # distribution, it falls back to its most likely token rather than failing the batch.
-    fallback = logprobs.nan_to_num(nan=float("-inf")).argmax(-1)
-    return torch.where(total.squeeze(1) > 0, picked, fallback)
+    # distribution (NaN logits), it falls back to its most likely token rather than
+    # failing the batch.
+    has_distribution = total > 0
+    if not bool(has_distribution.all()):
+        fallback = logprobs.nan_to_num(nan=float("-inf")).argmax(-1)
+        picked = torch.where(has_distribution, picked, fallback)
+    return picked
 
+
+def _inverse_cdf(blocks: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row of `blocks` ([m, num_blocks, DRAW_BLOCK] probabilities, unnormalized):
+    the first token whose cumulative probability exceeds `uniforms` ([m] float64) times the
+    row's total, and that total. In two levels, each row on its own (so whatever the batch):
+    the block the target falls in, from the blocks' masses, then the token inside it."""
+    m, _, width = blocks.shape
+    block_mass = blocks.sum(-1).double()  # one pass in float32: no float64 copy of the vocabulary
+    block_cdf = block_mass.cumsum(-1)
+    total = block_cdf[:, -1:]
+    target = uniforms.unsqueeze(1) * total
+    # rounding can put a target at or past a total: stay on the last nonzero block and token
+    block = torch.searchsorted(block_cdf, target, right=True)
+    block = torch.minimum(block, _last_nonzero(block_mass))
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    inside = blocks.gather(1, block.unsqueeze(2).expand(m, 1, width)).squeeze(1)
+    token = torch.searchsorted(inside.cumsum(-1, dtype=torch.float64), target - before, right=True)
+    token = torch.minimum(token, _last_nonzero(inside))
+    return (block * width + token).squeeze(1), total.squeeze(1)
+
+
+def _last_nonzero(values: torch.Tensor) -> torch.Tensor:
+    """`[m, 1]`: the index of each row's last value > 0 (0 when none is)."""
+    positions = torch.arange(values.shape[1], device=values.device)
+    return torch.where(values > 0, positions, 0).amax(-1, keepdim=True)
+
+
+# tokens per block of _inverse_cdf's first level: one cumsum of a whole 49k vocabulary in
+# float64 took ~10 ms at 32 rows on a 2-core CPU; block sums and one block's cumsum, ~1
+DRAW_BLOCK = 1024
 
 # top-p rows sort only this many of their most probable tokens when those hold the row's
 # kept set (almost always: a 0.95 nucleus rarely spans more): a full sort of a 49k
@@ -200,12 +243,12 @@ def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     return logits
 
 
-def _truncate(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
-    """top_k, top_p and typical_p as masks over one sort of the rows. When every row has a
-    top_k and none typical_p, only the largest top_k are sorted (torch.topk): tokens past
-    it are dropped whatever the row's top_p, and a full sort of a large vocabulary costs
-    ~3-6 ms a row on CPU. Without typical_p, top-p rows sort a prefix when it is enough
-    (_sorted_enough)."""
+def _dropped(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
+    """`[m, vocab]` bool: the tokens top_k, top_p and typical_p remove, as masks over one
+    sort of the rows. When every row has a top_k and none typical_p, only the largest top_k
+    are sorted (torch.topk): tokens past it are dropped whatever the row's top_p, and a
+    full sort of a large vocabulary costs ~3-6 ms a row on CPU. Without typical_p, top-p
+    rows sort a prefix when it is enough (_sorted_enough)."""
     vocab = logprobs.shape[1]
     if rows.typical:
         sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
@@ -224,35 +267,29 @@ def _truncate(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
     # do differently (a row alone and in a batch may take either)
     threshold = sorted_lp.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
     # a row without top_k or top_p keeps its whole vocabulary, past a partial sort's end too
-    threshold.masked_fill_(_untruncated(rows).unsqueeze(1), float("-inf"))
-    truncated = logprobs.masked_fill(logprobs < threshold, float("-inf"))
+    threshold.masked_fill_(rows.untruncated.unsqueeze(1), float("-inf"))
+    dropped = logprobs < threshold
     if rows.typical:  # a full sort: the fast path excludes typical_p
         typical = _typical_keep(sorted_lp, probs, rows.typical_p)
         typical[:, 0] = True
-        kept = torch.empty_like(typical).scatter_(1, order, typical)
-        truncated = truncated.masked_fill(~kept, float("-inf"))
-    return truncated
+        dropped |= ~torch.empty_like(typical).scatter_(1, order, typical)
+    return dropped
 
 
 def _sorted_enough(logprobs: torch.Tensor, rows: _SampledRows) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows sorted far enough for top-k and top-p: the largest TOP_P_PREFIX when that
     prefix holds every row's kept set (its top_k fits in it, or its mass reaches the row's
     top_p, so no token past it can be kept), else a full sort. Either way the threshold
-    _truncate derives is the same value, so a row's kept set does not depend on the batch."""
+    _dropped derives is the same value, so a row's kept set does not depend on the batch."""
     vocab = logprobs.shape[1]
     if vocab > TOP_P_PREFIX:
         sorted_lp, order = torch.topk(logprobs, TOP_P_PREFIX, dim=-1)
-        # the margin covers float32 rounding between this sum and _truncate's cumsum
+        # the margin covers float32 rounding between this sum and _dropped's cumsum
         mass = sorted_lp.exp().sum(-1)
-        fits = (rows.top_k <= TOP_P_PREFIX) | (mass >= rows.top_p + 1e-4) | _untruncated(rows)
+        fits = (rows.top_k <= TOP_P_PREFIX) | (mass >= rows.top_p + 1e-4) | rows.untruncated
         if bool(fits.all()):
             return sorted_lp, order
     return torch.sort(logprobs, dim=-1, descending=True)
-
-
-def _untruncated(rows: _SampledRows) -> torch.Tensor:
-    """`[m]` bool: the rows with neither top_k nor top_p (they keep every token)."""
-    return torch.isinf(rows.top_k) & torch.isinf(rows.top_p)
 
 
 def _typical_keep(sorted_lp: torch.Tensor, probs: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:

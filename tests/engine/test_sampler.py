@@ -53,8 +53,8 @@ def test_top_k_on_every_row_sorts_only_the_top_and_agrees_with_the_full_sort():
     ]
     rows = sampler._SampledRows.build(seqs, [s.request.sampling for s in seqs], logprobs.device)
     assert rows.max_top_k == 200
-    fast = sampler._truncate(logprobs, rows)
-    full = sampler._truncate(logprobs, dataclasses.replace(rows, max_top_k=None))
+    fast = sampler._dropped(logprobs, rows)
+    full = sampler._dropped(logprobs, dataclasses.replace(rows, max_top_k=None))
     assert torch.equal(fast, full)
 
 
@@ -78,17 +78,17 @@ def test_top_p_sorts_a_prefix_when_it_holds_the_nucleus_and_agrees_with_the_full
     real_sort = torch.sort
     monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(1) or real_sort(*a, **k))
 
-    def truncate(logprobs, seqs):
+    def dropped(logprobs, seqs):
         rows = sampler._SampledRows.build(seqs, [s.request.sampling for s in seqs], "cpu")
-        return sampler._truncate(logprobs, rows)
+        return sampler._dropped(logprobs, rows)
 
-    prefix = truncate(peaked, peaked_seqs)
+    prefix = dropped(peaked, peaked_seqs)
     assert not sorts, "the peaked rows' nuclei fit in the prefix: no full sort"
-    assert (prefix[3] > float("-inf")).all(), "a row without top-k or top-p keeps every token"
-    mixed = truncate(torch.cat([peaked, flat]), [*peaked_seqs, flat_seq])
+    assert not prefix[3].any(), "a row without top-k or top-p keeps every token"
+    mixed = dropped(torch.cat([peaked, flat]), [*peaked_seqs, flat_seq])
     assert sorts, "the flat row's nucleus spills past the prefix: a full sort"
     assert torch.equal(mixed[:5], prefix)
-    assert (mixed[5] > float("-inf")).sum() > 64
+    assert (~mixed[5]).sum() > 64
 
 
 def test_a_seed_and_position_give_the_same_draw_in_any_batch():
