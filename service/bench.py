@@ -65,6 +65,7 @@ class Report:
     itl_p50_ms: float
     itl_p95_ms: float
     errors: int
+    sampling: dict = field(default_factory=dict)  # --temperature/--top-p/--top-k; {}: greedy
     baseline: dict | None = None  # --baseline: plain transformers, and served / theirs
     core: dict | None = None  # --core: the engine core alone, and served / core
     constrained: dict | None = None  # --grammar: the same load with the grammar, and the ratio
@@ -88,11 +89,13 @@ async def _drain(call) -> None:
         pass
 
 
-def _request(prompt: str, max_new_tokens: int, ignore_eos: bool, grammar: dict | None):
+def _request(
+    prompt: str, max_new_tokens: int, ignore_eos: bool, grammar: dict | None, sampling: dict
+):
     from google.protobuf import json_format
     from textgen.service.proto import generate_pb2 as pb
 
-    params = pb.GenerateParameters(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+    params = pb.GenerateParameters(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, **sampling)
     if grammar is not None:
         params.grammar.type = grammar["type"]
         json_format.ParseDict(grammar["value"], params.grammar.value)
@@ -103,7 +106,9 @@ async def _one(stub, prompt: str, args, progress, grammar: dict | None) -> Reque
     import grpc
 
     result = RequestResult()
-    request = _request(prompt, args.max_new_tokens, args.ignore_eos, grammar)
+    request = _request(
+        prompt, args.max_new_tokens, args.ignore_eos, grammar, sampling_options(args)
+    )
     start = last = time.perf_counter()
     try:
         async for message in stub.GenerateStream(request, timeout=args.timeout):
@@ -145,7 +150,9 @@ async def run_load(args, prompts: list[str], grammar: dict | None = None) -> Rep
         # connection's flow-control windows), so that the measured load, and a --grammar
         # or --core run after it, all start from a warm server
         warm = [
-            _request(prompts[i % len(prompts)], WARM_UP_TOKENS, True, grammar)
+            _request(
+                prompts[i % len(prompts)], WARM_UP_TOKENS, True, grammar, sampling_options(args)
+            )
             for i in range(args.concurrency)
         ]
         await asyncio.gather(*(_drain(stub.GenerateStream(r, timeout=args.timeout)) for r in warm))
@@ -191,7 +198,17 @@ def summarize(args, results: list[RequestResult], duration: float) -> Report:
         itl_p50_ms=round(_pct(itls, 50), 2),
         itl_p95_ms=round(_pct(itls, 95), 2),
         errors=len(results) - len(ok),
+        sampling=sampling_options(args),
     )
+
+
+def sampling_options(args) -> dict:
+    """The requests' sampling parameters from --temperature, --top-p and --top-k (any of
+    them samples; {} decodes greedily), as TGI's GenerateParameters and the engine's
+    SamplingParams both name them."""
+    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    given = {k: v for k, v in given.items() if v is not None}
+    return {"do_sample": True, **given} if given else {}
 
 
 # presentation and entry point -----------------------------------------------------
@@ -200,6 +217,7 @@ def summarize(args, results: list[RequestResult], duration: float) -> Report:
 def format_table(report: Report) -> str:
     rows = [
         ("concurrency", report.concurrency),
+        ("sampling", ", ".join(f"{k}={v}" for k, v in report.sampling.items()) or "greedy"),
         ("requests", report.requests),
         ("output tokens", report.output_tokens),
         ("duration (s)", report.duration_s),
@@ -264,6 +282,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
+    for flag, kind in (("--temperature", float), ("--top-p", float), ("--top-k", int)):
+        parser.add_argument(
+            flag,
+            type=kind,
+            default=None,
+            help="sample (served load and --core alike) instead of decoding greedily",
+        )
     parser.add_argument(
         "--prompts",
         default=None,
@@ -314,6 +339,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.compare_serve_args and not args.serve:
         raise SystemExit("--compare-serve-args needs --serve")
+    if args.baseline and sampling_options(args):
+        raise SystemExit(
+            "--baseline times transformers' greedy loop: leave out --temperature, --top-p "
+            "and --top-k (--core compares the sampled load)"
+        )
+    if args.openai and sampling_options(args):
+        raise SystemExit(
+            "--openai times greedy completions: leave out --temperature, --top-p and --top-k"
+        )
     prompts = load_prompts(args.prompts)
     if args.openai:
         return _run_openai(args, prompts)
@@ -402,7 +436,7 @@ def _comparison_rounds(args, prompts: list[str], config: ServedConfig, report: R
     the served load for --rounds rounds: each is compared with the served load just
     before it and the median ratios are reported (a shared machine's speed drifts
     between loads). Fills report.core and report.baseline."""
-    core_alone = CoreAlone(config, prompts) if args.core else None
+    core_alone = CoreAlone(config, prompts, sampling_options(args)) if args.core else None
     loop = PlainLoop(config) if args.baseline else None
     requests = args.requests or args.concurrency
     served, core_rounds, loop_rounds = report, [], []

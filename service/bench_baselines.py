@@ -42,11 +42,13 @@ class CoreAlone:
     """The engine core in this process, built like the served one (dtype and limits):
     load once, then `run()` the served load through it as often as needed."""
 
-    def __init__(self, config: ServedConfig, prompts: list[str]) -> None:
+    def __init__(self, config: ServedConfig, prompts: list[str], sampling: dict) -> None:
+        """sampling: the served requests' SamplingParams fields ({} for greedy)."""
         from textgen.service.engine.paged_core import PagedCore
         from textgen.service.models import load_model
 
         self.config = config
+        self.sampling = sampling
         loaded = load_model(config.model_id, dtype=config.dtype, device="auto")
         self.eos_token_ids = loaded.eos_token_ids
         self.core = PagedCore(
@@ -115,7 +117,7 @@ class CoreAlone:
         request = EngineRequest(
             request_id=f"core-{self._requests}",
             prompt_ids=tuple(self.prompt_ids[index % len(self.prompt_ids)]),
-            sampling=SamplingParams(),
+            sampling=SamplingParams(**self.sampling),
             stopping=StoppingParams(max_new_tokens=new_tokens, ignore_eos=ignore_eos),
         )
         return Sequence(request, self.eos_token_ids)

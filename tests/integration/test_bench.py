@@ -125,6 +125,43 @@ def test_bench_compares_with_the_core_alone_and_plain_transformers(tiny_server, 
             str(core["served_output_tokens_per_s"])] in rows  # fmt: skip
 
 
+def test_bench_samples_when_asked_served_and_core_alike(tiny_server, tmp_path):
+    """--temperature/--top-p/--top-k make the served requests and the core's sequences
+    sample with those parameters; --baseline (a greedy loop) refuses them."""
+    import json
+
+    from textgen.service.bench import _request, run, sampling_options
+    from textgen.service.bench_baselines import CoreAlone
+    from textgen.service.engine.types import SamplingParams
+
+    out = tmp_path / "report.json"
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    flags = ["--temperature", "0.8", "--top-p", "0.9", "--top-k", "20"]
+    args = parser.parse_args(
+        ["--target", tiny_server.target, "--model-id", tiny_server.settings.model_id,
+         "--concurrency", "2", "--max-new-tokens", "5", "--ignore-eos", "--core", *flags,
+         "--json", str(out)]
+    )  # fmt: skip
+    sampling = {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "top_k": 20}
+    assert sampling_options(args) == sampling
+    params = _request("hi", 5, True, None, sampling_options(args)).parameters
+    assert (params.do_sample, params.top_k) == (True, 20)
+    assert (params.temperature, params.top_p) == pytest.approx((0.8, 0.9))
+    assert run(args) == 0
+    report = json.loads(out.read_text())
+    assert report["sampling"] == sampling
+    assert report["errors"] == 0 and report["core"]["output_tokens"] == report["output_tokens"]
+    assert "do_sample=True, temperature=0.8" in format_table(Report(**report))
+    core = CoreAlone.__new__(CoreAlone)  # only its request building, no model load
+    core.sampling, core.prompt_ids, core.eos_token_ids, core._requests = sampling, [[1]], (), 0
+    assert core._sequence(0, 5, True).request.sampling == SamplingParams(**sampling)
+
+    greedy_only = parser.parse_args(["--target", tiny_server.target, "--baseline", *flags])
+    with pytest.raises(SystemExit, match="greedy loop"):
+        run(greedy_only)
+
+
 def test_bench_prices_a_server_flag_against_a_second_server(tiny_model_dir, tmp_path):
     """--compare-serve-args starts a second server with the extra flags; loads alternate
     between the two for --rounds rounds, each against the first server's load just before
