@@ -118,7 +118,8 @@ class PagedCore:
     def warm_up(self) -> None:
         """Allocate every layer's KV pool (out of memory shows at startup) and run the
         lazy initialisations: one 1-token forward, then the graph captures or compiles if
-        any (EngineLoop calls it on its thread)."""
+        any, or batch-invariant mode's probe of the matmuls (EngineLoop calls it on its
+        thread)."""
         self.runner.warmup()
 
     @torch.inference_mode()

@@ -27,7 +27,12 @@ from transformers import AttentionInterface
 
 from .attention import ATTENTION_NAME, METADATA_KWARG, BatchMetadata, paged_attention_forward
 from .invariant_attention import ROW_MULTIPLE
-from .invariant_linear import fixed_rows_linears, linear_modules
+from .invariant_linear import (
+    LINEAR_BLOCK_ROWS,
+    fixed_rows_linears,
+    linear_modules,
+    probe_min_rows,
+)
 from .kv_pool import KVCachePool
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
@@ -89,6 +94,7 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         # batch-invariant matmuls: the model's Linear layers, over fixed blocks of rows
         self._linears = linear_modules(model) if batch_invariant else []
+        self._min_rows = LINEAR_BLOCK_ROWS  # until warmup() probes this machine
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -100,6 +106,8 @@ class ModelRunner:
         )
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         self.forward(ids, ids, meta, torch.zeros(1, dtype=torch.long, device=self.device))
+        if self._linears:  # on the thread that runs the forwards, with its thread count
+            self._min_rows = probe_min_rows(self._linears)
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
@@ -138,7 +146,8 @@ class ModelRunner:
         their own inputs (cuda_graphs.py)."""
         if keep.numel() == 0:  # a step of prefill chunks only: nothing to project
             keep = keep.new_zeros(1)
-        with fixed_rows_linears(self._linears) if self._linears else contextlib.nullcontext():
+        linears = fixed_rows_linears(self._linears, self._min_rows) if self._linears else None
+        with linears or contextlib.nullcontext():
             out = self.model(
                 input_ids=ids,
                 position_ids=positions,

@@ -10,9 +10,11 @@ import torch.nn.functional as F
 from textgen.service.engine import invariant_attention, invariant_linear
 from textgen.service.engine.invariant_attention import ChunkedMask, _merge_chunks
 from textgen.service.engine.invariant_linear import (
+    LINEAR_BLOCK_ROWS,
     fixed_rows_linear,
     fixed_rows_linears,
     linear_modules,
+    probe_min_rows,
 )
 from textgen.service.engine.runner import _lay_out
 from textgen.service.engine.sampler import Sampler
@@ -265,6 +267,39 @@ def test_fixed_rows_linear_gives_a_row_the_same_bits_in_any_batch(dtype):
         out = fixed_rows_linear(batch, weight, bias)
         assert out.shape == (1, num_rows, 576)
         assert torch.equal(out[0, place], probe), (num_rows, place)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_of_the_probed_fewest_rows_give_a_row_a_full_blocks_bits(dtype):
+    """probe_min_rows finds how few rows a product may have on this machine: a row then has
+    the same bits padded only that far as in a whole block, wherever it sits among 1 to 70
+    rows; and one row fewer than the probe's floor (if any) is where a product differs."""
+    g = torch.Generator().manual_seed(1)
+    layers = [torch.nn.Linear(576, 1536, bias=False), torch.nn.Linear(1536, 576, bias=False)]
+    layers = [layer.to(dtype) for layer in layers]
+    min_rows = probe_min_rows(layers)
+    assert 1 <= min_rows <= LINEAR_BLOCK_ROWS
+    for layer in layers:
+        pool = torch.randn(80, layer.in_features, generator=g).to(dtype)
+        probe = fixed_rows_linear(pool[:1], layer.weight)[0]  # padded to a whole block
+        for num_rows in (1, 2, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 36, 48, 70):
+            place = int(torch.randint(num_rows, (1,), generator=g))
+            rows = pool[torch.randperm(79, generator=g)[: num_rows - 1] + 1]
+            batch = torch.cat([rows[:place], pool[:1], rows[place:]])
+            out = fixed_rows_linear(batch, layer.weight, min_rows=min_rows)
+            assert torch.equal(out[place], probe), (num_rows, place, min_rows)
+    # the set's floor is its highest layer's; just below a layer's own floor, a product of
+    # that many rows differs from the full block at its start or its end
+    floors = [probe_min_rows([layer]) for layer in layers]
+    assert min_rows == max(floors)
+    for layer, floor in zip(layers, floors):
+        if floor > 1:
+            x = torch.randn(LINEAR_BLOCK_ROWS, layer.in_features, generator=g).to(dtype)
+            full, rows = F.linear(x, layer.weight), floor - 1
+            starts = (0, LINEAR_BLOCK_ROWS - rows)
+            same = [torch.equal(F.linear(x[s : s + rows], layer.weight), full[s : s + rows])
+                    for s in starts]  # fmt: skip
+            assert not all(same), (floor, same)
 
 
 def test_fixed_rows_linears_cover_the_layers_inside_the_block_only(monkeypatch):
