@@ -49,11 +49,11 @@ class Sampler:
         logprobs = torch.log_softmax(logits, dim=-1)
 
         if rows is None:
-            next_ids = torch.argmax(logprobs, dim=-1)
+            next_ids = _argmax(logprobs)
         elif rows.every_row:  # no greedy row: no argmax
             next_ids = _draw(logprobs, rows)
         else:
-            next_ids = torch.argmax(logprobs, dim=-1)
+            next_ids = _argmax(logprobs)
             next_ids.index_copy_(0, rows.index, _draw(logprobs.index_select(0, rows.index), rows))
         chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
         top = _top_tokens(logprobs, params)
@@ -166,7 +166,7 @@ def _draw(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
     # failing the batch.
     has_distribution = total > 0
     if not bool(has_distribution.all()):
-        fallback = logprobs.nan_to_num(nan=float("-inf")).argmax(-1)
+        fallback = _argmax(logprobs.nan_to_num(nan=float("-inf")))
         picked = torch.where(has_distribution, picked, fallback)
     return picked
 
@@ -197,8 +197,33 @@ def _last_nonzero(values: torch.Tensor) -> torch.Tensor:
     return torch.where(values > 0, positions, 0).amax(-1, keepdim=True)
 
 
-# tokens per block of _inverse_cdf's first level: one cumsum of a whole 49k vocabulary in
-# float64 took ~10 ms at 32 rows on a 2-core CPU; block sums and one block's cumsum, ~1
+def _argmax(values: torch.Tensor) -> torch.Tensor:
+    """`torch.argmax(values, -1)` of `[m, vocab]` values (the first maximal index; NaN counts
+    as maximal), in two levels: the first DRAW_BLOCK-wide block holding the row's maximum,
+    from the blocks' `amax`, then the first maximal index inside it. aten's CPU argmax is
+    not vectorized: 2.3 ms for 32 x 49k float32 on a 2-core CPU, where amax takes 0.2."""
+    m, vocab = values.shape
+    width = DRAW_BLOCK
+    num_blocks = vocab // width
+    if num_blocks < 2:
+        return values.argmax(-1)
+    head = values[:, : num_blocks * width].unflatten(-1, (num_blocks, width))
+    block_max = head.amax(-1)
+    block = block_max.argmax(-1, keepdim=True)
+    inside = head.gather(1, block.unsqueeze(2).expand(m, 1, width)).squeeze(1)
+    picked = block * width + inside.argmax(-1, keepdim=True)
+    if num_blocks * width < vocab:  # the last, partial block
+        tail_max, tail_at = values[:, num_blocks * width :].max(-1, keepdim=True)
+        head_max = block_max.gather(1, block)
+        # the head comes first: the tail wins with a greater value, or a NaN the head lacks
+        tail_wins = (tail_max > head_max) | (tail_max.isnan() & ~head_max.isnan())
+        picked = torch.where(tail_wins, num_blocks * width + tail_at, picked)
+    return picked.squeeze(1)
+
+
+# tokens per block of _inverse_cdf's and _argmax's first level: one cumsum of a whole 49k
+# vocabulary in float64 took ~10 ms at 32 rows on a 2-core CPU; block sums and one block's
+# cumsum, ~1
 DRAW_BLOCK = 1024
 
 # top-p rows sort only this many of their most probable tokens when those hold the row's

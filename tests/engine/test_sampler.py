@@ -121,3 +121,22 @@ def test_a_row_without_a_distribution_falls_back_to_its_argmax():
     result = Sampler().sample(logits, seqs)
     assert result.token_ids[1] == 2
     assert 0 <= result.token_ids[0] < 4
+
+
+@pytest.mark.parametrize("vocab", [4, 1000, 2048, 32000, 49152])
+def test_the_two_level_argmax_is_torchs(vocab):
+    """_argmax gives torch.argmax's index, the first maximal one, in rows with ties (bf16
+    values tie a lot), NaNs (counted as maximal), all -inf, and a maximum in the vocabulary's
+    partial last block or tied between a whole block and it."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = (torch.randn(12, vocab, generator=g) * 3).to(torch.bfloat16).float()
+    rows[0] = float("-inf")
+    rows[1, vocab // 2] = float("nan")
+    rows[2, [vocab // 3, vocab - 1]] = float("nan")
+    rows[3, vocab - 1] = 100.0  # in the partial last block, where there is one
+    rows[4, [1, vocab - 1]] = 100.0  # a tie between the first block and the last
+    rows[5] = 1.0  # all tied: index 0
+    rows[6, [vocab - 2, vocab - 1]] = 100.0
+    rows[8, vocab - 1] = float("nan")  # a NaN in the last block only
+    assert torch.equal(sampler._argmax(rows), torch.argmax(rows, dim=-1))
+    assert torch.equal(sampler._argmax(rows[7:8]), torch.argmax(rows[7:8], dim=-1))
