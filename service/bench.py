@@ -65,7 +65,7 @@ class Report:
     itl_p50_ms: float
     itl_p95_ms: float
     errors: int
-    sampling: dict = field(default_factory=dict)  # --temperature/--top-p/--top-k; {}: greedy
+    sampling: dict = field(default_factory=dict)  # --temperature/--top-p/...; {}: greedy
     baseline: dict | None = None  # --baseline: plain transformers, and served / theirs
     core: dict | None = None  # --core: the engine core alone, and served / core
     constrained: dict | None = None  # --grammar: the same load with the grammar, and the ratio
@@ -203,10 +203,15 @@ def summarize(args, results: list[RequestResult], duration: float) -> Report:
 
 
 def sampling_options(args) -> dict:
-    """The requests' sampling parameters from --temperature, --top-p and --top-k (any of
-    them samples; {} decodes greedily), as TGI's GenerateParameters and the engine's
-    SamplingParams both name them."""
-    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    """The requests' sampling parameters from --temperature, --top-p, --top-k and
+    --typical-p (any of them samples; {} decodes greedily), as TGI's GenerateParameters
+    and the engine's SamplingParams both name them."""
+    given = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "typical_p": args.typical_p,
+    }
     given = {k: v for k, v in given.items() if v is not None}
     return {"do_sample": True, **given} if given else {}
 
@@ -282,7 +287,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
-    for flag, kind in (("--temperature", float), ("--top-p", float), ("--top-k", int)):
+    for flag, kind in (
+        ("--temperature", float),
+        ("--top-p", float),
+        ("--top-k", int),
+        ("--typical-p", float),
+    ):
         parser.add_argument(
             flag,
             type=kind,
@@ -341,12 +351,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--compare-serve-args needs --serve")
     if args.baseline and sampling_options(args):
         raise SystemExit(
-            "--baseline times transformers' greedy loop: leave out --temperature, --top-p "
-            "and --top-k (--core compares the sampled load)"
+            "--baseline times transformers' greedy loop: leave out --temperature, --top-p, "
+            "--top-k and --typical-p (--core compares the sampled load)"
         )
     if args.openai and sampling_options(args):
         raise SystemExit(
-            "--openai times greedy completions: leave out --temperature, --top-p and --top-k"
+            "--openai times greedy completions: leave out --temperature, --top-p, --top-k "
+            "and --typical-p"
         )
     prompts = load_prompts(args.prompts)
     if args.openai:

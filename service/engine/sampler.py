@@ -105,7 +105,7 @@ class _SampledRows:
     typical_p: torch.Tensor  # [m] float32
     untruncated: torch.Tensor  # [m] bool: neither top_k nor top_p (every token kept)
     every_row: bool  # no row of the batch is greedy
-    truncate: bool  # some row has top_k, top_p or typical_p on
+    ranked: bool  # some row has top_k or top_p on
     typical: bool  # some row has typical_p on
     max_top_k: int | None  # the largest top_k when every row has one
 
@@ -142,7 +142,7 @@ class _SampledRows:
             typical_p=rest[2 * m :],
             untruncated=torch.isinf(rest[:m]) & torch.isinf(rest[m : 2 * m]),
             every_row=m == n,
-            truncate=any(p.top_k > 0 or p.top_p < 1.0 or p.typical_p < 1.0 for p in sub),
+            ranked=any(p.top_k > 0 or p.top_p < 1.0 for p in sub),
             typical=any(p.typical_p < 1.0 for p in sub),
             max_top_k=max(p.top_k for p in sub) if all(p.top_k > 0 for p in sub) else None,
         )
@@ -158,8 +158,8 @@ def _draw(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
     blocks = logprobs.new_empty(m, -(-vocab // DRAW_BLOCK), DRAW_BLOCK)
     blocks.view(m, -1)[:, vocab:] = 0.0
     probs = torch.exp(logprobs, out=blocks.view(m, -1)[:, :vocab])
-    if rows.truncate:
-        probs.masked_fill_(_dropped(logprobs, rows), 0.0)
+    if rows.ranked or rows.typical:
+        probs.masked_fill_(_dropped(logprobs, probs, rows), 0.0)
     picked, total = _inverse_cdf(blocks, rows.uniforms)
     # Validation keeps the parameters finite and sane; should a row still come out as no
     # distribution (NaN logits), it falls back to its most likely token rather than
@@ -226,9 +226,10 @@ def _argmax(values: torch.Tensor) -> torch.Tensor:
 # cumsum, ~1
 DRAW_BLOCK = 1024
 
-# top-p rows sort only this many of their most probable tokens when those hold the row's
-# kept set (almost always: a 0.95 nucleus rarely spans more): a full sort of a 49k
-# vocabulary takes ~2.7 ms a row on a slow 2-core CPU, 32 rows 85 ms, more than the step
+# top-p rows sort only this many of their most probable tokens, typical-p rows this many
+# of their most typical, when those hold the row's kept set (almost always: a 0.95 nucleus
+# or typical set rarely spans more): a full sort of a 49k vocabulary takes ~2.7 ms a row on
+# a slow 2-core CPU, 32 rows 85 ms, more than the step
 TOP_P_PREFIX = 1024
 
 # splitmix64 (Steele et al.): a counter-based generator, so a draw needs no state
@@ -270,19 +271,26 @@ def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     return logits
 
 
-def _dropped(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
-    """`[m, vocab]` bool: the tokens top_k, top_p and typical_p remove, as masks over one
-    sort of the rows. When every row has a top_k and none typical_p, only the largest top_k
-    are sorted (torch.topk): tokens past it are dropped whatever the row's top_p, and a
-    full sort of a large vocabulary costs ~3-6 ms a row on CPU. Without typical_p, top-p
-    rows sort a prefix when it is enough (_sorted_enough)."""
+def _dropped(logprobs: torch.Tensor, probs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
+    """`[m, vocab]` bool: the tokens top_k and top_p (by rank) or typical_p remove; `probs`
+    are the rows' probabilities (`logprobs.exp()`)."""
+    if not rows.typical:
+        return _dropped_by_rank(logprobs, rows)
+    atypical = _atypical(logprobs, probs, rows.typical_p)
+    return atypical | _dropped_by_rank(logprobs, rows) if rows.ranked else atypical
+
+
+def _dropped_by_rank(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
+    """`[m, vocab]` bool: the tokens top_k and top_p remove, as masks over one sort of the
+    rows. When every row has a top_k, only the largest top_k are sorted (torch.topk):
+    tokens past it are dropped whatever the row's top_p, and a full sort of a large
+    vocabulary costs ~3-6 ms a row on CPU. Otherwise top-p rows sort a prefix when it is
+    enough (_sorted_enough)."""
     vocab = logprobs.shape[1]
-    if rows.typical:
-        sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
-    elif rows.max_top_k is not None:
-        sorted_lp, order = torch.topk(logprobs, min(rows.max_top_k, vocab), dim=-1)
+    if rows.max_top_k is not None:
+        sorted_lp, _ = torch.topk(logprobs, min(rows.max_top_k, vocab), dim=-1)
     else:
-        sorted_lp, order = _sorted_enough(logprobs, rows)
+        sorted_lp = _sorted_enough(logprobs, rows)
     probs = sorted_lp.exp()
     ranks = torch.arange(sorted_lp.shape[1], device=logprobs.device).unsqueeze(0)
     keep = ranks < rows.top_k.unsqueeze(1)
@@ -295,42 +303,56 @@ def _dropped(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
     threshold = sorted_lp.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
     # a row without top_k or top_p keeps its whole vocabulary, past a partial sort's end too
     threshold.masked_fill_(rows.untruncated.unsqueeze(1), float("-inf"))
-    dropped = logprobs < threshold
-    if rows.typical:  # a full sort: the fast path excludes typical_p
-        typical = _typical_keep(sorted_lp, probs, rows.typical_p)
-        typical[:, 0] = True
-        dropped |= ~torch.empty_like(typical).scatter_(1, order, typical)
-    return dropped
+    return logprobs < threshold
 
 
-def _sorted_enough(logprobs: torch.Tensor, rows: _SampledRows) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows sorted far enough for top-k and top-p: the largest TOP_P_PREFIX when that
-    prefix holds every row's kept set (its top_k fits in it, or its mass reaches the row's
-    top_p, so no token past it can be kept), else a full sort. Either way the threshold
-    _dropped derives is the same value, so a row's kept set does not depend on the batch."""
+def _sorted_enough(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
+    """The rows' logprobs sorted (descending) far enough for top-k and top-p: the largest
+    TOP_P_PREFIX when that prefix holds every row's kept set (its top_k fits in it, or its
+    mass reaches the row's top_p, so no token past it can be kept), else a full sort.
+    Either way the threshold _dropped_by_rank derives is the same value, so a row's kept
+    set does not depend on the batch."""
     vocab = logprobs.shape[1]
     if vocab > TOP_P_PREFIX:
-        sorted_lp, order = torch.topk(logprobs, TOP_P_PREFIX, dim=-1)
-        # the margin covers float32 rounding between this sum and _dropped's cumsum
+        sorted_lp, _ = torch.topk(logprobs, TOP_P_PREFIX, dim=-1)
+        # the margin covers float32 rounding between this sum and _dropped_by_rank's cumsum
         mass = sorted_lp.exp().sum(-1)
         fits = (rows.top_k <= TOP_P_PREFIX) | (mass >= rows.top_p + 1e-4) | rows.untruncated
         if bool(fits.all()):
-            return sorted_lp, order
-    return torch.sort(logprobs, dim=-1, descending=True)
+            return sorted_lp
+    return torch.sort(logprobs, dim=-1, descending=True).values
 
 
-def _typical_keep(sorted_lp: torch.Tensor, probs: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
-    """Typical decoding (Meister et al.), as HF's TypicalLogitsWarper, on sorted rows."""
-    entropy = -(probs * sorted_lp.nan_to_num(neginf=0.0)).sum(-1, keepdim=True)
-    surprise_gap = (-sorted_lp - entropy).abs()
-    _, gap_order = torch.sort(surprise_gap, dim=-1)
-    cum = probs.gather(1, gap_order).cumsum(-1)
-    last = (cum < mass.unsqueeze(1)).sum(-1, keepdim=True)
-    keep_in_gap_order = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0) <= last
-    keep = torch.zeros_like(keep_in_gap_order)
-    keep.scatter_(1, gap_order, keep_in_gap_order)
-    keep |= mass.unsqueeze(1) >= 1.0
-    return keep
+def _atypical(logprobs: torch.Tensor, probs: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
+    """`[m, vocab]` bool: the tokens outside each row's typical set (Meister et al., as HF's
+    TypicalLogitsWarper): the tokens whose surprise (-logprob) is nearest the row's entropy,
+    nearest first, until they hold `typical_p` of the mass; tokens as near as the last one
+    kept stay too (HF's threshold). The most probable token always stays, so a row's
+    top-k/top-p set and its typical set share one. Rows with `typical_p` >= 1 keep all."""
+    entropy = -(probs * logprobs).nansum(-1, keepdim=True)  # 0 * -inf: NaN, left out
+    gap = (logprobs + entropy).abs_()  # |surprise - entropy|
+    nearest, mass = _nearest_enough(gap, probs, typical_p)
+    last = (mass < typical_p.unsqueeze(1)).sum(-1, keepdim=True).clamp(max=nearest.shape[1] - 1)
+    threshold = nearest.gather(1, last)
+    threshold.masked_fill_(typical_p.unsqueeze(1) >= 1.0, float("inf"))
+    atypical = gap > threshold
+    return atypical.scatter_(1, _argmax(logprobs).unsqueeze(1), False)
+
+
+def _nearest_enough(
+    gap: torch.Tensor, probs: torch.Tensor, typical_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' gaps sorted (ascending) far enough for typical_p, with the cumulative mass
+    of their tokens: the TOP_P_PREFIX nearest when they hold every row's typical_p (a 0.95
+    typical set spans tens to a few hundred tokens at temperature <= 1), else a full sort.
+    As for top-p, the threshold derived is the same value either way."""
+    if gap.shape[1] > TOP_P_PREFIX:
+        nearest, order = torch.topk(gap, TOP_P_PREFIX, dim=-1, largest=False)
+        mass = probs.gather(1, order).cumsum(-1)
+        if bool(((mass[:, -1] >= typical_p + 1e-4) | (typical_p >= 1.0)).all()):
+            return nearest, mass
+    nearest, order = torch.sort(gap, dim=-1)
+    return nearest, probs.gather(1, order).cumsum(-1)
 
 
 def _top_tokens(

@@ -1,6 +1,6 @@
 """The batched sampler: every sampled row drawn at once from a uniform keyed by (seed,
-position), top-k/top-p/typical masks over one sort, a fallback for rows with no
-distribution."""
+position), top-k/top-p masks over one sort of the most probable tokens, typical-p over one
+of the most typical, a fallback for rows with no distribution."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def test_top_k_on_every_row_sorts_only_the_top_and_agrees_with_the_full_sort():
     ]
     rows = sampler._SampledRows.build(seqs, [s.request.sampling for s in seqs], logprobs.device)
     assert rows.max_top_k == 200
-    fast = sampler._dropped(logprobs, rows)
-    full = sampler._dropped(logprobs, dataclasses.replace(rows, max_top_k=None))
+    fast = sampler._dropped_by_rank(logprobs, rows)
+    full = sampler._dropped_by_rank(logprobs, dataclasses.replace(rows, max_top_k=None))
     assert torch.equal(fast, full)
 
 
@@ -80,7 +80,7 @@ def test_top_p_sorts_a_prefix_when_it_holds_the_nucleus_and_agrees_with_the_full
 
     def dropped(logprobs, seqs):
         rows = sampler._SampledRows.build(seqs, [s.request.sampling for s in seqs], "cpu")
-        return sampler._dropped(logprobs, rows)
+        return sampler._dropped(logprobs, logprobs.exp(), rows)
 
     prefix = dropped(peaked, peaked_seqs)
     assert not sorts, "the peaked rows' nuclei fit in the prefix: no full sort"
@@ -89,6 +89,56 @@ def test_top_p_sorts_a_prefix_when_it_holds_the_nucleus_and_agrees_with_the_full
     assert sorts, "the flat row's nucleus spills past the prefix: a full sort"
     assert torch.equal(mixed[:5], prefix)
     assert (~mixed[5]).sum() > 64
+
+
+def typical_dropped(logprobs: torch.Tensor, settings: list[dict]) -> torch.Tensor:
+    seqs = [
+        make_seq([1], sampling=SamplingParams(do_sample=True, seed=i, **kw))
+        for i, kw in enumerate(settings)
+    ]
+    rows = sampler._SampledRows.build(seqs, [s.request.sampling for s in seqs], "cpu")
+    return sampler._dropped(logprobs, logprobs.exp(), rows)
+
+
+@pytest.mark.parametrize("mass", [0.2, 0.6, 0.95])
+def test_typical_p_drops_what_transformers_typical_warper_drops(mass):
+    """The typical set is HF's TypicalLogitsWarper's (ties with the last token kept stay),
+    plus the most probable token, which always stays."""
+    from transformers.generation.logits_process import TypicalLogitsWarper
+
+    torch.manual_seed(1)
+    logits = torch.randn(8, 3000).mul(torch.linspace(0.5, 6, 8).unsqueeze(1))
+    logits[:, 100:110] = logits[:, 100:101]  # ties on the set's edge in some rows
+    logprobs = logits.log_softmax(-1)
+    ours = typical_dropped(logprobs, [{"typical_p": mass}] * 8)
+    theirs = TypicalLogitsWarper(mass)(None, logprobs.clone()).isinf()
+    theirs.scatter_(1, logprobs.argmax(-1, keepdim=True), False)
+    assert torch.equal(ours, theirs)
+    assert (~ours).sum(-1).min() >= 1 and ours.any()
+
+
+def test_typical_p_sorts_a_prefix_when_it_holds_the_set_and_agrees_with_the_full_sort(
+    monkeypatch,
+):
+    """typical-p rows sort only the TOP_P_PREFIX most typical tokens when those hold every
+    row's set; a row whose set spills past them sends the batch to one full sort. Each
+    row's set, and top-k/top-p beside it, is the same either way."""
+    monkeypatch.setattr(sampler, "TOP_P_PREFIX", 64)
+    torch.manual_seed(0)
+    peaked = torch.randn(4, 4000).mul(6).log_softmax(-1)
+    flat = torch.randn(1, 4000).mul(0.1).log_softmax(-1)  # a typical set of thousands
+    settings = [{"typical_p": 0.9}, {"typical_p": 0.5, "top_k": 3}, {"top_p": 0.8}, {}]
+    sorts = []
+    real_sort = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(1) or real_sort(*a, **k))
+    prefix = typical_dropped(peaked, settings)
+    assert not sorts, "the peaked rows' typical sets fit in the prefix: no full sort"
+    assert not prefix[3].any(), "a row without truncation keeps every token"
+    assert prefix[2].sum() > 0 and (prefix[0] != prefix[2]).any()
+    mixed = typical_dropped(torch.cat([peaked, flat]), [*settings, {"typical_p": 0.9}])
+    assert sorts, "the flat row's typical set spills past the prefix: a full sort"
+    assert torch.equal(mixed[:4], prefix)
+    assert (~mixed[4]).sum() > 64
 
 
 def test_a_seed_and_position_give_the_same_draw_in_any_batch():
