@@ -281,46 +281,42 @@ def _dropped(logprobs: torch.Tensor, probs: torch.Tensor, rows: _SampledRows) ->
 
 
 def _dropped_by_rank(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
-    """`[m, vocab]` bool: the tokens top_k and top_p remove, as masks over one sort of the
-    rows. When every row has a top_k, only the largest top_k are sorted (torch.topk):
-    tokens past it are dropped whatever the row's top_p, and a full sort of a large
-    vocabulary costs ~3-6 ms a row on CPU. Otherwise top-p rows sort a prefix when it is
-    enough (_sorted_enough)."""
+    """`[m, vocab]` bool: the tokens top_k and top_p remove. Only each row's most probable
+    tokens are sorted (torch.topk; a full sort of a large vocabulary costs ~3-6 ms a row on
+    CPU): the largest top_k when every row has one (tokens past it are dropped whatever the
+    row's top_p), else the TOP_P_PREFIX most probable, and a full sort of just the rows
+    whose kept set may reach past them. A row's threshold is the same value either way, so
+    its kept set does not depend on the batch."""
     vocab = logprobs.shape[1]
-    if rows.max_top_k is not None:
-        sorted_lp, _ = torch.topk(logprobs, min(rows.max_top_k, vocab), dim=-1)
-    else:
-        sorted_lp = _sorted_enough(logprobs, rows)
-    probs = sorted_lp.exp()
-    ranks = torch.arange(sorted_lp.shape[1], device=logprobs.device).unsqueeze(0)
-    keep = ranks < rows.top_k.unsqueeze(1)
-    mass_before = probs.cumsum(-1) - probs
-    keep &= mass_before < rows.top_p.unsqueeze(1)
-    keep[:, 0] = True  # the most probable token always survives
-    # top-k and top-p as a threshold: tokens tied with the last one kept stay too (as HF's
-    # top-k), so the kept set doesn't hang on how a sort ordered ties, which topk and sort
-    # do differently (a row alone and in a batch may take either)
-    threshold = sorted_lp.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
+    width = min(rows.max_top_k or TOP_P_PREFIX, vocab)
+    sorted_lp = torch.topk(logprobs, width, dim=-1).values
+    threshold = _rank_threshold(sorted_lp, rows.top_k, rows.top_p)
+    if rows.max_top_k is None and width < vocab:
+        # the margin covers float32 rounding between this sum and _rank_threshold's cumsum
+        held = (rows.top_k <= width) | (sorted_lp.exp().sum(-1) >= rows.top_p + 1e-4)
+        spill = ~(held | rows.untruncated)
+        if bool(spill.any()):
+            at = spill.nonzero().squeeze(1)
+            whole = torch.sort(logprobs[at], dim=-1, descending=True).values
+            threshold[at] = _rank_threshold(whole, rows.top_k[at], rows.top_p[at])
     # a row without top_k or top_p keeps its whole vocabulary, past a partial sort's end too
     threshold.masked_fill_(rows.untruncated.unsqueeze(1), float("-inf"))
     return logprobs < threshold
 
 
-def _sorted_enough(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
-    """The rows' logprobs sorted (descending) far enough for top-k and top-p: the largest
-    TOP_P_PREFIX when that prefix holds every row's kept set (its top_k fits in it, or its
-    mass reaches the row's top_p, so no token past it can be kept), else a full sort.
-    Either way the threshold _dropped_by_rank derives is the same value, so a row's kept
-    set does not depend on the batch."""
-    vocab = logprobs.shape[1]
-    if vocab > TOP_P_PREFIX:
-        sorted_lp, _ = torch.topk(logprobs, TOP_P_PREFIX, dim=-1)
-        # the margin covers float32 rounding between this sum and _dropped_by_rank's cumsum
-        mass = sorted_lp.exp().sum(-1)
-        fits = (rows.top_k <= TOP_P_PREFIX) | (mass >= rows.top_p + 1e-4) | rows.untruncated
-        if bool(fits.all()):
-            return sorted_lp
-    return torch.sort(logprobs, dim=-1, descending=True).values
+def _rank_threshold(
+    sorted_lp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """`[m, 1]`: the least logprob top_k and top_p keep, from rows sorted (descending) far
+    enough. As a threshold, tokens tied with the last one kept stay too (as HF's top-k), so
+    the kept set doesn't hang on how a sort ordered ties, which topk and sort do differently
+    (a row alone and in a batch may take either)."""
+    probs = sorted_lp.exp()
+    ranks = torch.arange(sorted_lp.shape[1], device=sorted_lp.device).unsqueeze(0)
+    keep = ranks < top_k.unsqueeze(1)
+    keep &= probs.cumsum(-1) - probs < top_p.unsqueeze(1)
+    keep[:, 0] = True  # the most probable token always survives
+    return sorted_lp.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
 
 
 def _atypical(logprobs: torch.Tensor, probs: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
@@ -328,31 +324,35 @@ def _atypical(logprobs: torch.Tensor, probs: torch.Tensor, typical_p: torch.Tens
     TypicalLogitsWarper): the tokens whose surprise (-logprob) is nearest the row's entropy,
     nearest first, until they hold `typical_p` of the mass; tokens as near as the last one
     kept stay too (HF's threshold). The most probable token always stays, so a row's
-    top-k/top-p set and its typical set share one. Rows with `typical_p` >= 1 keep all."""
+    top-k/top-p set and its typical set share one. Rows with `typical_p` >= 1 keep all.
+    Only the TOP_P_PREFIX nearest tokens are sorted (a 0.95 typical set spans tens to a few
+    hundred tokens at temperature <= 1), and the whole vocabulary of just the rows whose
+    set they don't hold; the threshold is the same value either way."""
     entropy = -(probs * logprobs).nansum(-1, keepdim=True)  # 0 * -inf: NaN, left out
     gap = (logprobs + entropy).abs_()  # |surprise - entropy|
-    nearest, mass = _nearest_enough(gap, probs, typical_p)
-    last = (mass < typical_p.unsqueeze(1)).sum(-1, keepdim=True).clamp(max=nearest.shape[1] - 1)
-    threshold = nearest.gather(1, last)
+    width = min(TOP_P_PREFIX, gap.shape[1])
+    nearest, order = torch.topk(gap, width, dim=-1, largest=False)
+    mass = probs.gather(1, order).cumsum(-1)
+    threshold = _typical_threshold(nearest, mass, typical_p)
+    if width < gap.shape[1]:
+        spill = (mass[:, -1] < typical_p + 1e-4) & (typical_p < 1.0)  # margin as for top-p
+        if bool(spill.any()):
+            at = spill.nonzero().squeeze(1)
+            nearest, order = torch.sort(gap[at], dim=-1)
+            mass = probs[at].gather(1, order).cumsum(-1)
+            threshold[at] = _typical_threshold(nearest, mass, typical_p[at])
     threshold.masked_fill_(typical_p.unsqueeze(1) >= 1.0, float("inf"))
     atypical = gap > threshold
     return atypical.scatter_(1, _argmax(logprobs).unsqueeze(1), False)
 
 
-def _nearest_enough(
-    gap: torch.Tensor, probs: torch.Tensor, typical_p: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows' gaps sorted (ascending) far enough for typical_p, with the cumulative mass
-    of their tokens: the TOP_P_PREFIX nearest when they hold every row's typical_p (a 0.95
-    typical set spans tens to a few hundred tokens at temperature <= 1), else a full sort.
-    As for top-p, the threshold derived is the same value either way."""
-    if gap.shape[1] > TOP_P_PREFIX:
-        nearest, order = torch.topk(gap, TOP_P_PREFIX, dim=-1, largest=False)
-        mass = probs.gather(1, order).cumsum(-1)
-        if bool(((mass[:, -1] >= typical_p + 1e-4) | (typical_p >= 1.0)).all()):
-            return nearest, mass
-    nearest, order = torch.sort(gap, dim=-1)
-    return nearest, probs.gather(1, order).cumsum(-1)
+def _typical_threshold(
+    nearest: torch.Tensor, mass: torch.Tensor, typical_p: torch.Tensor
+) -> torch.Tensor:
+    """`[m, 1]`: the gap of the first of the sorted tokens at which their cumulative mass
+    reaches `typical_p` (the last, when it never does)."""
+    last = (mass < typical_p.unsqueeze(1)).sum(-1, keepdim=True)
+    return nearest.gather(1, last.clamp(max=nearest.shape[1] - 1))
 
 
 def _top_tokens(

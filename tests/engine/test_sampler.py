@@ -61,8 +61,8 @@ def test_top_k_on_every_row_sorts_only_the_top_and_agrees_with_the_full_sort():
 def test_top_p_sorts_a_prefix_when_it_holds_the_nucleus_and_agrees_with_the_full_sort(
     monkeypatch,
 ):
-    """top-p rows sort only the most probable TOP_P_PREFIX tokens when those hold every
-    row's kept set; a row whose nucleus spills past them sends the batch to a full sort.
+    """top-p rows sort only the most probable TOP_P_PREFIX tokens when those hold their
+    kept set; a row whose nucleus spills past them, and only that row, takes a full sort.
     Each row's truncation is the full sort's either way, so it doesn't hang on the batch."""
     monkeypatch.setattr(sampler, "TOP_P_PREFIX", 64)
     torch.manual_seed(0)
@@ -76,7 +76,9 @@ def test_top_p_sorts_a_prefix_when_it_holds_the_nucleus_and_agrees_with_the_full
     flat_seq = make_seq([1], sampling=SamplingParams(do_sample=True, top_p=0.9, seed=9))
     sorts = []
     real_sort = torch.sort
-    monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(1) or real_sort(*a, **k))
+    monkeypatch.setattr(
+        torch, "sort", lambda rows, **k: sorts.append(len(rows)) or real_sort(rows, **k)
+    )
 
     def dropped(logprobs, seqs):
         rows = sampler._SampledRows.build(seqs, [s.request.sampling for s in seqs], "cpu")
@@ -86,8 +88,14 @@ def test_top_p_sorts_a_prefix_when_it_holds_the_nucleus_and_agrees_with_the_full
     assert not sorts, "the peaked rows' nuclei fit in the prefix: no full sort"
     assert not prefix[3].any(), "a row without top-k or top-p keeps every token"
     mixed = dropped(torch.cat([peaked, flat]), [*peaked_seqs, flat_seq])
-    assert sorts, "the flat row's nucleus spills past the prefix: a full sort"
+    assert sorts == [1], "the flat row's nucleus spills past the prefix: its full sort"
     assert torch.equal(mixed[:5], prefix)
+    whole = sampler._dropped_by_rank(peaked, dataclasses.replace(
+        sampler._SampledRows.build(peaked_seqs, [s.request.sampling for s in peaked_seqs], "cpu"),
+        top_p=torch.full((5,), 0.9999)))  # fmt: skip
+    # a top_p of 0.9999 reaches past the peaked rows' prefixes too, but for the row with
+    # top_k 50 and the one without truncation: those three rows sort
+    assert sorts == [1, 3] and (~whole[[0, 1, 4]]).sum(-1).min() > 64
     assert (~mixed[5]).sum() > 64
 
 
@@ -120,8 +128,8 @@ def test_typical_p_drops_what_transformers_typical_warper_drops(mass):
 def test_typical_p_sorts_a_prefix_when_it_holds_the_set_and_agrees_with_the_full_sort(
     monkeypatch,
 ):
-    """typical-p rows sort only the TOP_P_PREFIX most typical tokens when those hold every
-    row's set; a row whose set spills past them sends the batch to one full sort. Each
+    """typical-p rows sort only the TOP_P_PREFIX most typical tokens when those hold their
+    set; a row whose set spills past them, and only that row, takes a full sort. Each
     row's set, and top-k/top-p beside it, is the same either way."""
     monkeypatch.setattr(sampler, "TOP_P_PREFIX", 64)
     torch.manual_seed(0)
@@ -130,13 +138,15 @@ def test_typical_p_sorts_a_prefix_when_it_holds_the_set_and_agrees_with_the_full
     settings = [{"typical_p": 0.9}, {"typical_p": 0.5, "top_k": 3}, {"top_p": 0.8}, {}]
     sorts = []
     real_sort = torch.sort
-    monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(1) or real_sort(*a, **k))
+    monkeypatch.setattr(
+        torch, "sort", lambda rows, **k: sorts.append(len(rows)) or real_sort(rows, **k)
+    )
     prefix = typical_dropped(peaked, settings)
     assert not sorts, "the peaked rows' typical sets fit in the prefix: no full sort"
     assert not prefix[3].any(), "a row without truncation keeps every token"
     assert prefix[2].sum() > 0 and (prefix[0] != prefix[2]).any()
     mixed = typical_dropped(torch.cat([peaked, flat]), [*settings, {"typical_p": 0.9}])
-    assert sorts, "the flat row's typical set spills past the prefix: a full sort"
+    assert sorts == [1], "the flat row's typical set spills past the prefix: its full sort"
     assert torch.equal(mixed[:4], prefix)
     assert (~mixed[4]).sum() > 64
 
