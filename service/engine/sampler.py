@@ -10,7 +10,8 @@ after a preemption the same draw.
 Host <-> device traffic of a step: nothing for the parameters of an all-greedy batch,
 one small host-to-device copy when some row samples (and one bool read back: whether
 every sampled row had a distribution, so the fallback's argmax runs only when one had
-not), and one device-to-host copy of the tokens with their logprobs (plus one for
+not; one more each for top-p and typical-p rows: whether one needs a full sort), and one
+device-to-host copy of the tokens with their logprobs (plus one for
 top_n_tokens when asked).
 
 Logprobs are those of the distribution after penalties, bias and temperature and
