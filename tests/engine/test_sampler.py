@@ -151,6 +151,47 @@ def test_typical_p_sorts_a_prefix_when_it_holds_the_set_and_agrees_with_the_full
     assert (~mixed[4]).sum() > 64
 
 
+def test_penalties_are_hfs_repetition_and_openais_frequency_and_presence():
+    """Repetition penalty as transformers' RepetitionPenaltyLogitsProcessor over prompt and
+    output; frequency and presence penalties as OpenAI documents them, over the output:
+    logit - count * frequency - (count > 0) * presence. Rows without penalties, and tokens
+    never seen, keep their logits bit for bit."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    vocab = 300
+    g = torch.Generator().manual_seed(5)
+    settings = [
+        {"repetition_penalty": 1.3},
+        {"frequency_penalty": 0.5, "presence_penalty": 0.7},
+        {"repetition_penalty": 0.8, "frequency_penalty": -0.4},
+        {},
+        {"presence_penalty": 1.5},  # no output yet: nothing to penalize
+        {"repetition_penalty": 1.2, "frequency_penalty": 1.0, "presence_penalty": -0.5},
+    ]
+    seqs = []
+    for i, kw in enumerate(settings):
+        prompt = torch.randint(0, 40, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g)
+        seq = make_seq(prompt.tolist(), request_id=f"p{i}", sampling=SamplingParams(**kw))
+        outputs = 0 if i == 4 else int(torch.randint(1, 60, (1,), generator=g))
+        for token in torch.randint(20, 80, (outputs,), generator=g).tolist():  # repeats
+            seq.append_token(token)
+        seqs.append(seq)
+    logits = torch.randn(len(seqs), vocab, generator=g) * 4
+    ours = Sampler()._apply_penalties(logits.clone(), seqs, [s.request.sampling for s in seqs])
+
+    for row, (seq, kw) in enumerate(zip(seqs, settings)):
+        expected = logits[row : row + 1].clone()
+        if "repetition_penalty" in kw:
+            seen = torch.tensor([seq.token_ids])
+            expected = RepetitionPenaltyLogitsProcessor(kw["repetition_penalty"])(seen, expected)
+        counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.long), minlength=vocab)
+        expected -= kw.get("frequency_penalty", 0.0) * counts.float()
+        expected -= kw.get("presence_penalty", 0.0) * (counts > 0).float()
+        assert torch.equal(ours[row], expected[0]), (row, kw)
+    assert torch.equal(ours[[3, 4]], logits[[3, 4]])
+    assert not torch.equal(ours[[0, 1, 2, 5]], logits[[0, 1, 2, 5]])
+
+
 def test_a_seed_and_position_give_the_same_draw_in_any_batch():
     logits = PROBS.log().repeat(8, 1)
     alone = Sampler().sample(logits[:1].clone(), rows_of(logits[:1], do_sample=True))
