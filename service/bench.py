@@ -203,17 +203,19 @@ def summarize(args, results: list[RequestResult], duration: float) -> Report:
 
 
 def sampling_options(args) -> dict:
-    """The requests' sampling parameters from --temperature, --top-p, --top-k and
-    --typical-p (any of them samples; {} decodes greedily), as TGI's GenerateParameters
-    and the engine's SamplingParams both name them."""
-    given = {
+    """The requests' sampling parameters, as TGI's GenerateParameters and the engine's
+    SamplingParams both name them: --temperature, --top-p, --top-k and --typical-p (any of
+    them samples) and --repetition-penalty (greedy or sampled alike); {}: plain greedy."""
+    drawn = {
         "temperature": args.temperature,
         "top_p": args.top_p,
         "top_k": args.top_k,
         "typical_p": args.typical_p,
     }
-    given = {k: v for k, v in given.items() if v is not None}
-    return {"do_sample": True, **given} if given else {}
+    drawn = {k: v for k, v in drawn.items() if v is not None}
+    penalty = {"repetition_penalty": args.repetition_penalty}
+    penalty = {k: v for k, v in penalty.items() if v is not None}
+    return ({"do_sample": True, **drawn} if drawn else {}) | penalty
 
 
 # presentation and entry point -----------------------------------------------------
@@ -300,6 +302,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
             help="sample (served load and --core alike) instead of decoding greedily",
         )
     parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="penalize the prompt's and output's tokens (served load and --core alike)",
+    )
+    parser.add_argument(
         "--prompts",
         default=None,
         help="a text file (one prompt a line) or JSONL with a `prompt` field",
@@ -352,12 +360,12 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline and sampling_options(args):
         raise SystemExit(
             "--baseline times transformers' greedy loop: leave out --temperature, --top-p, "
-            "--top-k and --typical-p (--core compares the sampled load)"
+            "--top-k, --typical-p and --repetition-penalty (--core compares that load)"
         )
     if args.openai and sampling_options(args):
         raise SystemExit(
-            "--openai times greedy completions: leave out --temperature, --top-p, --top-k "
-            "and --typical-p"
+            "--openai times greedy completions: leave out --temperature, --top-p, --top-k, "
+            "--typical-p and --repetition-penalty"
         )
     prompts = load_prompts(args.prompts)
     if args.openai:

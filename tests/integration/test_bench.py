@@ -126,8 +126,9 @@ def test_bench_compares_with_the_core_alone_and_plain_transformers(tiny_server, 
 
 
 def test_bench_samples_when_asked_served_and_core_alike(tiny_server, tmp_path):
-    """--temperature/--top-p/--top-k/--typical-p make the served requests and the core's sequences
-    sample with those parameters; --baseline (a greedy loop) refuses them."""
+    """--temperature/--top-p/--top-k/--typical-p make the served requests and the core's
+    sequences sample with those parameters, --repetition-penalty penalize, greedy or not;
+    --baseline (a plain greedy loop) refuses them."""
     import json
 
     from textgen.service.bench import _request, run, sampling_options
@@ -137,17 +138,21 @@ def test_bench_samples_when_asked_served_and_core_alike(tiny_server, tmp_path):
     out = tmp_path / "report.json"
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
-    flags = ["--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--typical-p", "0.95"]
+    flags = ["--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--typical-p", "0.95",
+             "--repetition-penalty", "1.2"]  # fmt: skip
     args = parser.parse_args(
         ["--target", tiny_server.target, "--model-id", tiny_server.settings.model_id,
          "--concurrency", "2", "--max-new-tokens", "5", "--ignore-eos", "--core", *flags,
          "--json", str(out)]
     )  # fmt: skip
-    sampling = {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "top_k": 20, "typical_p": 0.95}
+    sampling = {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "top_k": 20,
+                "typical_p": 0.95, "repetition_penalty": 1.2}  # fmt: skip
     assert sampling_options(args) == sampling
     params = _request("hi", 5, True, None, sampling_options(args)).parameters
     assert (params.do_sample, params.top_k) == (True, 20)
-    assert (params.temperature, params.top_p, params.typical_p) == pytest.approx((0.8, 0.9, 0.95))
+    assert (params.temperature, params.top_p, params.typical_p, params.repetition_penalty) == (
+        pytest.approx((0.8, 0.9, 0.95, 1.2))
+    )
     assert run(args) == 0
     report = json.loads(out.read_text())
     assert report["sampling"] == sampling
@@ -157,6 +162,8 @@ def test_bench_samples_when_asked_served_and_core_alike(tiny_server, tmp_path):
     core.sampling, core.prompt_ids, core.eos_token_ids, core._requests = sampling, [[1]], (), 0
     assert core._sequence(0, 5, True).request.sampling == SamplingParams(**sampling)
 
+    penalized = parser.parse_args(["--target", "x:1", "--repetition-penalty", "1.1"])
+    assert sampling_options(penalized) == {"repetition_penalty": 1.1}  # greedy, penalized
     greedy_only = parser.parse_args(["--target", tiny_server.target, "--baseline", *flags])
     with pytest.raises(SystemExit, match="greedy loop"):
         run(greedy_only)
