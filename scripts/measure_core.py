@@ -1,6 +1,7 @@
 """Measure the paged engine core against plain transformers (not a test).
 
-Decode step time at batch 1, 8, 32 with ~100-token contexts (medians over alternating steps):
+Decode step time at batch 1, 8, 32 with ~100-token contexts (`--context N`: ~N; medians over
+alternating steps):
 - raw: `model(...)` on a left-padded batch with a DynamicCache, plus the argmax a greedy
   engine needs (the batched-forward ceiling the engine is held to);
 - core: one `PagedCore.step()` with every sequence decoding (schedule + forward + sampling +
@@ -28,7 +29,7 @@ from textgen.service.engine.types import EngineRequest, SamplingParams, Stopping
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 MODELS_DIR = Path("/root/.cache/textgen/models")
-CONTEXT = 100  # prompt tokens per sequence in the decode measurements
+CONTEXT = 100  # prompt tokens per sequence, by default
 
 
 def load_model(dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
@@ -53,9 +54,11 @@ def load_model(dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
     return LlamaForCausalLM(config).to(dtype).eval(), "random SmolLM2-135M-shaped Llama"
 
 
-def prompts(batch: int, vocab: int, seed: int, spread: int = 10) -> list[list[int]]:
+def prompts(
+    batch: int, vocab: int, seed: int, context: int = CONTEXT, spread: int = 10
+) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(CONTEXT - spread, CONTEXT + spread + 1, (batch,), generator=g).tolist()
+    lengths = torch.randint(context - spread, context + spread + 1, (batch,), generator=g).tolist()
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
@@ -115,7 +118,7 @@ class CoreDecoder:
     def __init__(self, model, batch_prompts: list[list[int]], steps: int) -> None:
         self.core = PagedCore(
             model,
-            max_batch_total_tokens=len(batch_prompts) * (CONTEXT + 32 + steps + 16),
+            max_batch_total_tokens=sum(map(len, batch_prompts)) + len(batch_prompts) * (steps + 48),
             max_batch_prefill_tokens=4096,
             max_batch_size=len(batch_prompts),
         )
@@ -188,7 +191,10 @@ def main() -> None:
         "--steps", type=int, default=20, help="decode steps timed per configuration"
     )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--e2e-prompts", type=int, default=32)
+    parser.add_argument(
+        "--context", type=int, default=CONTEXT, help="prompt tokens a decoding sequence has"
+    )
+    parser.add_argument("--e2e-prompts", type=int, default=32, help="0: no end-to-end run")
     parser.add_argument("--e2e-new-tokens", type=int, default=64)
     args = parser.parse_args()
 
@@ -203,10 +209,12 @@ def main() -> None:
     # speed = raw step time / core step time: 1.0 means the engine runs at the ceiling
     print(f"{'batch':>5} {'raw ms':>8} {'core step ms':>13} {'core fwd ms':>12} {'speed':>7}")
     for batch in args.batches:
-        batch_prompts = prompts(batch, model.config.vocab_size, seed=batch)
+        batch_prompts = prompts(batch, model.config.vocab_size, seed=batch, context=args.context)
         raw, step, forward = decode_ms(raw_model, core_model, batch_prompts, args.steps)
         print(f"{batch:>5} {raw:>8.1f} {step:>13.1f} {forward:>12.1f} {raw / step:>6.2f}x")
 
+    if not args.e2e_prompts:
+        return
     elapsed, rate = end_to_end(core_model, args.e2e_prompts, args.e2e_new_tokens)
     print(
         f"end-to-end: {args.e2e_prompts} prompts x {args.e2e_new_tokens} new tokens "

@@ -20,9 +20,12 @@ before top-k/top-p/typical truncation (what TGI reports).
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .sequence import Sequence
@@ -71,38 +74,26 @@ class Sampler:
         frequency and presence penalties (OpenAI semantics) on the output's. In place, on
         the penalized tokens only (a gather and a scatter of each row's token ids): a few
         hundred of a row's vocabulary, where whole-vocabulary passes cost ~1 ms each for
-        32 rows on a slow CPU."""
-        rows = [
-            i
-            for i, p in enumerate(params)
-            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
-        ]
-        if not rows:
-            return logits
+        32 rows on a slow CPU. A token seen twice is written twice with the same value."""
         device = logits.device
-        repeating = [i for i in rows if params[i].repetition_penalty != 1.0]
+        repeating = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         if repeating:
-            ids = _padded_ids([seqs[i].token_ids for i in repeating], device)
-            rep = torch.tensor([params[i].repetition_penalty for i in repeating], device=device)
-            rep = rep.unsqueeze(1)
-            row = torch.tensor(repeating, device=device).unsqueeze(1)
+            row, ids = _token_positions(repeating, [seqs[i].token_ids for i in repeating], device)
+            rep = torch.tensor([p.repetition_penalty for p in params], device=device)[row]
             seen = logits[row, ids]
-            # a token seen twice is written twice with the same value: penalized once
             logits[row, ids] = torch.where(seen > 0, seen / rep, seen * rep)
-        if any(params[i].frequency_penalty or params[i].presence_penalty for i in rows):
-            outputs = [seqs[i].output_ids for i in rows]
-            ids = _padded_ids(outputs, device)
-            lengths = torch.tensor([len(o) for o in outputs], device=device).unsqueeze(1)
-            real = torch.arange(ids.shape[1], device=device).unsqueeze(0) < lengths
-            counts = logits.new_zeros(len(rows), logits.shape[1])
-            counts.scatter_add_(1, ids, real.to(counts.dtype))
-            count = counts.gather(1, ids)  # 0 on a row without output: its padding writes back
-            freq = torch.tensor([params[i].frequency_penalty for i in rows], device=device)
-            pres = torch.tensor([params[i].presence_penalty for i in rows], device=device)
-            at = torch.tensor(rows, device=device).unsqueeze(1)
-            values = logits[at, ids]
-            values = values - freq.unsqueeze(1) * count - pres.unsqueeze(1) * (count > 0)
-            logits[at, ids] = values
+        counted = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
+        if counted:
+            outputs = [seqs[i].output_ids for i in counted]
+            row, ids = _token_positions(counted, outputs, device)
+            # each output token's count in its row, from a count over the counted rows
+            local, _ = _token_positions(range(len(counted)), outputs, device)
+            counts = logits.new_zeros(len(counted), logits.shape[1])
+            counts.index_put_((local, ids), torch.ones_like(ids, dtype=counts.dtype), True)
+            count = counts[local, ids]
+            freq = torch.tensor([p.frequency_penalty for p in params], device=device)[row]
+            pres = torch.tensor([p.presence_penalty for p in params], device=device)[row]
+            logits[row, ids] = logits[row, ids] - freq * count - pres * (count > 0)
         return logits
 
 
@@ -267,12 +258,16 @@ def _uniform(seed: int, position: int) -> float:
     return (_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 11) * 2.0**-53
 
 
-def _padded_ids(token_lists: list[list[int]], device: torch.device) -> torch.Tensor:
-    """`[len(token_lists), longest]` long: each row's ids, padded with its own first id (a
-    repeat: writing a token's value twice changes nothing), or 0 for an empty row."""
-    width = max(1, max(len(t) for t in token_lists))
-    padded = [t + [t[0] if t else 0] * (width - len(t)) for t in token_lists]
-    return torch.tensor(padded, dtype=torch.long).to(device)
+def _token_positions(
+    rows: Iterable[int], token_lists: list[list[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(row, id)` long tensors, one entry per token of `token_lists[j]` in row `rows[j]`.
+    Through numpy: torch.tensor on a Python list of ints costs ~0.3 µs an element (24 ms for
+    32 rows of 2500 tokens), numpy's fromiter a tenth of that."""
+    lengths = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
+    ids = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, int(lengths.sum()))
+    row = np.repeat(np.fromiter(rows, dtype=np.int64, count=len(token_lists)), lengths)
+    return torch.from_numpy(row).to(device), torch.from_numpy(ids).to(device)
 
 
 def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
