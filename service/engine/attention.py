@@ -78,6 +78,9 @@ class AttentionGroup:
     # one sequence decoding (b == q == 1, not batch-invariant): its context length. Its keys
     # are then a prefix of the gathered ones and SDPA runs on that slice with no mask.
     single_context_len: int | None = None
+    # chunks that each start their sequence (nothing cached before them; not batch-invariant):
+    # query row i is position i, so causal attention is SDPA's is_causal over the first q keys
+    fresh: bool = False
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # (window, G, dtype)
     _chunked_masks: dict[tuple, ChunkedMask] = field(default_factory=dict)
 
@@ -379,6 +382,7 @@ def _build_group(
         query_index=query_index,
         output_index=output_index,
         chunk_tokens=chunk_tokens,
+        fresh=not batch_invariant and context_lens == query_lens,
     )
 
 
@@ -600,6 +604,8 @@ def _attend_chunks(
 ) -> torch.Tensor:
     """Multi-token chunks padded to q rows each: query `[H, Tg, D]` -> `[Tg, H, Dv]`."""
     num_heads, _, head_dim = query.shape
+    if group.fresh and not softcap and (window is None or group.max_query_len <= window):
+        return _attend_fresh(query, cache, group, scaling)
     num_kv_heads = cache.keys.shape[2]
     num_groups = num_heads // num_kv_heads
     b, q = group.num_seqs, group.max_query_len
@@ -611,6 +617,29 @@ def _attend_chunks(
     v_dim = out.shape[-1]
     out = out.view(b, num_kv_heads, num_groups, q, v_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(b * q, num_heads, v_dim).index_select(0, group.output_index)
+
+
+def _attend_fresh(
+    query: torch.Tensor, cache: LayerCache, group: AttentionGroup, scaling: float
+) -> torch.Tensor:
+    """Chunks that each start their sequence, no window reaching back past a chunk's start:
+    query `[H, Tg, D]` -> `[Tg, H, Dv]` through SDPA's is_causal, which needs no mask and
+    skips the masked half of the scores (on CPU ~2x faster than a mask at 3000 tokens,
+    1.4x at 1000). A padded row of a short chunk attends keys past its sequence's end,
+    which only padding rows (dropped) can see."""
+    num_heads, _, head_dim = query.shape
+    b, q = group.num_seqs, group.max_query_len
+    rows = query.index_select(1, group.query_index).view(num_heads, b, q, head_dim)
+    keys, values = _gather(cache.keys, group), _gather(cache.values, group)
+    out = F.scaled_dot_product_attention(
+        rows.transpose(0, 1),  # [b, H, q, D]
+        keys[:, :, :q],
+        values[:, :, :q],
+        is_causal=True,
+        scale=scaling,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2).reshape(b * q, num_heads, -1).index_select(0, group.output_index)
 
 
 def _attend_rows(

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
+from textgen.service.engine import attention
+from textgen.service.engine.kv_pool import KVCachePool
 from textgen.service.engine.paged_core import PagedCore
 from textgen.service.engine.sequence import Sequence
 from textgen.service.engine.types import EngineRequest, SamplingParams, StoppingParams
@@ -108,3 +111,59 @@ def assert_idle(core: PagedCore):
     stats = core.stats()
     assert (stats.waiting, stats.running, stats.kv_blocks_used) == (0, 0, 0)
     assert all(b.ref_count == 0 for b in core.block_manager.blocks)
+
+
+# one attention layer's step -------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    pool: KVCachePool
+    meta: attention.BatchMetadata
+    query: torch.Tensor  # [1, H, T, Dk], a transposed view as transformers passes it
+    key: torch.Tensor  # [1, KVH, T, Dk]: the step's new keys
+    value: torch.Tensor  # [1, KVH, T, Dv]
+
+
+def make_batch(
+    *,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    value_dim: int | None = None,
+    seqs: list[tuple[int, int]],
+    seed: int = 0,
+) -> Batch:
+    """One attention layer's step over a pool whose cached positions hold random K/V, in
+    shuffled blocks (block 0 is left to SDPA's table padding). seqs: (new tokens, tokens
+    in the cache after the step) per sequence, decodes first as the runner lays them out."""
+    g = torch.Generator().manual_seed(seed)
+    value_dim = value_dim or head_dim
+    query_lens = [n for n, _ in seqs]
+    context_lens = [c for _, c in seqs]
+    needed = [-(-c // block_size) for c in context_lens]
+    pool = KVCachePool(num_blocks=sum(needed) + 2, block_size=block_size)
+    order = (torch.randperm(sum(needed) + 1, generator=g) + 1).tolist()
+    tables = []
+    for n in needed:
+        tables.append(order[:n])
+        order = order[n:]
+
+    def states(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    num_tokens = sum(query_lens)
+    key = states(1, num_kv_heads, num_tokens, head_dim)
+    value = states(1, num_kv_heads, num_tokens, value_dim)
+    layer = pool.layer(0, key, value)
+    layer.keys.copy_(states(*layer.keys.shape))  # the cached tokens
+    layer.values.copy_(states(*layer.values.shape))
+    layer.keys[0] = layer.values[0] = 0  # as allocated: finite where SDPA reads padding
+    meta = attention.BatchMetadata.build(
+        pool, query_lens, context_lens, tables, torch.device("cpu")
+    )
+    pool.write(0, key, value, meta.slot_mapping)  # the step's own tokens, as the layer does
+    query = states(1, num_tokens, num_heads, head_dim).transpose(1, 2)
+    return Batch(pool, meta, query, key, value)

@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,8 +22,10 @@ from textgen.service.engine.kv_pool import KVCachePool, LayerCache
 
 from .factories import (
     VOCAB_SIZE,
+    Batch,
     assert_idle,
     assert_matches_generate,
+    make_batch,
     make_core,
     make_seq,
     random_prompt,
@@ -56,56 +57,6 @@ def interpreted_kernel():
     assert type(kernel).__name__ == "InterpretedFunction", (
         "triton was imported before TRITON_INTERPRET=1 was set: its kernels would need a GPU"
     )
-
-
-@dataclass
-class Batch:
-    pool: KVCachePool
-    meta: attention.BatchMetadata
-    query: torch.Tensor  # [1, H, T, Dk], a transposed view as transformers passes it
-    key: torch.Tensor  # [1, KVH, T, Dk]: the step's new keys
-    value: torch.Tensor  # [1, KVH, T, Dv]
-
-
-def make_batch(
-    *,
-    block_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    value_dim: int | None = None,
-    seqs: list[tuple[int, int]] = MIXED_BATCH,
-    seed: int = 0,
-) -> Batch:
-    """A step over a pool whose cached positions hold random K/V, in shuffled blocks; block 0
-    is left to SDPA's table padding."""
-    g = torch.Generator().manual_seed(seed)
-    value_dim = value_dim or head_dim
-    query_lens = [n for n, _ in seqs]
-    context_lens = [c for _, c in seqs]
-    needed = [-(-c // block_size) for c in context_lens]
-    pool = KVCachePool(num_blocks=sum(needed) + 2, block_size=block_size)
-    order = (torch.randperm(sum(needed) + 1, generator=g) + 1).tolist()
-    tables = []
-    for n in needed:
-        tables.append(order[:n])
-        order = order[n:]
-
-    def states(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(dtype)
-
-    num_tokens = sum(query_lens)
-    key = states(1, num_kv_heads, num_tokens, head_dim)
-    value = states(1, num_kv_heads, num_tokens, value_dim)
-    layer = pool.layer(0, key, value)
-    layer.keys.copy_(states(*layer.keys.shape))  # the cached tokens
-    layer.values.copy_(states(*layer.values.shape))
-    layer.keys[0] = layer.values[0] = 0  # as allocated: finite where SDPA reads padding
-    meta = attention.BatchMetadata.build(pool, query_lens, context_lens, tables, CPU)
-    pool.write(0, key, value, meta.slot_mapping)  # the step's own tokens, as the layer does
-    query = states(1, num_tokens, num_heads, head_dim).transpose(1, 2)
-    return Batch(pool, meta, query, key, value)
 
 
 def attend_both(batch: Batch, *, window=None, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,6 +111,7 @@ def test_float32_matches_sdpa(block_size, head_dim, group, window, softcap):
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         dtype=torch.float32,
+        seqs=MIXED_BATCH,
     )
     assert_close(*attend_both(batch, window=window, softcap=softcap))
 
@@ -173,6 +125,7 @@ def test_half_precision_matches_sdpa(dtype, block_size, head_dim, group, window,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         dtype=dtype,
+        seqs=MIXED_BATCH,
     )
     out, ref = attend_both(batch, window=window, softcap=softcap)
     assert out.dtype == dtype
@@ -195,6 +148,7 @@ def test_padded_head_dims_and_odd_groups(head_dim, value_dim, num_heads, num_kv_
         head_dim=head_dim,
         value_dim=value_dim,
         dtype=torch.float32,
+        seqs=MIXED_BATCH,
     )
     assert_close(*attend_both(batch, window=16, softcap=5.0))
 
@@ -214,7 +168,14 @@ def test_decodes_only_and_a_window_wider_than_the_context():
 def test_reads_nothing_outside_each_sequences_positions():
     """Poison every pool slot that holds no live position with NaN: one read of it (an unmasked
     load, a padded table entry, a slot past a context) would turn the output NaN."""
-    batch = make_batch(block_size=16, num_heads=4, num_kv_heads=1, head_dim=64, dtype=torch.float32)
+    batch = make_batch(
+        block_size=16,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=64,
+        dtype=torch.float32,
+        seqs=MIXED_BATCH,
+    )
     out_clean, ref = attend_both(batch, window=20)
     live = torch.zeros(batch.pool.num_blocks * batch.pool.block_size, dtype=torch.bool)
     for context, table in zip(batch.meta.context_lens, batch.meta.block_tables):
@@ -399,7 +360,9 @@ def test_a_sequences_rows_do_not_depend_on_the_batch_or_the_chunking(dtype):
     """Batch invariance (what --deterministic needs of a kernel): each program walks one
     sequence's keys in fixed tiles from position 0, so a sequence's rows are bitwise the same
     alone or beside others, and a prompt's rows the same prefilled in one chunk or two."""
-    batch = make_batch(block_size=16, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype)
+    batch = make_batch(
+        block_size=16, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, seqs=MIXED_BATCH
+    )
     news = [n for n, _ in MIXED_BATCH]
     contexts = [c for _, c in MIXED_BATCH]
     together = _kernel_over(batch, slice(None), list(range(len(news))), news, contexts)
