@@ -20,7 +20,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .bench_baselines import WARM_UP_TOKENS, CoreAlone, PlainLoop, ServedConfig
+from .bench_baselines import (
+    WARM_UP_TOKENS,
+    CoreAlone,
+    PlainLoop,
+    ServedConfig,
+    distinct_prompts,
+)
 
 PROMPTS = [
     "What is the capital of France?",
@@ -141,8 +147,8 @@ async def run_load(args, prompts: list[str], grammar: dict | None = None) -> Rep
 
     n = args.requests or args.concurrency
     work = asyncio.Queue()
-    for i in range(n):
-        work.put_nowait(prompts[i % len(prompts)])
+    for prompt in distinct_prompts(prompts, n):
+        work.put_nowait(prompt)
     results: list[RequestResult] = []
     async with grpc.aio.insecure_channel(args.target) as channel:
         stub = svc_grpc.TextGenerationServiceStub(channel)
@@ -150,10 +156,8 @@ async def run_load(args, prompts: list[str], grammar: dict | None = None) -> Rep
         # connection's flow-control windows), so that the measured load, and a --grammar
         # or --core run after it, all start from a warm server
         warm = [
-            _request(
-                prompts[i % len(prompts)], WARM_UP_TOKENS, True, grammar, sampling_options(args)
-            )
-            for i in range(args.concurrency)
+            _request(prompt, WARM_UP_TOKENS, True, grammar, sampling_options(args))
+            for prompt in distinct_prompts(prompts, args.concurrency)
         ]
         await asyncio.gather(*(_drain(stub.GenerateStream(r, timeout=args.timeout)) for r in warm))
         with tqdm(

@@ -8,11 +8,15 @@ in the same run after the served load (nothing else running):
 - plain transformers (`--baseline`): a left-padded batched prefill, then greedy decode
   steps with a DynamicCache, in the served dtype (the loop anyone writes first), and
   naive sequential `model.generate`.
+
+Every request of a run, served or not, warm-up included, gets a prompt no other request
+has (`distinct_prompts`), so what each measures includes its prompt's prefill.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -20,6 +24,16 @@ from dataclasses import dataclass
 # New tokens per stream of the warm-up load before every measured one (served and
 # core alone alike): allocations, caches, a connection's flow-control windows.
 WARM_UP_TOKENS = 16
+
+_request_numbers = itertools.count(1)
+
+
+def distinct_prompts(prompts: list[str], count: int) -> list[str]:
+    """`count` requests' prompts, cycling through `prompts`, each behind a number no other
+    request of this process has. No two requests then share a first KV block, so none is
+    served from the prefix cache another one filled (the plain loop has no cache), and
+    every prefill is paid, as for different users' requests."""
+    return [f"({next(_request_numbers)}) {prompts[i % len(prompts)]}" for i in range(count)]
 
 
 @dataclass(frozen=True)
@@ -48,8 +62,10 @@ class CoreAlone:
         from textgen.service.models import load_model
 
         self.config = config
+        self.prompts = prompts
         self.sampling = sampling
         loaded = load_model(config.model_id, dtype=config.dtype, device="auto")
+        self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.core = PagedCore(
             loaded.model,
@@ -59,10 +75,6 @@ class CoreAlone:
             block_size=config.block_size,
             batch_invariant=config.deterministic,
         )
-        # as validation tokenizes them
-        self.prompt_ids = [
-            loaded.tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts
-        ]
         self._requests = 0
 
     def run(
@@ -91,7 +103,12 @@ class CoreAlone:
     def _load(
         self, concurrency: int, count: int, new_tokens: int, ignore_eos: bool
     ) -> tuple[float, int, list[float]]:
-        pending = [self._sequence(i, new_tokens, ignore_eos) for i in range(count)]
+        # tokenized as validation does, before the clock starts
+        prompt_ids = [
+            self.tokenizer(text, add_special_tokens=True)["input_ids"]
+            for text in distinct_prompts(self.prompts, count)
+        ]
+        pending = [self._sequence(ids, new_tokens, ignore_eos) for ids in prompt_ids]
         running = []
         decode_steps: list[float] = []
         tokens = 0
@@ -109,14 +126,14 @@ class CoreAlone:
             running = [s for s in running if not s.is_finished]
         return time.perf_counter() - start, tokens, decode_steps
 
-    def _sequence(self, index: int, new_tokens: int, ignore_eos: bool):
+    def _sequence(self, prompt_ids: list[int], new_tokens: int, ignore_eos: bool):
         from textgen.service.engine.sequence import Sequence
         from textgen.service.engine.types import EngineRequest, SamplingParams, StoppingParams
 
         self._requests += 1
         request = EngineRequest(
             request_id=f"core-{self._requests}",
-            prompt_ids=tuple(self.prompt_ids[index % len(self.prompt_ids)]),
+            prompt_ids=tuple(prompt_ids),
             sampling=SamplingParams(**self.sampling),
             stopping=StoppingParams(max_new_tokens=new_tokens, ignore_eos=ignore_eos),
         )
@@ -137,8 +154,9 @@ class PlainLoop:
         self.loaded = load_model(config.model_id, dtype=config.dtype, device="auto")
 
     def run(self, prompts: list[str], batch: int, max_new_tokens: int) -> dict:
-        """The greedy loop on `batch` prompts (the served load's first ones)."""
-        batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+        """The greedy loop on `batch` prompts (the served load's first ones, numbered as
+        the served requests are)."""
+        batch_prompts = distinct_prompts(prompts, batch)
         loaded = self.loaded
         return {
             "dtype": self.config.dtype,

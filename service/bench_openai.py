@@ -15,7 +15,7 @@ import sys
 import time
 
 from .bench import RequestResult, summarize
-from .bench_baselines import WARM_UP_TOKENS
+from .bench_baselines import WARM_UP_TOKENS, distinct_prompts
 
 
 def completion_body(args, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:
@@ -92,14 +92,14 @@ async def run_openai_load(args, prompts: list[str]):
     url = args.openai.rstrip("/") + "/completions"
     n = args.requests or args.concurrency
     work = asyncio.Queue()
-    for i in range(n):
-        work.put_nowait(prompts[i % len(prompts)])
+    for prompt in distinct_prompts(prompts, n):
+        work.put_nowait(prompt)
     results = []
     limits = httpx.Limits(max_connections=args.concurrency + 1)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         warm = [
-            completion_body(args, prompts[i % len(prompts)], WARM_UP_TOKENS, True)
-            for i in range(args.concurrency)
+            completion_body(args, prompt, WARM_UP_TOKENS, True)
+            for prompt in distinct_prompts(prompts, args.concurrency)
         ]
         await asyncio.gather(*(_stream(client, url, body, lambda: None) for body in warm))
         with tqdm(

@@ -37,6 +37,25 @@ def test_bench_report_adds_up(tiny_server):
     assert "output tokens/s" in format_table(report)
 
 
+def test_bench_requests_share_no_prefix(tiny_server):
+    """Every request of a bench run, the warm-up's included, has a prompt of its own (a
+    number in front), so none is served from the prefix cache another one filled: a load
+    of one long prompt, repeated, pays every prefill, as the plain loop does."""
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(
+        ["--target", tiny_server.target, "--concurrency", "2", "--requests", "4",
+         "--max-new-tokens", "2"]
+    )  # fmt: skip
+    long_prompt = "the quick brown fox jumps over the lazy dog " * 8  # several KV blocks
+    before = tiny_server.engine.stats()
+    report = asyncio.run(run_load(args, [long_prompt]))
+    after = tiny_server.engine.stats()
+    assert report.errors == 0 and report.requests == 4
+    assert after.prefix_cache_queried_tokens - before.prefix_cache_queried_tokens > 6 * 32
+    assert after.prefix_cache_hit_tokens == before.prefix_cache_hit_tokens
+
+
 def test_bench_grammar_run_reports_the_constrained_ratio(tiny_server, tmp_path):
     import json
 
@@ -159,8 +178,8 @@ def test_bench_samples_when_asked_served_and_core_alike(tiny_server, tmp_path):
     assert report["errors"] == 0 and report["core"]["output_tokens"] == report["output_tokens"]
     assert "do_sample=True, temperature=0.8" in format_table(Report(**report))
     core = CoreAlone.__new__(CoreAlone)  # only its request building, no model load
-    core.sampling, core.prompt_ids, core.eos_token_ids, core._requests = sampling, [[1]], (), 0
-    assert core._sequence(0, 5, True).request.sampling == SamplingParams(**sampling)
+    core.sampling, core.eos_token_ids, core._requests = sampling, (), 0
+    assert core._sequence([1], 5, True).request.sampling == SamplingParams(**sampling)
 
     penalized = parser.parse_args(["--target", "x:1", "--repetition-penalty", "1.1"])
     assert sampling_options(penalized) == {"repetition_penalty": 1.1}  # greedy, penalized
