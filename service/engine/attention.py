@@ -284,14 +284,8 @@ class BatchMetadata:
         return self._block_table
 
     def _build_groups(self) -> list[AttentionGroup]:
-        num_decodes = 0
-        while num_decodes < len(self.query_lens) and self.query_lens[num_decodes] == 1:
-            num_decodes += 1
-        bounds = [(0, num_decodes), (num_decodes, len(self.query_lens))]
         groups, token_start = [], 0
-        for first, last in bounds:
-            if first == last:
-                continue
+        for first, last in self._group_bounds():
             group = _build_group(
                 self.query_lens[first:last],
                 self.context_lens[first:last],
@@ -304,6 +298,26 @@ class BatchMetadata:
             groups.append(group)
             token_start = group.token_end
         return groups
+
+    def _group_bounds(self) -> list[tuple[int, int]]:
+        """The sequences of each group, `(first, last)`: the leading decodes, then runs of
+        chunks that start their sequences (fresh: causal attention needs no mask) and of
+        chunks after cached tokens. On the batch-invariant path all chunks form one group
+        (it has no fresh path)."""
+        query_lens, context_lens = self.query_lens, self.context_lens
+        count = len(query_lens)
+        first = 0
+        while first < count and query_lens[first] == 1:
+            first += 1
+        bounds = [(0, first)] if first else []
+        while first < count:
+            last = count if self.batch_invariant else first + 1
+            fresh = context_lens[first] == query_lens[first]
+            while last < count and (context_lens[last] == query_lens[last]) == fresh:
+                last += 1
+            bounds.append((first, last))
+            first = last
+        return bounds
 
 
 def _slots(
@@ -562,7 +576,7 @@ def _sdpa_attention(
     window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    groups = meta.groups()  # at most two: decodes, then chunks
+    groups = meta.groups()  # the decodes, then runs of fresh chunks and of later ones
     if len(groups) == 1:  # most steps (all decodes, or all chunks): no slice, no cat
         group = groups[0]
         attend = _attend_decodes if group.max_query_len == 1 else _attend_chunks

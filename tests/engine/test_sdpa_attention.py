@@ -47,23 +47,29 @@ def test_fresh_prompts_attend_causally_as_the_masked_path(dtype, num_heads, num_
     assert not torch.allclose(windowed, masked, atol=atol)
 
 
-def test_chunks_after_cached_tokens_or_batch_invariant_are_not_fresh():
-    cached = make_batch(
-        block_size=16, num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32,
-        seqs=[(5, 5), (9, 50)],
-    )  # fmt: skip
-    assert not cached.meta.groups()[0].fresh
-    decodes = make_batch(
-        block_size=16, num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32,
-        seqs=[(1, 1), (1, 30)],
-    )  # fmt: skip
-    assert not decodes.meta.groups()[0].fresh
-    fresh = make_batch(
-        block_size=16, num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, seqs=FRESH
+def test_a_step_groups_its_decodes_fresh_chunks_and_later_chunks_apart():
+    """Decodes first, then runs of fresh chunks and of chunks after cached tokens: each run
+    its own group, so a prompt's first chunk beside another's later one still skips the
+    mask. The batch-invariant path keeps all chunks in one group, with no fresh path."""
+    seqs = [(1, 1), (1, 30), (37, 37), (12, 12), (9, 50), (5, 5), (24, 60)]
+    batch = make_batch(
+        block_size=16, num_heads=6, num_kv_heads=2, head_dim=64, dtype=torch.float32, seqs=seqs
     )
-    meta = fresh.meta
+    meta = batch.meta
+    groups = meta.groups()
+    assert [(g.num_seqs, g.max_query_len, g.fresh) for g in groups] == [
+        (2, 1, False), (2, 37, True), (1, 9, False), (1, 5, True), (1, 24, False)
+    ]  # fmt: skip
+    cache = batch.pool.layer(0, batch.key, batch.value)
+    scale = batch.query.shape[-1] ** -0.5
+    split = attention._sdpa_attention(batch.query, cache, meta, scale, None, None)
+    for group in groups:
+        group.fresh = False
+    masked = attention._sdpa_attention(batch.query, cache, meta, scale, None, None)
+    assert split.shape == (1, sum(n for n, _ in seqs), 6, 64)
+    torch.testing.assert_close(split, masked, atol=1e-5, rtol=1e-5)
     invariant = attention.BatchMetadata.build(
         meta.pool, meta.query_lens, meta.context_lens, meta.block_tables, meta.device,
         batch_invariant=True,
     )  # fmt: skip
-    assert not invariant.groups()[0].fresh
+    assert [(g.num_seqs, g.fresh) for g in invariant.groups()] == [(2, False), (5, False)]
