@@ -10,9 +10,9 @@ after a preemption the same draw.
 Host <-> device traffic of a step: nothing for the parameters of an all-greedy batch,
 one small host-to-device copy when some row samples (and one bool read back: whether
 every sampled row had a distribution, so the fallback's argmax runs only when one had
-not; one more each for top-p and typical-p rows: whether one needs a full sort), and one
-device-to-host copy of the tokens with their logprobs (plus one for
-top_n_tokens when asked).
+not; a few more for top-p and typical-p rows: which rows need a longer sort, and on CPU
+the rows' thresholds), and one device-to-host copy of the tokens with their logprobs
+(plus one for top_n_tokens when asked).
 
 Logprobs are those of the distribution after penalties, bias and temperature and
 before top-k/top-p/typical truncation (what TGI reports).
@@ -165,9 +165,15 @@ def _draw(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
     # values (<= 0) needs no max subtracted
     blocks = logprobs.new_empty(m, -(-vocab // DRAW_BLOCK), DRAW_BLOCK)
     blocks.view(m, -1)[:, vocab:] = 0.0
-    probs = torch.exp(logprobs, out=blocks.view(m, -1)[:, :vocab])
-    if rows.ranked or rows.typical:
+    head = blocks.view(m, -1)[:, :vocab]
+    if rows.typical:  # typical sets aren't a logprob threshold: a mask
+        probs = _probabilities(logprobs, out=head)
         probs.masked_fill_(_dropped(logprobs, probs, rows), 0.0)
+    elif rows.ranked:
+        _drop_below(logprobs, _kept_threshold(logprobs, rows), out=head)
+        probs = _probabilities(head, out=head)
+    else:
+        probs = _probabilities(logprobs, out=head)
     picked, total = _inverse_cdf(blocks, rows.uniforms)
     # Validation keeps the parameters finite and sane; should a row still come out as no
     # distribution (NaN logits), it falls back to its most likely token rather than
@@ -177,6 +183,30 @@ def _draw(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
         fallback = _argmax(logprobs.nan_to_num(nan=float("-inf")))
         picked = torch.where(has_distribution, picked, fallback)
     return picked
+
+
+def _probabilities(logprobs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """exp(logprobs) into `out` (which may be `logprobs`), probabilities under LEAST_PROB
+    as 0. On CPU, float32 exp takes a slow path where its result is below the least normal
+    float (inputs under about -87.3): at temperature 0.1 most of a row's logprobs are, and
+    32 rows of a 49k vocabulary took 28 ms against 0.4. Clamped at EXP_FLOOR first, exp
+    stays fast; the clamped tokens come out under LEAST_PROB and are zeroed with the rest,
+    so a row's probabilities don't depend on which path ran or on the batch."""
+    torch.clamp(logprobs, min=EXP_FLOOR, out=out).exp_()
+    return torch.threshold(out, LEAST_PROB, 0.0, out=out)
+
+
+def _drop_below(logprobs: torch.Tensor, threshold: torch.Tensor, out: torch.Tensor) -> None:
+    """`out` = `logprobs`, each row's values below its threshold (`[m, 1]`, -inf: none) at
+    -inf. On CPU one F.threshold pass a row: a comparison and a masked fill over the batch
+    take ~3x longer there (they go through a bool tensor)."""
+    if logprobs.device.type != "cpu":
+        torch.where(logprobs < threshold, float("-inf"), logprobs, out=out)
+        return
+    # x > cut keeps exactly x >= threshold
+    cuts = torch.nextafter(threshold, threshold.new_tensor(float("-inf"))).view(-1).tolist()
+    for row, cut, dest in zip(logprobs, cuts, out):
+        torch.threshold(row, cut, float("-inf"), out=dest)
 
 
 def _inverse_cdf(blocks: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,11 +264,20 @@ def _argmax(values: torch.Tensor) -> torch.Tensor:
 # cumsum, ~1
 DRAW_BLOCK = 1024
 
-# top-p rows sort only this many of their most probable tokens, typical-p rows this many
-# of their most typical, when those hold the row's kept set (almost always: a 0.95 nucleus
-# or typical set rarely spans more): a full sort of a 49k vocabulary takes ~2.7 ms a row on
-# a slow 2-core CPU, 32 rows 85 ms, more than the step
-TOP_P_PREFIX = 1024
+# _probabilities: exp's inputs are clamped here (exp: 1.6e-38, a normal float32), and
+# probabilities under LEAST_PROB count as 0
+EXP_FLOOR = -87.0
+LEAST_PROB = 2e-38
+
+# top-p rows sort their most probable tokens in prefixes this long, the next one only for
+# the rows whose kept set the last one didn't hold, and the rest of the vocabulary only for
+# those the longest doesn't hold (rare: a 0.95 nucleus is a few to a few hundred tokens).
+# A full sort of a 49k vocabulary takes ~2.7 ms a row on a slow 2-core CPU, 32 rows 85 ms,
+# more than the step; the topk of 32 rows' first 64 tokens ~3.6 ms, of 1024 ~7.5.
+TOP_P_PREFIXES = (64, 1024)
+# typical-p rows sort this many of their most typical tokens (a 0.95 typical set spans
+# tens to a few hundred)
+TYPICAL_PREFIX = 1024
 
 # splitmix64 (Steele et al.): a counter-based generator, so a draw needs no state
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -290,27 +329,48 @@ def _dropped(logprobs: torch.Tensor, probs: torch.Tensor, rows: _SampledRows) ->
 
 
 def _dropped_by_rank(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
-    """`[m, vocab]` bool: the tokens top_k and top_p remove. Only each row's most probable
-    tokens are sorted (torch.topk; a full sort of a large vocabulary costs ~3-6 ms a row on
-    CPU): the largest top_k when every row has one (tokens past it are dropped whatever the
-    row's top_p), else the TOP_P_PREFIX most probable, and a full sort of just the rows
-    whose kept set may reach past them. A row's threshold is the same value either way, so
-    its kept set does not depend on the batch."""
-    vocab = logprobs.shape[1]
-    width = min(rows.max_top_k or TOP_P_PREFIX, vocab)
-    sorted_lp = torch.topk(logprobs, width, dim=-1).values
-    threshold = _rank_threshold(sorted_lp, rows.top_k, rows.top_p)
-    if rows.max_top_k is None and width < vocab:
-        # the margin covers float32 rounding between this sum and _rank_threshold's cumsum
-        held = (rows.top_k <= width) | (sorted_lp.exp().sum(-1) >= rows.top_p + 1e-4)
-        spill = ~(held | rows.untruncated)
-        if bool(spill.any()):
-            at = spill.nonzero().squeeze(1)
-            whole = torch.sort(logprobs[at], dim=-1, descending=True).values
-            threshold[at] = _rank_threshold(whole, rows.top_k[at], rows.top_p[at])
-    # a row without top_k or top_p keeps its whole vocabulary, past a partial sort's end too
-    threshold.masked_fill_(rows.untruncated.unsqueeze(1), float("-inf"))
-    return logprobs < threshold
+    """`[m, vocab]` bool: the tokens top_k and top_p remove."""
+    return logprobs < _kept_threshold(logprobs, rows)
+
+
+def _kept_threshold(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
+    """`[m, 1]`: the least logprob each row's top_k and top_p keep (-inf: a row without
+    either keeps every token). Only each row's most probable tokens are sorted
+    (torch.topk): the largest top_k when every row has one (tokens past it are dropped
+    whatever the row's top_p), else widening prefixes (_nucleus_threshold). A row's
+    threshold is the same value either way, so its kept set does not depend on the batch."""
+    if rows.max_top_k is None:
+        return _nucleus_threshold(logprobs, rows)
+    sorted_lp = torch.topk(logprobs, min(rows.max_top_k, logprobs.shape[1]), dim=-1).values
+    return _rank_threshold(sorted_lp, rows.top_k, rows.top_p)
+
+
+def _nucleus_threshold(logprobs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
+    """`_kept_threshold` of rows that don't all have a top_k: each row is sorted in the
+    TOP_P_PREFIXES in turn until one holds its kept set, then wholly."""
+    m, vocab = logprobs.shape
+    threshold = logprobs.new_full((m, 1), float("-inf"))
+    at = None  # the rows still to settle, None: all of them (no copy of the logprobs)
+    if bool(rows.untruncated.any()):
+        at = (~rows.untruncated).nonzero().squeeze(1)
+    for width in (*(w for w in TOP_P_PREFIXES if w < vocab), vocab):
+        top_k = rows.top_k if at is None else rows.top_k[at]
+        top_p = rows.top_p if at is None else rows.top_p[at]
+        pending = logprobs if at is None else logprobs[at]
+        if width < vocab:
+            sorted_lp = torch.topk(pending, width, dim=-1).values
+            # the margin covers float32 rounding between this sum and _rank_threshold's
+            held = (top_k <= width) | (sorted_lp.exp().sum(-1) >= top_p + 1e-4)
+        else:
+            sorted_lp = torch.sort(pending, dim=-1, descending=True).values
+            held = torch.ones_like(top_p, dtype=torch.bool)
+        found = _rank_threshold(sorted_lp, top_k, top_p)
+        rows_held = held.nonzero().squeeze(1) if at is None else at[held]
+        threshold[rows_held] = found[held]
+        at = (~held).nonzero().squeeze(1) if at is None else at[~held]
+        if len(at) == 0:
+            break
+    return threshold
 
 
 def _rank_threshold(
@@ -334,12 +394,12 @@ def _atypical(logprobs: torch.Tensor, probs: torch.Tensor, typical_p: torch.Tens
     nearest first, until they hold `typical_p` of the mass; tokens as near as the last one
     kept stay too (HF's threshold). The most probable token always stays, so a row's
     top-k/top-p set and its typical set share one. Rows with `typical_p` >= 1 keep all.
-    Only the TOP_P_PREFIX nearest tokens are sorted (a 0.95 typical set spans tens to a few
+    Only the TYPICAL_PREFIX nearest tokens are sorted (a 0.95 typical set spans tens to a few
     hundred tokens at temperature <= 1), and the whole vocabulary of just the rows whose
     set they don't hold; the threshold is the same value either way."""
     entropy = -(probs * logprobs).nansum(-1, keepdim=True)  # 0 * -inf: NaN, left out
     gap = (logprobs + entropy).abs_()  # |surprise - entropy|
-    width = min(TOP_P_PREFIX, gap.shape[1])
+    width = min(TYPICAL_PREFIX, gap.shape[1])
     nearest, order = torch.topk(gap, width, dim=-1, largest=False)
     mass = probs.gather(1, order).cumsum(-1)
     threshold = _typical_threshold(nearest, mass, typical_p)

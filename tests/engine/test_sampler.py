@@ -58,13 +58,12 @@ def test_top_k_on_every_row_sorts_only_the_top_and_agrees_with_the_full_sort():
     assert torch.equal(fast, full)
 
 
-def test_top_p_sorts_a_prefix_when_it_holds_the_nucleus_and_agrees_with_the_full_sort(
-    monkeypatch,
-):
-    """top-p rows sort only the most probable TOP_P_PREFIX tokens when those hold their
-    kept set; a row whose nucleus spills past them, and only that row, takes a full sort.
-    Each row's truncation is the full sort's either way, so it doesn't hang on the batch."""
-    monkeypatch.setattr(sampler, "TOP_P_PREFIX", 64)
+def test_top_p_sorts_widening_prefixes_and_agrees_with_the_full_sort(monkeypatch):
+    """top-p rows sort only their most probable tokens, in the TOP_P_PREFIXES in turn, a
+    row going on to the next only when the last didn't hold its kept set, and to a full
+    sort only past the longest. Each row's truncation is the full sort's either way, so it
+    doesn't hang on the batch."""
+    monkeypatch.setattr(sampler, "TOP_P_PREFIXES", (16, 64))
     torch.manual_seed(0)
     peaked = torch.randn(5, 4000).mul(6).log_softmax(-1)  # a 0.9 nucleus of a few tokens
     flat = torch.randn(1, 4000).mul(0.1).log_softmax(-1)  # a 0.9 nucleus of thousands
@@ -74,10 +73,15 @@ def test_top_p_sorts_a_prefix_when_it_holds_the_nucleus_and_agrees_with_the_full
         for i, (k, p) in enumerate(settings)
     ]
     flat_seq = make_seq([1], sampling=SamplingParams(do_sample=True, top_p=0.9, seed=9))
-    sorts = []
-    real_sort = torch.sort
+    sorts, topks = [], []
+    real_sort, real_topk = torch.sort, torch.topk
     monkeypatch.setattr(
         torch, "sort", lambda rows, **k: sorts.append(len(rows)) or real_sort(rows, **k)
+    )
+    monkeypatch.setattr(
+        torch,
+        "topk",
+        lambda rows, width, **k: topks.append((len(rows), width)) or real_topk(rows, width, **k),
     )
 
     def dropped(logprobs, seqs):
@@ -85,11 +89,22 @@ def test_top_p_sorts_a_prefix_when_it_holds_the_nucleus_and_agrees_with_the_full
         return sampler._dropped(logprobs, logprobs.exp(), rows)
 
     prefix = dropped(peaked, peaked_seqs)
-    assert not sorts, "the peaked rows' nuclei fit in the prefix: no full sort"
+    # the untruncated row sorts nothing; the others' nuclei fit in the first prefix
+    assert topks == [(4, 16)] and not sorts
     assert not prefix[3].any(), "a row without top-k or top-p keeps every token"
+    topks.clear()
     mixed = dropped(torch.cat([peaked, flat]), [*peaked_seqs, flat_seq])
-    assert sorts == [1], "the flat row's nucleus spills past the prefix: its full sort"
+    assert topks == [(5, 16), (1, 64)], "only the flat row goes on to the second prefix"
+    assert sorts == [1], "the flat row's nucleus spills past the longest prefix: its full sort"
     assert torch.equal(mixed[:5], prefix)
+    both = torch.cat([peaked, flat])
+    rows = sampler._SampledRows.build(
+        [*peaked_seqs, flat_seq], [s.request.sampling for s in [*peaked_seqs, flat_seq]], "cpu"
+    )
+    full_sort = real_sort(both, dim=-1, descending=True).values
+    reference = both < sampler._rank_threshold(full_sort, rows.top_k, rows.top_p)
+    reference[3] = False  # untruncated
+    assert torch.equal(mixed, reference)
     whole = sampler._dropped_by_rank(peaked, dataclasses.replace(
         sampler._SampledRows.build(peaked_seqs, [s.request.sampling for s in peaked_seqs], "cpu"),
         top_p=torch.full((5,), 0.9999)))  # fmt: skip
@@ -128,10 +143,10 @@ def test_typical_p_drops_what_transformers_typical_warper_drops(mass):
 def test_typical_p_sorts_a_prefix_when_it_holds_the_set_and_agrees_with_the_full_sort(
     monkeypatch,
 ):
-    """typical-p rows sort only the TOP_P_PREFIX most typical tokens when those hold their
+    """typical-p rows sort only the TYPICAL_PREFIX most typical tokens when those hold their
     set; a row whose set spills past them, and only that row, takes a full sort. Each
     row's set, and top-k/top-p beside it, is the same either way."""
-    monkeypatch.setattr(sampler, "TOP_P_PREFIX", 64)
+    monkeypatch.setattr(sampler, "TYPICAL_PREFIX", 64)
     torch.manual_seed(0)
     peaked = torch.randn(4, 4000).mul(6).log_softmax(-1)
     flat = torch.randn(1, 4000).mul(0.1).log_softmax(-1)  # a typical set of thousands
@@ -190,6 +205,37 @@ def test_penalties_are_hfs_repetition_and_openais_frequency_and_presence():
         assert torch.equal(ours[row], expected[0]), (row, kw)
     assert torch.equal(ours[[3, 4]], logits[[3, 4]])
     assert not torch.equal(ours[[0, 1, 2, 5]], logits[[0, 1, 2, 5]])
+
+
+def test_probabilities_are_exp_but_zero_where_they_underflow():
+    """exp's inputs are clamped so that it stays on its fast path (low temperatures put
+    most logprobs under -87): what comes out matches exp wherever exp is at least
+    LEAST_PROB, and is 0 elsewhere."""
+    logprobs = torch.tensor([[0.0, -1.0, -50.0, -86.0, -87.0, -90.0, -1000.0, float("-inf")]])
+    probs = sampler._probabilities(logprobs, out=torch.empty_like(logprobs))
+    expected = logprobs.exp().masked_fill(logprobs.exp() < sampler.LEAST_PROB, 0.0)
+    assert torch.equal(probs, expected)
+    assert probs[0, 3] > 0 and not probs[0, 4:].any()
+    # temperature 0.05 on a real spread of logits: the draw stays on the top tokens
+    logits = torch.randn(4, 5000).mul(8)
+    seqs = rows_of(logits, do_sample=True, temperature=0.05)
+    picked = Sampler().sample(logits, seqs).token_ids
+    assert picked == logits.argmax(-1).tolist()
+
+
+def test_dropping_below_a_threshold_keeps_the_ties():
+    """_drop_below's pass a row (CPU) drops what `logprobs < threshold` drops: tokens equal
+    to a row's threshold stay, and a threshold of -inf drops nothing."""
+    torch.manual_seed(3)
+    logprobs = torch.randn(5, 300).log_softmax(-1)
+    logprobs[:, 7] = float("-inf")
+    threshold = logprobs.topk(20, dim=-1).values[:, -1:].clone()
+    threshold[2] = float("-inf")
+    logprobs[1, :4] = threshold[1]  # ties with the threshold
+    out = torch.empty_like(logprobs)
+    sampler._drop_below(logprobs, threshold, out=out)
+    assert torch.equal(out, logprobs.masked_fill(logprobs < threshold, float("-inf")))
+    assert (out[1] > float("-inf")).sum() == 24 and torch.equal(out[2], logprobs[2])
 
 
 def test_a_seed_and_position_give_the_same_draw_in_any_batch():
