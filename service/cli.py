@@ -11,8 +11,10 @@ from .config import add_serve_arguments, settings_from_args
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from .allocator import keep_freed_memory
     from .models.quantize import import_torchao_quietly
 
+    keep_freed_memory()
     import_torchao_quietly()  # first, before transformers imports it noisily
     from .app import serve
 
@@ -73,8 +75,10 @@ def _generate_raw(client, args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from .allocator import keep_freed_memory
     from .bench import run
 
+    keep_freed_memory()  # as the server does, for --core and --baseline in this process
     return run(args)
 
 
