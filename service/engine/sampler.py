@@ -321,7 +321,7 @@ def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> tor
 
 def _dropped(logprobs: torch.Tensor, probs: torch.Tensor, rows: _SampledRows) -> torch.Tensor:
     """`[m, vocab]` bool: the tokens top_k and top_p (by rank) or typical_p remove; `probs`
-    are the rows' probabilities (`logprobs.exp()`)."""
+    are the rows' probabilities (`_probabilities(logprobs)`)."""
     if not rows.typical:
         return _dropped_by_rank(logprobs, rows)
     atypical = _atypical(logprobs, probs, rows.typical_p)
