@@ -12,9 +12,11 @@ indices are built lazily on the first layer that needs them and shared by all th
 the per-layer cost has no Python loop over sequences.
 
 Three backends; this module only picks one per call (`_pick_kernel`):
-- CPU, and the reference for the others: torch SDPA over gathered blocks, in at most two
-  calls per layer: one for the single-token queries (decodes), one for the multi-token chunks
-  padded to the longest chunk. A sequence decoding alone (one stream) attends a slice of its
+- CPU, and the reference for the others: torch SDPA over gathered blocks, one call per
+  group of sequences, usually two a layer: one for the single-token queries (decodes), one
+  for the multi-token chunks padded to the longest chunk. Decodes whose contexts differ
+  widely split into more groups, so that short ones don't gather and attend the long ones'
+  padding. A sequence decoding alone (one stream) attends a slice of its
   gathered keys with no mask: SDPA's fastest case, as in plain transformers' decode. With
   `batch_invariant` the keys are cut into fixed chunks and each row's result no longer
   depends on the rest of the batch (invariant_attention.py).
@@ -52,6 +54,10 @@ METADATA_KWARG = "textgen_batch"
 # flash-attn 2 only reads a paged pool directly when its blocks are multiples of 256 tokens;
 # with smaller blocks the step's K/V are gathered into one contiguous varlen buffer.
 FLASH_PAGED_BLOCK_MULTIPLE = 256
+# A run of sequences splits into another SDPA group where a sequence's query x key pairs
+# fall to 1/RATIO of its group's largest and that saves at least MIN_PAIRS (_split_run).
+SPLIT_RATIO = 2
+SPLIT_MIN_PAIRS = 4096
 
 
 @dataclass(eq=False)
@@ -159,7 +165,7 @@ class BatchMetadata:
     """The step's batch layout, built once by the runner and shared by all layers.
 
     Sequences appear in the flattened batch in list order; the runner puts all single-token
-    queries first so they form one cheap decode group.
+    queries first, longest context first, so they form the cheap decode groups.
     """
 
     pool: KVCachePool
@@ -268,7 +274,8 @@ class BatchMetadata:
         return self.slot_mapping.numel()
 
     def groups(self) -> list[AttentionGroup]:
-        """The SDPA groups: the leading single-token queries, then the rest."""
+        """The SDPA groups: the leading single-token queries (split where their contexts
+        differ widely), then runs of chunks."""
         if self._groups is None:
             self._groups = self._build_groups()
         return self._groups
@@ -302,22 +309,55 @@ class BatchMetadata:
     def _group_bounds(self) -> list[tuple[int, int]]:
         """The sequences of each group, `(first, last)`: the leading decodes, then runs of
         chunks that start their sequences (fresh: causal attention needs no mask) and of
-        chunks after cached tokens. On the batch-invariant path all chunks form one group
-        (it has no fresh path)."""
+        chunks after cached tokens. On the batch-invariant path all chunks form one run (it
+        has no fresh path). Each run splits further where its padding would cost more than
+        another call (`_split_run`)."""
         query_lens, context_lens = self.query_lens, self.context_lens
         count = len(query_lens)
+        # a group pads each sequence to its longest query and its longest context
+        block_size = self.pool.block_size
+        padded = [q * -(-c // block_size) * block_size for q, c in zip(query_lens, context_lens)]
         first = 0
         while first < count and query_lens[first] == 1:
             first += 1
-        bounds = [(0, first)] if first else []
+        bounds = _split_run(padded, 0, first)
         while first < count:
             last = count if self.batch_invariant else first + 1
             fresh = context_lens[first] == query_lens[first]
             while last < count and (context_lens[last] == query_lens[last]) == fresh:
                 last += 1
-            bounds.append((first, last))
+            bounds += _split_run(padded, first, last)
             first = last
         return bounds
+
+
+def _split_run(padded: list[int], first: int, last: int) -> list[tuple[int, int]]:
+    """Cut the run [first, last) of sequences into groups. `padded[i]`: the query-key
+    pairs sequence i's rows cover in a group of its own (query length x keys). A group
+    pads every member to its largest, so one long conversation among short ones would
+    make each short one gather and attend the long one's keys. A new group starts where a
+    member's size is SPLIT_RATIO times apart from its group's largest and the pairs that
+    saves (on the rest, or on the group so far) reach SPLIT_MIN_PAIRS, about what one more
+    gather and SDPA call a layer costs. The runner orders runs largest first, where one
+    pass finds the cuts; any order is correct."""
+    if first == last:
+        return []
+    bounds, start, largest = [], first, padded[first]
+    for i in range(first + 1, last):
+        size = padded[i]
+        if size * SPLIT_RATIO <= largest:  # the rest, as small, would pad up to `largest`
+            saved = (largest - size) * (last - i)
+        elif size >= largest * SPLIT_RATIO:  # the group so far would pad up to `size`
+            saved = (size - largest) * (i - start)
+        else:
+            saved = 0
+        if saved >= SPLIT_MIN_PAIRS:
+            bounds.append((start, i))
+            start, largest = i, size
+        else:
+            largest = max(largest, size)
+    bounds.append((start, last))
+    return bounds
 
 
 def _slots(

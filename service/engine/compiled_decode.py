@@ -137,7 +137,9 @@ class CompiledRunner:
         if bucket is None:
             self.stats.eager_steps += 1
             return self.eager.execute(batch)
-        seqs = [s for s, _ in batch.scheduled]
+        # longest context first, as the eager layout: the attention may then split the
+        # decodes where contexts fall far apart (attention.py, `_split_run`)
+        seqs = sorted((s for s, _ in batch.scheduled), key=_context_len, reverse=True)
         self.stats.compiled_steps += 1
         self.stats.padded_rows += bucket - len(seqs)
         return RunnerOutput(seqs, self._run_padded(seqs, bucket))
@@ -183,3 +185,7 @@ def _own_copy(fn):
     return types.FunctionType(
         fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
     )
+
+
+def _context_len(seq: Sequence) -> int:
+    return seq.num_computed_tokens

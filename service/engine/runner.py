@@ -208,10 +208,17 @@ def _lay_out(
 ) -> _Layout:
     """The flattened batch; with row_multiple > 1, padded to a multiple of that many tokens
     and logits rows (padding tokens go to `scratch_block`)."""
-    # Single-token queries first: they form the cheap decode group of the attention (and
-    # the padding tokens join it).
+    # Single-token queries first: they form the cheap decode groups of the attention (and
+    # the padding tokens join them). Then the chunks, those that start their sequence
+    # first. Each kind runs largest first, so that the attention can cut a run into groups
+    # where sizes fall far apart (attention.py, `_split_run`).
     decodes = [e for e in batch.scheduled if e[1] == 1]
+    decodes.sort(key=_attention_size, reverse=True)
     chunks = [e for e in batch.scheduled if e[1] > 1]
+    chunks.sort(
+        key=lambda entry: (entry[0].num_computed_tokens == 0, _attention_size(entry)),
+        reverse=True,
+    )
     layout = _Layout()
     for seq, num_new in decodes:
         layout.add(seq, num_new)
@@ -223,6 +230,12 @@ def _lay_out(
     if row_multiple > 1 and layout.keep:  # repeats of the last row; the extra logits unread
         layout.keep.extend(layout.keep[-1:] * (-len(layout.keep) % row_multiple))
     return layout
+
+
+def _attention_size(entry: tuple[Sequence, int]) -> int:
+    """Query x key pairs of a scheduled (sequence, new tokens) in the attention."""
+    seq, num_new = entry
+    return num_new * (seq.num_computed_tokens + num_new)
 
 
 def check_model_supported(model: torch.nn.Module) -> None:

@@ -157,7 +157,8 @@ def test_padding_rounds_the_batch_and_never_reaches_the_sampler(tiny_llama):
     assert num_padding == -num_real % 4
     assert layout.block_tables.count([scratch]) == num_padding
     assert scratch == core.block_manager.num_blocks  # a block the manager never hands out
-    assert layout.sample_seqs == [s for s, n in batch.scheduled if s.num_tokens == n]
+    reaching_end = [s for s, n in batch.scheduled if s.num_tokens == n]
+    assert sorted(map(id, layout.sample_seqs)) == sorted(map(id, reaching_end))
 
 
 def test_chunks_a_row_cannot_see_leave_the_merge_unchanged():

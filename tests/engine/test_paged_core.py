@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from textgen.service.engine import attention
 from textgen.service.engine.paged_core import PagedCore
 from textgen.service.engine.types import EngineError, SamplingParams
 from transformers import FalconConfig, FalconForCausalLM
@@ -49,6 +50,38 @@ def test_greedy_mixed_batch_with_late_arrivals_equals_generate(tiny_llama):
     assert_matches_generate(tiny_llama, seqs)
     assert all(seq.is_finished and seq.first_scheduled_time is not None for seq in seqs)
     assert len(outputs) == sum(seq.num_output_tokens for seq in seqs)
+    assert_idle(core)
+
+
+def test_long_prompts_among_short_ones_split_the_attention_and_match_generate(
+    tiny_llama, monkeypatch
+):
+    """Two long prompts among short ones: their prefill chunks, then their decodes, go to
+    attention groups of their own (the short ones don't pad up to them), with the same
+    greedy output."""
+    steps = []  # (query lengths, group bounds) of each step
+    group_bounds = attention.BatchMetadata._group_bounds
+
+    def recording_group_bounds(meta):
+        bounds = group_bounds(meta)
+        steps.append((meta.query_lens, bounds))
+        return bounds
+
+    monkeypatch.setattr(attention.BatchMetadata, "_group_bounds", recording_group_bounds)
+    core = make_core(tiny_llama, prefill_tokens=2048)
+    g = torch.Generator().manual_seed(7)
+    lengths = [20, 900, 30, 18, 800, 25, 28, 17]
+    seqs = [
+        make_seq(random_prompt(n, VOCAB_SIZE, g), request_id=f"s{i}", max_new_tokens=8)
+        for i, n in enumerate(lengths)
+    ]
+    for seq in seqs:
+        core.add(seq)
+    run_to_completion(core)
+    assert_matches_generate(tiny_llama, seqs)
+    # the first step prefills all eight prompts, the long ones first; then they all decode
+    assert steps[0] == ([900, 800, 30, 28, 25, 20, 18, 17], [(0, 2), (2, 8)])
+    assert steps[1] == ([1] * 8, [(0, 2), (2, 8)])
     assert_idle(core)
 
 
