@@ -14,10 +14,10 @@ the per-layer cost has no Python loop over sequences.
 Three backends; this module only picks one per call (`_pick_kernel`):
 - CPU, and the reference for the others: torch SDPA over gathered blocks, one call per
   group of sequences, usually two a layer: one for the single-token queries (decodes), one
-  for the multi-token chunks padded to the longest chunk. Decodes whose contexts differ
-  widely split into more groups, so that short ones don't gather and attend the long ones'
-  padding. A sequence decoding alone (one stream) attends a slice of its
-  gathered keys with no mask: SDPA's fastest case, as in plain transformers' decode. With
+  for the multi-token chunks padded to the longest chunk. Sequences of very different
+  sizes split into more groups, so that short ones don't gather and attend up to the long
+  ones' length (`_split_run`). A sequence decoding alone (one stream) attends a slice of
+  its gathered keys with no mask: SDPA's fastest case, as in plain transformers' decode. With
   `batch_invariant` the keys are cut into fixed chunks and each row's result no longer
   depends on the rest of the batch (invariant_attention.py).
 - CUDA with `triton`: triton_attention.py's kernel, one launch per layer for decodes and
