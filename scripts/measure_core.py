@@ -1,7 +1,8 @@
 """Measure the paged engine core against plain transformers (not a test).
 
 Decode step time at batch 1, 8, 32 with ~100-token contexts (`--context N`: ~N; medians over
-alternating steps):
+alternating steps; `--long-seqs K --long-context C`: K of each batch's sequences get ~C
+tokens instead, a mixed batch):
 - raw: `model(...)` on a left-padded batch with a DynamicCache, plus the argmax a greedy
   engine needs (the batched-forward ceiling the engine is held to);
 - core: one `PagedCore.step()` with every sequence decoding (schedule + forward + sampling +
@@ -194,6 +195,13 @@ def main() -> None:
     parser.add_argument(
         "--context", type=int, default=CONTEXT, help="prompt tokens a decoding sequence has"
     )
+    parser.add_argument(
+        "--long-seqs",
+        type=int,
+        default=0,
+        help="this many sequences of each batch get --long-context tokens (a mixed batch)",
+    )
+    parser.add_argument("--long-context", type=int, default=2000)
     parser.add_argument("--e2e-prompts", type=int, default=32, help="0: no end-to-end run")
     parser.add_argument("--e2e-new-tokens", type=int, default=64)
     args = parser.parse_args()
@@ -210,6 +218,10 @@ def main() -> None:
     print(f"{'batch':>5} {'raw ms':>8} {'core step ms':>13} {'core fwd ms':>12} {'speed':>7}")
     for batch in args.batches:
         batch_prompts = prompts(batch, model.config.vocab_size, seed=batch, context=args.context)
+        long = min(args.long_seqs, batch)
+        if long:  # the first `long` sequences get long contexts instead
+            vocab = model.config.vocab_size
+            batch_prompts[:long] = prompts(long, vocab, seed=-batch, context=args.long_context)
         raw, step, forward = decode_ms(raw_model, core_model, batch_prompts, args.steps)
         print(f"{batch:>5} {raw:>8.1f} {step:>13.1f} {forward:>12.1f} {raw / step:>6.2f}x")
 
