@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from .attention import BatchMetadata, bound_metadata
-from .runner import ModelRunner, RunnerOutput, decode_bucket
+from .runner import ModelRunner, RunnerOutput, attention_size, decode_bucket
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
@@ -139,7 +139,7 @@ class CompiledRunner:
             return self.eager.execute(batch)
         # longest context first, as the eager layout: the attention may then split the
         # decodes where contexts fall far apart (attention.py, `_split_run`)
-        seqs = sorted((s for s, _ in batch.scheduled), key=_context_len, reverse=True)
+        seqs = [s for s, _ in sorted(batch.scheduled, key=attention_size, reverse=True)]
         self.stats.compiled_steps += 1
         self.stats.padded_rows += bucket - len(seqs)
         return RunnerOutput(seqs, self._run_padded(seqs, bucket))
@@ -185,7 +185,3 @@ def _own_copy(fn):
     return types.FunctionType(
         fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
     )
-
-
-def _context_len(seq: Sequence) -> int:
-    return seq.num_computed_tokens

@@ -213,10 +213,10 @@ def _lay_out(
     # first. Each kind runs largest first, so that the attention can cut a run into groups
     # where sizes fall far apart (attention.py, `_split_run`).
     decodes = [e for e in batch.scheduled if e[1] == 1]
-    decodes.sort(key=_attention_size, reverse=True)
+    decodes.sort(key=attention_size, reverse=True)
     chunks = [e for e in batch.scheduled if e[1] > 1]
     chunks.sort(
-        key=lambda entry: (entry[0].num_computed_tokens == 0, _attention_size(entry)),
+        key=lambda entry: (entry[0].num_computed_tokens == 0, attention_size(entry)),
         reverse=True,
     )
     layout = _Layout()
@@ -232,7 +232,7 @@ def _lay_out(
     return layout
 
 
-def _attention_size(entry: tuple[Sequence, int]) -> int:
+def attention_size(entry: tuple[Sequence, int]) -> int:
     """Query x key pairs of a scheduled (sequence, new tokens) in the attention."""
     seq, num_new = entry
     return num_new * (seq.num_computed_tokens + num_new)
