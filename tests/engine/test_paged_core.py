@@ -59,12 +59,12 @@ def test_long_prompts_among_short_ones_split_the_attention_and_match_generate(
     """Two long prompts among short ones: their prefill chunks, then their decodes, go to
     attention groups of their own (the short ones don't pad up to them), with the same
     greedy output."""
-    steps = []  # (query lengths, group bounds) of each step
+    steps = []  # (query lengths, context lengths, group bounds) of each step
     group_bounds = attention.BatchMetadata._group_bounds
 
     def recording_group_bounds(meta):
         bounds = group_bounds(meta)
-        steps.append((meta.query_lens, bounds))
+        steps.append((meta.query_lens, meta.context_lens, bounds))
         return bounds
 
     monkeypatch.setattr(attention.BatchMetadata, "_group_bounds", recording_group_bounds)
@@ -79,9 +79,11 @@ def test_long_prompts_among_short_ones_split_the_attention_and_match_generate(
         core.add(seq)
     run_to_completion(core)
     assert_matches_generate(tiny_llama, seqs)
-    # the first step prefills all eight prompts, the long ones first; then they all decode
-    assert steps[0] == ([900, 800, 30, 28, 25, 20, 18, 17], [(0, 2), (2, 8)])
-    assert steps[1] == ([1] * 8, [(0, 2), (2, 8)])
+    # the first step prefills all eight prompts, the long ones first; then all decode,
+    # longest context first
+    prompts = [900, 800, 30, 28, 25, 20, 18, 17]
+    assert steps[0] == (prompts, prompts, [(0, 2), (2, 8)])
+    assert steps[1] == ([1] * 8, [901, 801, 31, 29, 26, 21, 19, 18], [(0, 2), (2, 8)])
     assert_idle(core)
 
 
