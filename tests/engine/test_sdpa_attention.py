@@ -84,9 +84,9 @@ def test_a_step_groups_its_decodes_fresh_chunks_and_later_chunks_apart():
     assert [(g.num_seqs, g.fresh) for g in invariant.groups()] == [(2, False), (5, False)]
 
 
-def _groups_and_output(seqs, *, batch_invariant=False, dtype=torch.float32):
+def _groups_and_output(seqs, *, batch_invariant=False):
     batch = make_batch(
-        block_size=16, num_heads=6, num_kv_heads=2, head_dim=64, dtype=dtype, seqs=seqs
+        block_size=16, num_heads=6, num_kv_heads=2, head_dim=64, dtype=torch.float32, seqs=seqs
     )
     meta = batch.meta
     if batch_invariant:
