@@ -404,10 +404,16 @@ def tgi_schemas(tgi: dict) -> dict:
             "Decode steps run through torch.compile'd graphs, one per batch bucket "
             + "(--compile; CPU only, off by default).",
         ),
+        "arrival_gap_ms": (
+            "number",
+            "An idle engine woken by a request takes its first step once no other request "
+            + "has arrived for this many milliseconds, so a burst starts in one prefill step "
+            + "(--arrival-gap-ms; 0: at once).",
+        ),
     }
     for name, (kind, description) in ours.items():
         info["properties"][name] = {"type": kind, "description": description}
-        if kind == "integer":
+        if kind in ("integer", "number"):
             info["properties"][name]["minimum"] = 0
         if name != "quantize":  # proto3 `optional`: absent when unset
             info["required"].append(name)

@@ -244,6 +244,7 @@ def served_model(
         deterministic=settings.deterministic,
         cuda_graphs=cuda_graphs,
         compile=compiled,
+        arrival_gap_ms=engine.arrival_gap * 1000,
     )
     if loaded.resolved.sha:
         info.model_sha = loaded.resolved.sha
@@ -287,7 +288,12 @@ async def start_replica(
     metrics = Metrics()
     torch_threads = settings.torch_threads or default_torch_threads()
     engine = EngineLoop(
-        core, loaded.tokenizer, loaded.eos_token_ids, metrics=metrics, torch_threads=torch_threads
+        core,
+        loaded.tokenizer,
+        loaded.eos_token_ids,
+        metrics=metrics,
+        torch_threads=torch_threads,
+        arrival_gap=settings.arrival_gap_ms / 1000,
     )
     admission = Admission(
         settings.max_concurrent_requests, settings.max_queued_requests, settings.max_queued_tokens

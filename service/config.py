@@ -43,6 +43,9 @@ class Settings:
     max_batch_size: int = 256
     validation_workers: int = 2  # threads validating long prompts and compiling grammars
     torch_threads: int = 0  # intra-op threads of the engine; 0: the CPUs we may use (cpus.py)
+    # an idle engine woken by a request steps once no other has arrived for this long
+    # (a burst then starts in one prefill step; engine/loop.py); 0: at once
+    arrival_gap_ms: float = 1.0
     # batch-invariant engine: a greedy or seeded request's tokens don't depend on the traffic
     # around it (CPU only; costs throughput: docs/performance.md)
     deterministic: bool = False
@@ -285,6 +288,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "batch bucket, compiled at startup (CPU only, off by default; ~10-15%% faster steps "
         "here, minutes of startup with a cold compile cache: docs/performance.md) "
         f"[env {ENV_PREFIX}COMPILE]",
+    )
+    flag(
+        "arrival-gap-ms",
+        type=_non_negative_float,
+        default=d.arrival_gap_ms,
+        help="an idle engine woken by a request takes its first step once no other request "
+        "has arrived for this long, at most 20 ms after the first, so a burst of requests "
+        "starts in one prefill step (0: at once)",
     )
     flag(
         "validation-workers",

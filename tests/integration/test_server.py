@@ -151,6 +151,7 @@ def test_info(stub, tiny_server):
     assert info.validation_workers == tiny_server.settings.validation_workers
     assert not info.cuda_graphs  # on CPU graphs are off by default (refused when asked for)
     assert info.compile is False  # --compile is opt-in
+    assert info.arrival_gap_ms == tiny_server.settings.arrival_gap_ms == 1.0  # the default
 
 
 def test_tokenize(stub, reference):

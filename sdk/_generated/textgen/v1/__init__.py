@@ -603,6 +603,13 @@ class InfoResponse(betterproto2.Message):
     Decode steps run through torch.compile'd graphs, one per batch bucket (--compile; CPU).
     """
 
+    arrival_gap_ms: "float" = betterproto2.field(28, betterproto2.TYPE_DOUBLE)
+    """
+    An idle engine woken by a request takes its first step once no other request has
+    arrived for this many milliseconds, so a burst starts in one prefill step
+    (--arrival-gap-ms; 0: at once).
+    """
+
 
 default_message_pool.register_message("textgen.v1", "InfoResponse", InfoResponse)
 
