@@ -49,7 +49,7 @@ local function json_string(s)
   return '"' .. escaped .. '"'
 end
 
--- grpc-message is percent-encoded on the wire.
+-- grpc-message (and x-textgen-error-param) are percent-encoded on the wire.
 local function percent_decode(s)
   return (s:gsub('%%(%x%x)', function(h) return string.char(tonumber(h, 16)) end))
 end
@@ -120,6 +120,7 @@ function envoy_on_response(response_handle)
   local error_type = headers:get("x-textgen-error-type")
   local message = headers:get("grpc-message")
   local param = headers:get("x-textgen-error-param")  -- the refused field (OpenAI's param)
+  if param ~= nil then param = percent_decode(param) end  -- percent-encoded, as grpc-message
   for _, name in ipairs(LEAKED) do headers:remove(name) end
 
   if error_type == nil and (grpc_status == nil or grpc_status == "0") then

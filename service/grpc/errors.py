@@ -3,6 +3,8 @@ error_type, its code from the one vocabulary (service/errors.py). Used by every 
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
@@ -17,6 +19,8 @@ DOMAIN = "textgen"
 # the HTTP error body and status from it (google.rpc details are binary there).
 ERROR_TYPE_KEY = "x-textgen-error-type"
 # The request field to blame, when one is (OpenAI's `param`): trailer and ErrorInfo metadata.
+# The trailer is percent-encoded (as grpc-message is): a metadata value holds printable
+# ASCII only, and a refused field's name is the client's own text.
 ERROR_PARAM_KEY = "x-textgen-error-param"
 
 # The gRPC code of each error type the server sends (from the vocabulary).
@@ -30,7 +34,7 @@ def to_status(message: str, error_type: ErrorType, param: str | None = None) -> 
     trailers = [(ERROR_TYPE_KEY, error_type.value)]
     if param:
         info.metadata["param"] = param
-        trailers.append((ERROR_PARAM_KEY, param))
+        trailers.append((ERROR_PARAM_KEY, quote(param, safe="")))
     detail = any_pb2.Any()
     detail.Pack(info)
     status = rpc_status.to_status(

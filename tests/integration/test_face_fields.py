@@ -580,6 +580,16 @@ def test_undeclared_openai_fields_are_refused_by_name(server, path, body):
     assert f"`{field}`" in out["error"]["message"]
 
 
+@pytest.mark.parametrize("field", ["\u001f", "naïve", 'a"b\\c\nd%41'])
+def test_a_refused_field_is_named_as_sent(server, field):
+    """The blamed field reaches Envoy in a trailer, which holds printable ASCII only: any
+    name (a control character, non-ASCII; the fuzzer's `{"\\u001f": []}` was a 500)
+    comes back intact as OpenAI's `param`."""
+    status, out = post(server, "/v1/completions", completion(**{field: []}))
+    assert status == 422
+    assert out["error"]["param"] == field
+
+
 def test_compatibility_only_fields_change_nothing(server):
     base = accepted(server, "/v1/chat/completions", chat())
     assert accepted(server, "/v1/chat/completions", chat(model="x", user="u1")) == base
