@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from . import __version__
 from .admission import Admission
-from .config import Settings
+from .config import SettingError, Settings
 from .cpus import default_torch_threads
 from .engine.compiled_decode import CompileSettings
 from .engine.cuda_graphs import GraphSettings, unavailable_reason
@@ -34,6 +34,7 @@ from .observability.metrics import Metrics
 from .observability.requests import RequestRecorder
 from .observability.tracing import otlp_tracer_provider, server_interceptors
 from .openai.response_store import ResponseStore
+from .preflight import check_kv_capacity, check_strategies
 from .proto import text_generation_service_pb2 as svc_pb
 from .proxy import start_envoy
 from .validation import Limits, Validator
@@ -107,12 +108,7 @@ def kv_capacity_tokens(settings: Settings, loaded: LoadedModel, max_total_tokens
     full-length request either way (a smaller pool is refused at startup, so that
     validation's bound, max_total_tokens, is the only one a request meets)."""
     if settings.max_batch_total_tokens:
-        if settings.max_batch_total_tokens < max_total_tokens:
-            raise ValueError(
-                f"--max-batch-total-tokens ({settings.max_batch_total_tokens}) must be >= "
-                f"--max-total-tokens ({max_total_tokens}): a request of max_total_tokens "
-                "must fit in the KV cache"
-            )
+        check_kv_capacity(settings, max_total_tokens)
         return settings.max_batch_total_tokens
     per_token = kv_bytes_per_token(loaded.model, loaded.dtype)
     fraction = KV_MEMORY_FRACTION.get(loaded.device.type, 0.1)
@@ -126,7 +122,7 @@ def cuda_graph_settings(
     """--cuda-graphs as given (refused where graphs can't run), else on where they can."""
     reason = unavailable_reason(loaded.device)
     if settings.cuda_graphs and reason:
-        raise ValueError(f"--cuda-graphs: {reason} (pass --no-cuda-graphs)")
+        raise SettingError("--cuda-graphs", None, f"{reason} (pass --no-cuda-graphs)")
     if settings.cuda_graphs is None:
         if reason and loaded.device.type == "cuda":
             log.warning("CUDA graphs off: %s", reason)
@@ -143,16 +139,7 @@ def compile_settings(settings: Settings, loaded: LoadedModel) -> CompileSettings
     """--compile (off by default): CPU only, and not with --deterministic."""
     if not settings.compile:
         return None
-    if loaded.device.type != "cpu":
-        raise ValueError(
-            f"--compile runs on CPU and the model is on {loaded.device.type}, where decode "
-            "steps take --cuda-graphs instead (pass --no-compile)"
-        )
-    if settings.deterministic:
-        raise ValueError(
-            "--compile with --deterministic is not supported: the compiled decode step pads "
-            "batches to its own buckets, outside the batch-invariant layout"
-        )
+    check_strategies(settings, loaded.device.type)
     return CompileSettings.for_engine(settings.max_batch_size, progress=True)
 
 

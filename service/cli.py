@@ -7,18 +7,70 @@ import asyncio
 import logging
 import sys
 
-from .config import add_serve_arguments, settings_from_args
+from .config import SettingError, add_serve_arguments, settings_from_args
+
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+log = logging.getLogger("textgen.serve")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (the flag, the value, the rule), no usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default=default,
+        help="debug also prints the traceback of a failed start",
+    )
+
+
+def _fail(prog: str, exc: BaseException, status: int, debug: bool) -> int:
+    """One line on stderr; the traceback too with --log-level debug."""
+    if debug:
+        log.debug("traceback", exc_info=exc)
+    print(f"{prog}: error: {exc}", file=sys.stderr)
+    return status
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from .preflight import preflight
+
+    settings = settings_from_args(args)
+    debug = args.log_level == "DEBUG"
+    try:
+        checked = preflight(settings)  # before anything heavy: a bad setting costs a second
+    except SettingError as exc:
+        return _fail("textgen serve", exc, 2, debug)
+    log.info(
+        "settings checked: model %s (context %d), max_input_tokens %d, max_total_tokens %d, "
+        "device %s",
+        checked.model,
+        checked.context,
+        checked.max_input_tokens,
+        checked.max_total_tokens,
+        checked.device,
+    )
     from .allocator import keep_freed_memory
     from .models.quantize import import_torchao_quietly
 
     keep_freed_memory()
     import_torchao_quietly()  # first, before transformers imports it noisily
     from .app import serve
+    from .models import ModelError
+    from .proxy import EnvoyError
 
-    asyncio.run(serve(settings_from_args(args)))
+    try:
+        asyncio.run(serve(settings))
+    except SettingError as exc:  # a rule only the loaded model could show
+        return _fail("textgen serve", exc, 2, debug)
+    except (ModelError, EnvoyError, OSError) as exc:  # the model, Envoy or a port failed
+        return _fail("textgen serve", exc, 1, debug)
     return 0
 
 
@@ -83,13 +135,14 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="textgen", description="LLM text generation over gRPC, TGI and OpenAI HTTP"
     )
-    parser.add_argument("--log-level", default="INFO")
+    add_log_level(parser, default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a model (gRPC, and HTTP through Envoy)")
+    add_log_level(serve, default=argparse.SUPPRESS)  # after the command too
     add_serve_arguments(serve)
     serve.set_defaults(func=_serve)
 
@@ -134,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )

@@ -48,6 +48,9 @@ GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_PREFIX = "SmolLM2-135M-Instruct"
 MARKER = ".textgen-complete"  # written last: its presence means the folder is whole
 FORMAT_VERSION = 1  # bump when the converter's output changes
+# the context length the GGUF states (llama.context_length), known before its conversion
+# (reading it from the GGUF takes seconds); tests check it against the converted config
+EMBEDDED_CONTEXT = 8192
 LOCK_TIMEOUT_S = 30 * 60  # a conversion takes under a minute; this only bounds a wedged peer
 
 
@@ -97,6 +100,13 @@ def cache_folder(gguf: Path, cache_root: Path) -> Path:
 
 def is_complete(folder: Path) -> bool:
     return (folder / MARKER).is_file() and (folder / "model.safetensors").is_file()
+
+
+def converted_embedded(cache_root: Path | None = None) -> Path | None:
+    """The converted folder if it is there and whole, else None (nothing is converted)."""
+    root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
+    final = cache_folder(locate_gguf(), root)
+    return final if is_complete(final) else None
 
 
 def ensure_embedded(cache_root: Path | None = None) -> Path:

@@ -25,8 +25,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .embedded import DEFAULT_MODEL_ID, EMBEDDED_ALIASES, ensure_embedded
-from .errors import ModelResolutionError
+from .embedded import (
+    DEFAULT_MODEL_ID,
+    EMBEDDED_ALIASES,
+    EMBEDDED_CONTEXT,
+    converted_embedded,
+    ensure_embedded,
+)
+from .errors import ModelError, ModelResolutionError
 
 logger = logging.getLogger("textgen.models")
 
@@ -115,6 +121,85 @@ def resolve_model(
     return _resolve_hub(model_id, revision)
 
 
+def config_json(model_id: str | None, revision: str | None = None) -> tuple[str, dict]:
+    """(the model's name, its config.json) without loading or converting anything but
+    that file: the embedded model's (from its converted folder, or the context its GGUF
+    states when not converted yet), a local folder's, or the Hub's config.json alone."""
+    if model_id is None or model_id in EMBEDDED_ALIASES:
+        folder = converted_embedded()
+        if folder is None:
+            return DEFAULT_MODEL_ID, {"max_position_embeddings": EMBEDDED_CONTEXT}
+        return DEFAULT_MODEL_ID, _read_config(folder / "config.json")
+    local = Path(model_id).expanduser()
+    if local.is_dir():
+        check_model_folder(local.resolve())
+        return model_id, _read_config(local / "config.json")
+    if local.exists() or model_id.startswith(("/", "./", "../", "~")) or model_id.count("/") > 1:
+        raise ModelResolutionError(
+            f"{model_id!r} is neither a model folder (with config.json) nor a Hub repo id"
+        )
+    return model_id, _read_config(_hub_file(model_id, revision, "config.json"))
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelResolutionError(f"{path} cannot be read as JSON: {exc}") from None
+
+
+def context_length(config: dict) -> int:
+    """The context length a config.json states (its text model's, for multimodal ones)."""
+    text = config.get("text_config") or config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = text.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ModelError("the model config states no context length (max_position_embeddings)")
+
+
+def _hub_file(repo_id: str, revision: str | None, filename: str) -> Path:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    offline = hub_offline()
+    try:
+        return Path(
+            hf_hub_download(
+                repo_id,
+                filename,
+                revision=revision,
+                cache_dir=hub_cache_dir(),
+                local_files_only=offline,
+                token=os.environ.get("HF_TOKEN") or None,
+            )
+        )
+    except HFValidationError as exc:
+        raise ModelResolutionError(f"{repo_id!r} is not a valid Hub repo id: {exc}") from None
+    except LocalEntryNotFoundError:
+        raise _not_cached(repo_id, revision, offline) from None
+    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as exc:
+        raise ModelResolutionError(
+            f"{repo_id}@{revision or 'main'} has no {filename} on the Hub "
+            f"({type(exc).__name__}; a private repo needs HF_TOKEN)"
+        ) from None
+
+
+def _not_cached(repo_id: str, revision: str | None, offline: bool) -> ModelResolutionError:
+    where = "offline (HF_HUB_OFFLINE=1)" if offline else "the Hub is unreachable"
+    return ModelResolutionError(
+        f"{repo_id}@{revision or 'main'} is not in the Hub cache {hub_cache_dir()} and {where}; "
+        "download it once with network access (or set HF_HUB_CACHE / HF_HOME to the cache "
+        "that holds it)"
+    )
+
+
 def _resolve_hub(repo_id: str, revision: str | None) -> ResolvedModel:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
@@ -143,12 +228,7 @@ def _resolve_hub(repo_id: str, revision: str | None) -> ResolvedModel:
             f"--model-id {repo_id!r} is not a valid Hub repo id: {exc}"
         ) from exc
     except LocalEntryNotFoundError as exc:
-        where = "offline (HF_HUB_OFFLINE=1)" if offline else "the Hub is unreachable"
-        raise ModelResolutionError(
-            f"{repo_id}@{revision or 'main'} is not in the Hub cache {cache} and {where}; "
-            "download it once with network access (or set HF_HUB_CACHE / HF_HOME to the cache "
-            "that holds it)"
-        ) from exc
+        raise _not_cached(repo_id, revision, offline) from exc
     path = Path(folder)
     check_model_folder(path, what=f"{repo_id}@{revision or 'main'}")
     sha = _snapshot_sha(path)

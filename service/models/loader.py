@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import ModelError
-from .hub import ResolvedModel, resolve_model
+from .hub import ResolvedModel, context_length, resolve_model
 from .quantize import check_quantize, quantize_model
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ def load_model(
     eos = eos_token_ids(model, tokenizer)
     if not eos:
         raise ModelError(f"{resolved.model_id} names no EOS token (generation_config or tokenizer)")
-    max_pos = _max_position_embeddings(model.config)
+    max_pos = context_length(model.config.get_text_config().to_dict())
     logger.info(
         "loaded %s (%s) on %s as %s%s in %.1f s: %.0fM params, context %d, eos %s",
         resolved.model_id,
@@ -203,12 +203,3 @@ def eos_token_ids(model, tokenizer) -> frozenset[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)
-
-
-def _max_position_embeddings(config) -> int:
-    text = config.get_text_config()
-    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(text, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    raise ModelError("the model config states no context length (max_position_embeddings)")

@@ -44,7 +44,7 @@ def test_compile_settings_refuse_cuda_and_deterministic():
     assert compile_settings(Settings(), cpu) is None  # off by default
     assert compile_settings(Settings(compile=True, max_batch_size=8), cpu).buckets == (1, 2, 4, 8)
     cuda = SimpleNamespace(device=torch.device("cuda"))
-    with pytest.raises(ValueError, match="--compile runs on CPU"):
+    with pytest.raises(ValueError, match="--compile: runs on CPU"):
         compile_settings(Settings(compile=True), cuda)
     with pytest.raises(ValueError, match="--deterministic"):
         compile_settings(Settings(compile=True, deterministic=True), cpu)

@@ -44,7 +44,7 @@ def test_unknown_value_is_refused_by_the_parser(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         serve_settings("--quantize", "awq")
     assert exit_.value.code == 2
-    assert "unknown value 'awq'; use one of int8, int4, fp8" in capsys.readouterr().err
+    assert "--quantize: 'awq': use one of int8, int4, fp8" in capsys.readouterr().err
     monkeypatch.setenv("TEXTGEN_QUANTIZE", "gptq")
     with pytest.raises(SystemExit):
         serve_settings()

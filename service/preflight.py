@@ -1,0 +1,221 @@
+"""Everything about the settings that can be checked before the model loads.
+
+config.py refuses a value out of its own bounds; this refuses what only the other
+settings, the model's config or the machine can show: token limits against each other
+and against the model's context (read from its config.json, before any weight), the
+device, dtype and quantization, the decode strategies the device can run, files that
+must be readable, and ports that must be free. Each failure is a `SettingError`: one
+line naming the flag, the value and the rule. `textgen serve` runs this first and exits
+with status 2 on a failure, in about a second, where loading the model takes 10-60.
+
+start_replica() keeps its own checks of the same rules (it is also called without this,
+by tests and embedders); both raise the same SettingError.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.metadata
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import SettingError, Settings, flag_name
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the checks learned, for the log line that says they passed."""
+
+    model: str
+    context: int  # the model's context length, from its config
+    max_input_tokens: int
+    max_total_tokens: int
+    device: str
+
+
+def preflight(settings: Settings) -> Preflight:
+    """Check `settings` (see the module docstring); raises SettingError."""
+    check_files(settings)
+    check_envoy(settings)
+    check_ports(settings)
+    device = check_device(settings)
+    check_strategies(settings, device)
+    model, context = model_context(settings)
+    max_input, max_total = settings.resolved_limits(context)
+    check_kv_capacity(settings, max_total)
+    return Preflight(model, context, max_input, max_total, device)
+
+
+# files --------------------------------------------------------------------------------
+
+
+def check_files(settings: Settings) -> None:
+    if settings.api_key_file is None:
+        return
+    path = Path(settings.api_key_file).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise SettingError("--api-key-file", path, f"cannot be read ({reason})") from None
+    if not any(line.strip() and not line.startswith("#") for line in text.splitlines()):
+        raise SettingError("--api-key-file", path, "holds no key (one per line)")
+
+
+# ports --------------------------------------------------------------------------------
+
+
+def check_ports(settings: Settings) -> None:
+    """Both listening ports must be free on --hostname (0: any free one)."""
+    wanted = [("--grpc-port", settings.grpc_port)]
+    if not settings.no_envoy:
+        wanted.append(("--port", settings.port))
+        if settings.port and settings.port == settings.grpc_port:
+            raise SettingError("--port", settings.port, "is also --grpc-port; give them two ports")
+    try:
+        infos = socket.getaddrinfo(settings.hostname, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise SettingError("--hostname", settings.hostname, f"does not resolve ({exc.strerror})")
+    family, address = infos[0][0], infos[0][4][0]
+    for flag, port in wanted:
+        if port:
+            _probe(flag, family, address, port, settings.hostname)
+
+
+def _probe(flag: str, family: int, address: str, port: int, hostname: str) -> None:
+    # SO_REUSEADDR as the servers set it: a port left in TIME_WAIT by a previous run is
+    # free to them, and must be to the probe too.
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((address, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                rule = f"is already in use on {hostname} (another server listens there)"
+            elif exc.errno == errno.EACCES:
+                rule = f"may not be bound on {hostname} by this user (ports below 1024 need root)"
+            elif exc.errno == errno.EADDRNOTAVAIL:
+                raise SettingError(
+                    "--hostname", hostname, "is not an address of this machine"
+                ) from None
+            else:
+                rule = f"cannot be bound on {hostname} ({exc.strerror})"
+            raise SettingError(flag, port, rule) from None
+
+
+# device, dtype, quantization, decode strategies ---------------------------------------
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device; a CPU build of torch says no without importing."""
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    if "+cpu" in version:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_device(settings: Settings) -> str:
+    """-> the device type the model will load on ("cpu", "cuda", ...)."""
+    wanted = settings.device
+    kind = wanted.split(":")[0]
+    if kind == "auto":
+        kind = "cuda" if cuda_available() else "cpu"
+    elif kind == "cuda":
+        if not cuda_available():
+            raise SettingError("--device", wanted, "needs a CUDA GPU, and torch sees none")
+        import torch
+
+        index = int(wanted.split(":")[1]) if ":" in wanted else 0
+        if index >= torch.cuda.device_count():
+            raise SettingError(
+                "--device", wanted, f"does not exist ({torch.cuda.device_count()} GPUs visible)"
+            )
+    if settings.quantize is not None:
+        _check_quantize(settings, kind, wanted)
+    return kind
+
+
+def _check_quantize(settings: Settings, kind: str, wanted: str) -> None:
+    """The quantization rules of models/quantize.py, for the device found above."""
+    import torch
+
+    from .models.loader import select_dtype
+    from .models.quantize import QuantizationError, check_quantize
+
+    dev = torch.device(kind if wanted == "auto" else wanted)
+    try:
+        check_quantize(settings.quantize, dev, settings.dtype, select_dtype(settings.dtype, dev))
+    except QuantizationError as exc:
+        raise SettingError("--quantize", settings.quantize, str(exc)) from None
+
+
+def check_strategies(settings: Settings, kind: str) -> None:
+    """Decode strategies the device can run, and combinations that exclude each other."""
+    if settings.cuda_graphs and kind != "cuda":
+        raise SettingError(
+            "--cuda-graphs", None, f"CUDA graphs need a CUDA device, and the model loads on {kind}"
+        )
+    if settings.compile and kind != "cpu":
+        raise SettingError(
+            "--compile",
+            None,
+            f"runs on CPU and the model loads on {kind}, where decode steps take "
+            "--cuda-graphs instead",
+        )
+    if settings.deterministic and kind != "cpu":
+        raise SettingError("--deterministic", None, f"runs on CPU only, not on {kind}")
+    if settings.compile and settings.deterministic:
+        raise SettingError(
+            "--compile",
+            None,
+            "is not supported with --deterministic: the compiled decode step pads batches to "
+            "its own buckets, outside the batch-invariant layout",
+        )
+
+
+# the model's context -------------------------------------------------------------------
+
+
+def model_context(settings: Settings) -> tuple[str, int]:
+    """(the model as named, its context length), from its config.json: the embedded
+    model's, a local folder's, or the Hub's (config.json alone is fetched)."""
+    from .models.errors import ModelError
+    from .models.hub import config_json
+
+    try:
+        name, config = config_json(settings.model_id, settings.revision)
+    except ModelError as exc:
+        raise SettingError("--model-id", settings.model_id or "(embedded)", str(exc)) from None
+    from .models.hub import context_length
+
+    try:
+        return name, context_length(config)
+    except ModelError as exc:
+        raise SettingError("--model-id", name, str(exc)) from None
+
+
+def check_kv_capacity(settings: Settings, max_total_tokens: int) -> None:
+    if settings.max_batch_total_tokens and settings.max_batch_total_tokens < max_total_tokens:
+        raise SettingError(
+            flag_name("max_batch_total_tokens"),
+            settings.max_batch_total_tokens,
+            f"must be >= --max-total-tokens ({max_total_tokens}): a request of "
+            "max_total_tokens must fit in the KV cache",
+        )
+
+
+def check_envoy(settings: Settings) -> None:
+    if settings.no_envoy:
+        return
+    from .proxy import EnvoyError, envoy_binary
+
+    try:
+        envoy_binary()
+    except EnvoyError as exc:
+        raise SettingError("--no-envoy", None, f"not given, and {exc}") from None

@@ -1,0 +1,197 @@
+"""Bad settings are refused before anything loads: `textgen serve` with each one exits with
+status 2 in a few seconds, one line on stderr naming the flag (or the variable), the value
+and the rule, no traceback and no model load. Good settings pass the same checks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from textgen.service.config import SettingError, Settings, settings_table
+from textgen.service.models.embedded import EMBEDDED_CONTEXT, converted_embedded
+from textgen.service.preflight import preflight
+
+pytestmark = pytest.mark.timeout(120)
+
+TEXTGEN = str(Path(sys.executable).with_name("textgen"))
+ROOT = Path(__file__).resolve().parents[2]
+# a loaded machine (the suite's other tests) slows the interpreter's start; the point is
+# that no model loads, which takes 10-60 s
+NO_LOAD_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def busy_port():
+    """A port something already listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def serve(*args: str, env: dict[str, str] | None = None) -> tuple[int, list[str], float]:
+    # the settings come from the arguments alone (TEXTGEN_CACHE says where models are)
+    clean = {
+        k: v for k, v in os.environ.items() if not k.startswith("TEXTGEN_") or k == "TEXTGEN_CACHE"
+    }
+    started = time.monotonic()
+    proc = subprocess.run(
+        [TEXTGEN, "serve", *args],
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return proc.returncode, proc.stderr.splitlines(), time.monotonic() - started
+
+
+def refused(lines: list[str], *words: str) -> bool:
+    return (
+        len(lines) == 1
+        and lines[0].startswith(("textgen serve: error: ", "textgen: error: "))
+        and all(w in lines[0] for w in words)
+    )
+
+
+BAD = [
+    (["--grpc-port", "99999"], ("--grpc-port", "99999", "1-65535")),
+    (["--port", "-1"], ("--port", "-1", "port number")),
+    (["--graceful-termination-timeout", "-1"], ("--graceful-termination-timeout", "0 or more")),
+    (["--max-queued-requests", "-3"], ("--max-queued-requests", "-3", "0 or more")),
+    (["--max-batch-size", "0"], ("--max-batch-size", "positive")),
+    (["--keepalive-interval", "nan"], ("--keepalive-interval", "finite")),
+    (["--arrival-gap-ms", "500"], ("--arrival-gap-ms", "at most 20")),
+    (["--dtype", "float8"], ("--dtype", "float8", "bfloat16")),
+    (["--device", "tpu"], ("--device", "tpu", "cuda")),
+    (["--device", "cuda"], ("--device cuda", "CUDA")),
+    (["--quantize", "awq"], ("--quantize", "awq", "int8")),
+    (["--quantize", "fp8", "--device", "cpu"], ("--quantize fp8", "CUDA")),
+    (["--quantize", "int8", "--dtype", "float32"], ("--quantize int8", "bfloat16")),
+    (["--cuda-graphs", "--device", "cpu"], ("--cuda-graphs", "CUDA device")),
+    (["--compile", "--deterministic"], ("--compile", "--deterministic")),
+    (["--model-id", "/nonexistent"], ("--model-id /nonexistent", "model folder")),
+    (["--max-total-tokens", "100000"], ("--max-total-tokens 100000", f"({EMBEDDED_CONTEXT} ")),
+    (
+        ["--max-input-tokens", "5000", "--max-total-tokens", "4096"],
+        ("--max-input-tokens 5000", "--max-total-tokens (4096)"),
+    ),
+    (["--max-batch-total-tokens", "100"], ("--max-batch-total-tokens 100", "KV cache")),
+    (["--api-key-file", "/nonexistent"], ("--api-key-file /nonexistent", "cannot be read")),
+    (["--hostname", "no.such.host.invalid"], ("--hostname no.such.host.invalid", "resolve")),
+    (["--log-level", "loud"], ("--log-level", "LOUD", "DEBUG")),
+    (["--no-such-flag"], ("--no-such-flag",)),
+]
+
+
+@pytest.mark.parametrize(("args", "words"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_a_bad_setting_is_one_line_and_status_2_before_loading(args, words):
+    status, lines, took = serve(*args)
+    assert status == 2, lines
+    assert refused(lines, *words), lines
+    assert took < NO_LOAD_S, f"{took:.1f}s: something loaded"
+
+
+def test_ports_in_use_are_refused(busy_port):
+    for flag in ("--grpc-port", "--port"):
+        status, lines, took = serve(flag, str(busy_port))
+        assert status == 2 and refused(lines, flag, str(busy_port), "already in use"), lines
+        assert took < NO_LOAD_S
+    status, lines, _ = serve("--grpc-port", "8111", "--port", "8111")
+    assert status == 2 and refused(lines, "--port 8111", "--grpc-port"), lines
+
+
+def test_a_hub_model_missing_offline(tmp_path):
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)}
+    status, lines, took = serve("--model-id", "someone/no-such-model", env=env)
+    assert status == 2 and refused(lines, "--model-id someone/no-such-model", "offline"), lines
+    assert took < NO_LOAD_S
+
+
+def test_a_model_with_a_shorter_context(tiny_model_dir):
+    # the tiny model's context is 1024: 4096 fits the embedded model, not this one
+    status, lines, took = serve("--model-id", str(tiny_model_dir), "--max-total-tokens", "4096")
+    assert status == 2 and refused(lines, "--max-total-tokens 4096", "(1024 tokens)"), lines
+    assert took < NO_LOAD_S
+
+
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        ({"TEXTGEN_GRPC_PORT": "99999"}, ("TEXTGEN_GRPC_PORT='99999'", "1-65535")),
+        ({"TEXTGEN_COMPILE": "maybe"}, ("TEXTGEN_COMPILE='maybe'", "true/false")),
+        ({"TEXTGEN_MAX_BATCH_SIZE": "lots"}, ("TEXTGEN_MAX_BATCH_SIZE='lots'", "whole number")),
+        ({"TEXTGEN_MAX_TOTAL_TOKENS": "100000"}, ("--max-total-tokens 100000", "context")),
+    ],
+)
+def test_the_environment_is_checked_as_the_flags_are(env, words):
+    status, lines, took = serve(env=env)
+    assert status == 2 and refused(lines, *words), lines
+    assert took < NO_LOAD_S
+
+
+def test_debug_shows_the_traceback():
+    proc = subprocess.run(
+        [TEXTGEN, "--log-level", "debug", "serve", "--max-total-tokens", "100000"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2 and "Traceback" in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("textgen serve: error: --max-total-tokens")
+
+
+# good settings pass the same checks ------------------------------------------------------
+
+
+def test_good_settings_pass(tiny_model_dir, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# ops\nsecret\n")
+    checked = preflight(
+        Settings(
+            model_id=str(tiny_model_dir),
+            grpc_port=0,
+            port=0,
+            max_total_tokens=1024,
+            max_input_tokens=1000,
+            max_batch_total_tokens=1024,
+            api_key_file=str(keys),
+            graceful_termination_timeout=0,
+        )
+    )
+    assert (checked.context, checked.max_input_tokens, checked.max_total_tokens) == (
+        1024,
+        1000,
+        1024,
+    )
+    assert checked.device == "cpu"
+
+
+def test_a_key_file_without_keys_is_refused(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# nobody yet\n\n")
+    with pytest.raises(SettingError, match="holds no key"):
+        preflight(Settings(api_key_file=str(keys), grpc_port=0, port=0))
+
+
+def test_the_embedded_context_is_its_config():
+    """The embedded model's context is known before its conversion; it must be the one
+    its converted config states."""
+    from textgen.service.models import ensure_embedded
+    from textgen.service.models.hub import config_json, context_length
+
+    ensure_embedded()
+    folder = converted_embedded()
+    assert folder is not None
+    assert context_length(config_json(None)[1]) == EMBEDDED_CONTEXT
+
+
+def test_the_settings_doc_is_the_table():
+    doc = (ROOT / "docs" / "settings.md").read_text()
+    assert settings_table() in doc, "docs/settings.md is stale: python scripts/make_settings_doc.py"
