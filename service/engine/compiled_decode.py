@@ -2,14 +2,14 @@
 `ModelRunner` (the CPU counterpart of cuda_graphs.py's GraphedRunner).
 
 PagedCore.step() is the one step function; with `--compile` its runner is a CompiledRunner
-(paged_core.py). `execute(batch)` runs a pure-decode step (every sequence computes its one
-last token, none asks for prompt logprobs, no more sequences than the largest bucket) through
-the compiled model, padded to the smallest bucket that holds it, and hands every other batch
-to the eager ModelRunner. Graph inputs are only the `[1, B]` token ids and positions, so each
-bucket compiles once, at warm-up, and steady state never recompiles. The paged attention stays
-eager inside the graph as one opaque op (attention.paged_attention_op), which reads the step's
-block tables and context lengths from the BatchMetadata bound around the call: the graph is
-the same for every context length.
+(paged_core.py). `run(inputs)` runs a pure-decode step (every sequence computes its one
+last token, no more sequences than the largest bucket) through the compiled model, padded to
+the smallest bucket that holds it, and hands every other step to the eager ModelRunner.
+Graph inputs are only the `[1, B]` token ids and positions, so each bucket compiles once,
+at warm-up, and steady state never recompiles. The paged attention stays eager inside the
+graph as one opaque op (attention.paged_attention_op), which reads the step's block tables
+and context lengths from the BatchMetadata bound around the call: the graph is the same for
+every context length.
 
 Padding rows decode token 0 at position 0 into the pool's scratch block (kv_pool.py), which
 no sequence owns; their logits are dropped.
@@ -26,9 +26,7 @@ import torch
 from tqdm import tqdm
 
 from .attention import BatchMetadata, bound_metadata
-from .runner import ModelRunner, RunnerOutput, attention_size, decode_bucket
-from .scheduler import SchedulerOutput
-from .sequence import Sequence
+from .runner import ModelRunner, StepInputs, StepRunner, decode_bucket
 
 log = logging.getLogger("textgen.engine")
 
@@ -67,7 +65,7 @@ class CompileStats:
     padded_rows: int = 0  # padding rows computed, summed over compiled steps
 
 
-class CompiledRunner:
+class CompiledRunner(StepRunner):
     """The Runner protocol (runner.py): pure decode steps through compiled graphs, the rest
     eagerly."""
 
@@ -104,6 +102,14 @@ class CompiledRunner:
         )
         self._keep = {b: torch.arange(b, device=eager.device) for b in self.buckets}
 
+    @property
+    def pool(self):
+        return self.eager.pool
+
+    @property
+    def batch_invariant(self) -> bool:
+        return False
+
     @torch.inference_mode()
     def warmup(self) -> None:
         """The eager warm-up (allocates the KV pool), then every bucket's compile (a
@@ -123,7 +129,7 @@ class CompiledRunner:
             for bucket in bar:
                 bar.set_postfix(batch=bucket)
                 start = time.perf_counter()
-                self._run_padded([], bucket)
+                self._run_padded(StepInputs.empty(), bucket)
                 self.compile_seconds[bucket] = time.perf_counter() - start
         log.info(
             "compiled decode step for batch buckets %s in %.1f s",
@@ -132,35 +138,36 @@ class CompiledRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
-        bucket = self.bucket_for(batch)
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        bucket = self.bucket_for(inputs)
         if bucket is None:
             self.stats.eager_steps += 1
-            return self.eager.execute(batch)
-        # longest context first, as the eager layout: the attention may then split the
-        # decodes where contexts fall far apart (attention.py, `_split_run`)
-        seqs = [s for s, _ in sorted(batch.scheduled, key=attention_size, reverse=True)]
+            return self.eager.run(inputs)
         self.stats.compiled_steps += 1
-        self.stats.padded_rows += bucket - len(seqs)
-        return RunnerOutput(seqs, self._run_padded(seqs, bucket))
+        self.stats.padded_rows += bucket - len(inputs.query_lens)
+        return self._run_padded(inputs, bucket)
 
-    def bucket_for(self, batch: SchedulerOutput) -> int | None:
+    def bucket_for(self, inputs: StepInputs) -> int | None:
         """The bucket that runs this step, or None when the eager runner must."""
         if not self.compile_seconds:
             return None  # before warmup(), nothing is compiled: a call would compile here
-        return decode_bucket(batch, self.buckets)
+        return decode_bucket(inputs, self.buckets)
 
-    def _run_padded(self, seqs: list[Sequence], bucket: int) -> torch.Tensor:
-        pad = bucket - len(seqs)
-        positions = [s.num_computed_tokens for s in seqs] + [0] * pad
-        ids = [s.token_ids[p] for s, p in zip(seqs, positions, strict=False)] + [0] * pad
+    def _run_padded(self, inputs: StepInputs, bucket: int) -> torch.Tensor:
+        """The decode rows of `inputs` (longest context first, as the eager layout puts them:
+        the attention may then split them where contexts fall far apart, attention.py's
+        `_split_run`), padded to `bucket` rows."""
+        n = len(inputs.query_lens)
+        pad = bucket - n
+        positions = inputs.positions + [0] * pad
+        ids = inputs.token_ids + [0] * pad
         eager = self.eager
         scratch = eager.pool.scratch_block
         meta = BatchMetadata.build(
             eager.pool,
             [1] * bucket,
             [p + 1 for p in positions],
-            [s.block_table for s in seqs] + [[scratch]] * pad,
+            inputs.block_tables + [[scratch]] * pad,
             eager.device,
         )
         with bound_metadata(meta):
@@ -170,7 +177,7 @@ class CompiledRunner:
                 torch.tensor([positions], dtype=torch.long, device=eager.device),
                 self._keep[bucket],
             )
-        return logits[: len(seqs)]
+        return logits[:n]
 
 
 def _logits(model, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor):

@@ -1,11 +1,10 @@
 """CUDA graphs for decode steps: `GraphedRunner`, a runner strategy around `ModelRunner`.
 
 PagedCore.step() is the one step function; with `--cuda-graphs` its runner is a GraphedRunner
-(paged_core.py). `execute(batch)` replays a captured graph when the batch is a pure decode
-that fits a bucket, and hands every other batch to the eager ModelRunner: steps with a prefill
+(paged_core.py). `run(inputs)` replays a captured graph when the step is a pure decode
+that fits a bucket, and hands every other step to the eager ModelRunner: steps with a prefill
 chunk (or a 1-token chunk that doesn't reach the prompt's end), more sequences than the
-largest bucket, a block table longer than `max_blocks`, or a request asking for prompt
-logprobs.
+largest bucket, or a block table longer than `max_blocks`.
 
 How a graph is fed. A decode step of n sequences runs the model on a `[1, B]` batch, B the
 smallest bucket >= n. Everything the forward reads lives in one persistent device buffer,
@@ -38,9 +37,7 @@ from tqdm import tqdm
 
 from . import attention
 from .attention import BatchMetadata
-from .runner import ModelRunner, RunnerOutput, decode_bucket
-from .scheduler import SchedulerOutput
-from .sequence import Sequence
+from .runner import ModelRunner, StepInputs, StepRunner, decode_bucket
 
 log = logging.getLogger("textgen.engine")
 
@@ -132,25 +129,28 @@ class _DecodeGraph:
         self._keep = torch.arange(b, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the graph's output, rewritten by each replay
-        self._fill([])  # padding everywhere: warm-up and capture only write the scratch block
+        # padding everywhere: warm-up and capture only write the scratch block
+        self._fill(StepInputs.empty())
 
-    def fits(self, seqs: list[Sequence]) -> bool:
-        return len(seqs) <= self.batch and all(len(s.block_table) <= self.max_blocks for s in seqs)
+    def fits(self, inputs: StepInputs) -> bool:
+        return len(inputs.query_lens) <= self.batch and all(
+            len(t) <= self.max_blocks for t in inputs.block_tables
+        )
 
-    def _fill(self, seqs: list[Sequence]) -> None:
-        """Stage the rows (padding past len(seqs)) and copy them to the device."""
+    def _fill(self, inputs: StepInputs) -> None:
+        """Stage the decode rows (padding past them) and copy them to the device."""
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy has left the staging buffer
-        b, n, bs = self.batch, len(seqs), self.block_size
+        b, n, bs = self.batch, len(inputs.query_lens), self.block_size
         host = self._host_rows
         ids, positions, slots = host[:b], host[b : 2 * b], host[2 * b : 3 * b]
         tables = host[3 * b :].reshape(b, self.max_blocks)
         ids[n:], positions[n:], slots[n:] = 0, 0, self.scratch_block * bs
         tables[n:] = self.scratch_block
-        for row, seq in enumerate(seqs):
-            p = seq.num_computed_tokens  # the one new token's position
-            table = seq.block_table
-            ids[row] = seq.token_ids[p]
+        for row, (token, p, table) in enumerate(
+            zip(inputs.token_ids, inputs.positions, inputs.block_tables, strict=True)
+        ):
+            ids[row] = token
             positions[row] = p
             slots[row] = table[p // bs] * bs + p % bs
             # entries past the table keep stale block ids: never read unmasked (the mask and
@@ -179,19 +179,19 @@ class _DecodeGraph:
         self.graph = graph
         torch.cuda.synchronize()
 
-    def run(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits `[len(seqs), vocab]` of one decode step of `seqs` (a view of the graph's
-        output: valid until the next run)."""
-        self._fill(seqs)
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits `[rows, vocab]` of one decode step of the rows of `inputs` (a view of the
+        graph's output: valid until the next run)."""
+        self._fill(inputs)
         if self.graph is not None:
             self.graph.replay()
             logits = self.logits
         else:
             logits = self._forward()
-        return logits[: len(seqs)]
+        return logits[: len(inputs.query_lens)]
 
 
-class GraphedRunner:
+class GraphedRunner(StepRunner):
     """The Runner protocol (runner.py): pure decode steps from graphs, the rest eagerly."""
 
     def __init__(self, eager: ModelRunner, settings: GraphSettings) -> None:
@@ -207,6 +207,14 @@ class GraphedRunner:
         self.stats = GraphStats()
         self.graphs: dict[int, _DecodeGraph] = {}  # by bucket, built by warmup()
         self._sizes: list[int] = []
+
+    @property
+    def pool(self):
+        return self.eager.pool
+
+    @property
+    def batch_invariant(self) -> bool:
+        return False
 
     def warmup(self) -> None:
         """The eager warm-up (allocates the KV pool), then `build_graphs()`: on the engine's
@@ -234,20 +242,19 @@ class GraphedRunner:
         log.info("decode graphs ready for batch sizes %s", self._sizes)
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
-        graph = self.graph_for(batch)
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        graph = self.graph_for(inputs)
         if graph is None:
             self.stats.eager_steps += 1
-            return self.eager.execute(batch)
-        seqs = [s for s, _ in batch.scheduled]
+            return self.eager.run(inputs)
         self.stats.graph_steps += 1
-        self.stats.padded_rows += graph.batch - len(seqs)
-        return RunnerOutput(seqs, graph.run(seqs))
+        self.stats.padded_rows += graph.batch - len(inputs.query_lens)
+        return graph.run(inputs)
 
-    def graph_for(self, batch: SchedulerOutput) -> _DecodeGraph | None:
-        """The bucket's graph when `batch` is a pure decode that fits one, else None."""
-        size = decode_bucket(batch, self._sizes)
+    def graph_for(self, inputs: StepInputs) -> _DecodeGraph | None:
+        """The bucket's graph when the step is a pure decode that fits one, else None."""
+        size = decode_bucket(inputs, self._sizes)
         if size is None:  # not a pure decode, too wide, or no graphs built yet (no sizes)
             return None
         graph = self.graphs[size]
-        return graph if graph.fits([s for s, _ in batch.scheduled]) else None
+        return graph if graph.fits(inputs) else None

@@ -5,6 +5,15 @@ The model's own code runs unchanged; only its attention is swapped for our paged
 (attention.py) through `AttentionInterface`. The runner never touches queues; the scheduler
 never touches tensors.
 
+A step has two sides. The host side (`StepRunner.execute`, the same for every runner) lays
+the scheduled sequences out as a flattened batch, `StepInputs`: plain token ids, positions,
+per-entry query and context lengths, block tables and the rows whose logits are kept, with
+no Sequence in it. The device side (`run(inputs)`) turns those into logits: `ModelRunner`
+eagerly, cuda_graphs.py's GraphedRunner and compiled_decode.py's CompiledRunner through
+their graphs for pure decodes, and shards.py's ShardedRunner by sending the inputs to the
+other ranks, which run the same device side on their slice of the model. The host side then
+picks the sampled rows and prompt logprobs out of the logits.
+
 Batch-invariant mode (`batch_invariant`): besides the attention's fixed key chunks, every
 matmul sees a row count that is a multiple of ROW_MULTIPLE. Padding tokens (token 0 at
 position 0 of the pool's scratch block, one 1-token query each, laid out with the decodes)
@@ -62,17 +71,74 @@ class RunnerOutput:
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class StepInputs:
+    """One forward's inputs, the same on every rank of a sharded model: plain ints.
+
+    Entries are sequences (or batch-invariant padding tokens) in batch order; entry i's
+    tokens are the next `query_lens[i]` of `token_ids`."""
+
+    token_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    query_lens: list[int]  # [B] tokens computed this step
+    context_lens: list[int]  # [B] tokens cached after the step
+    block_tables: list[list[int]]  # [B] each entry's blocks, covering its context
+    keep: list[int]  # batch rows whose logits are projected, in the logits' row order
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """Every entry computes one token and keeps its logits (its sequence's last token):
+        the steps the runner strategies (cuda_graphs.py, compiled_decode.py) take over."""
+        return len(self.keep) == len(self.query_lens) and all(n == 1 for n in self.query_lens)
+
+    @classmethod
+    def empty(cls) -> StepInputs:
+        return cls([], [], [], [], [], [])
+
+
 class Runner(Protocol):
     """What PagedCore drives: ModelRunner, or a strategy wrapping it (cuda_graphs.py's
-    GraphedRunner, compiled_decode.py's CompiledRunner)."""
+    GraphedRunner, compiled_decode.py's CompiledRunner, shards.py's ShardedRunner)."""
+
+    pool: KVCachePool
+    batch_invariant: bool
 
     def warmup(self) -> None:
         """Run once, at start-up on the engine's thread, what the first request would."""
 
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits `[len(inputs.keep), vocab]` (one row when nothing is kept)."""
+
     def execute(self, batch: SchedulerOutput) -> RunnerOutput: ...
 
 
-class ModelRunner:
+class StepRunner:
+    """The host side of a step, shared by every runner: lay the batch out, `run` it, pick
+    the sampled rows and prompt logprobs out of the logits."""
+
+    pool: KVCachePool
+    batch_invariant: bool
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+        if self.batch_invariant:
+            layout = lay_out(batch, ROW_MULTIPLE, self.pool.scratch_block)
+        else:
+            layout = lay_out(batch)
+        logits = self.run(layout.inputs)
+        if len(layout.sample_rows) == logits.shape[0]:
+            sample_logits = logits
+        else:
+            rows = torch.tensor(layout.sample_rows, dtype=torch.long, device=logits.device)
+            sample_logits = logits[rows]
+        prompt_logprobs = _prompt_logprobs(logits, layout.prompt_spans)
+        return RunnerOutput(layout.sample_seqs, sample_logits, prompt_logprobs)
+
+
+class ModelRunner(StepRunner):
     def __init__(
         self, model: torch.nn.Module, pool: KVCachePool, *, batch_invariant: bool = False
     ) -> None:
@@ -110,31 +176,21 @@ class ModelRunner:
             self._min_rows = probe_min_rows(self._linears)
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
-        if self.batch_invariant:
-            layout = _lay_out(batch, ROW_MULTIPLE, self.pool.scratch_block)
-        else:
-            layout = _lay_out(batch)
+    def run(self, inputs: StepInputs) -> torch.Tensor:
         meta = BatchMetadata.build(
             self.pool,
-            layout.query_lens,
-            layout.context_lens,
-            layout.block_tables,
+            inputs.query_lens,
+            inputs.context_lens,
+            inputs.block_tables,
             self.device,
             batch_invariant=self.batch_invariant,
         )
-        logits = self.forward(
-            self._tensor([layout.token_ids]),
-            self._tensor([layout.positions]),
+        return self.forward(
+            self._tensor([inputs.token_ids]),
+            self._tensor([inputs.positions]),
             meta,
-            self._tensor(layout.keep),
+            self._tensor(inputs.keep),
         )
-        if len(layout.sample_rows) == logits.shape[0]:
-            sample_logits = logits
-        else:
-            sample_logits = logits[self._tensor(layout.sample_rows)]
-        prompt_logprobs = _prompt_logprobs(logits, layout.prompt_spans)
-        return RunnerOutput(layout.sample_seqs, sample_logits, prompt_logprobs)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -159,8 +215,9 @@ class ModelRunner:
 
 
 @dataclass(slots=True)
-class _Layout:
-    """Where each sequence's tokens sit in the flattened batch (host-side lists)."""
+class Layout:
+    """Where each sequence's tokens sit in the flattened batch (host-side lists): the
+    StepInputs, and what the host side needs to read the logits back."""
 
     token_ids: list[int] = field(default_factory=list)  # [T]
     positions: list[int] = field(default_factory=list)  # [T]
@@ -173,6 +230,17 @@ class _Layout:
     sample_rows: list[int] = field(default_factory=list)  # row in `keep` of each of those
     # (seq, first row in `keep`, first position, chunk length) for prompt logprobs
     prompt_spans: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
+
+    @property
+    def inputs(self) -> StepInputs:
+        return StepInputs(
+            self.token_ids,
+            self.positions,
+            self.query_lens,
+            self.context_lens,
+            self.block_tables,
+            self.keep,
+        )
 
     def add(self, seq: Sequence, num_new: int) -> None:
         start = seq.num_computed_tokens
@@ -203,9 +271,9 @@ class _Layout:
             self.block_tables.append([scratch_block])
 
 
-def _lay_out(
+def lay_out(
     batch: SchedulerOutput, row_multiple: int = 1, scratch_block: int | None = None
-) -> _Layout:
+) -> Layout:
     """The flattened batch; with row_multiple > 1, padded to a multiple of that many tokens
     and logits rows (padding tokens go to `scratch_block`)."""
     # Single-token queries first: they form the cheap decode groups of the attention (and
@@ -219,7 +287,7 @@ def _lay_out(
         key=lambda entry: (entry[0].num_computed_tokens == 0, attention_size(entry)),
         reverse=True,
     )
-    layout = _Layout()
+    layout = Layout()
     for seq, num_new in decodes:
         layout.add(seq, num_new)
     if row_multiple > 1:
@@ -260,21 +328,12 @@ def check_model_supported(model: torch.nn.Module) -> None:
         )
 
 
-def is_pure_decode(batch: SchedulerOutput) -> bool:
-    """Every sequence computes its one last token, and none wants prompt logprobs: the
-    steps the runner strategies (cuda_graphs.py, compiled_decode.py) take over."""
-    return all(
-        n == 1 and s.num_computed_tokens + 1 == s.num_tokens and not wants_prompt_logprobs(s)
-        for s, n in batch.scheduled
-    )
-
-
-def decode_bucket(batch: SchedulerOutput, buckets: list[int]) -> int | None:
+def decode_bucket(inputs: StepInputs, buckets: list[int]) -> int | None:
     """The smallest of the sorted `buckets` that holds this step when it is a pure decode;
     None when the eager runner must take it."""
-    if not is_pure_decode(batch):
+    if not inputs.is_pure_decode:
         return None
-    n = len(batch.scheduled)
+    n = len(inputs.query_lens)
     return next((b for b in buckets if b >= n), None)
 
 

@@ -16,7 +16,7 @@ from textgen.service.engine.invariant_linear import (
     linear_modules,
     probe_min_rows,
 )
-from textgen.service.engine.runner import _lay_out
+from textgen.service.engine.runner import lay_out
 from textgen.service.engine.sampler import Sampler
 from textgen.service.engine.types import SamplingParams
 
@@ -150,7 +150,7 @@ def test_padding_rounds_the_batch_and_never_reaches_the_sampler(tiny_llama):
         core.add(seq)
     batch = core.scheduler.schedule()
     scratch = core.runner.pool.scratch_block
-    layout = _lay_out(batch, invariant_attention.ROW_MULTIPLE, scratch)
+    layout = lay_out(batch, invariant_attention.ROW_MULTIPLE, scratch)
     num_real = sum(n for _, n in batch.scheduled)
     assert len(layout.token_ids) % 4 == 0 and len(layout.keep) % 4 == 0
     num_padding = len(layout.token_ids) - num_real

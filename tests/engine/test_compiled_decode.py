@@ -13,7 +13,7 @@ from textgen.service.engine.compiled_decode import (
 from textgen.service.engine.cuda_graphs import GraphSettings
 from textgen.service.engine.kv_pool import KVCachePool
 from textgen.service.engine.paged_core import PagedCore
-from textgen.service.engine.runner import ModelRunner
+from textgen.service.engine.runner import ModelRunner, lay_out
 from textgen.service.engine.scheduler import SchedulerOutput
 
 from .factories import (
@@ -122,7 +122,9 @@ def test_a_runner_built_without_warm_up_runs_everything_eagerly(tiny_llama):
     seq.block_table.append(0)
     seq.num_computed_tokens = 2  # its one last prompt token to compute: a pure decode
     batch = SchedulerOutput(scheduled=[(seq, 1)])
-    assert runner.bucket_for(batch) is None  # nothing compiled yet: no compile on a request
+    assert (
+        runner.bucket_for(lay_out(batch).inputs) is None
+    )  # nothing compiled yet: no compile on a request
     out = runner.execute(batch)
     assert out.sample_seqs == [seq] and out.sample_logits.shape == (1, VOCAB_SIZE)
     assert runner.stats.eager_steps == 1 and runner.stats.compiled_steps == 0
