@@ -410,6 +410,10 @@ def tgi_schemas(tgi: dict) -> dict:
             + "has arrived for this many milliseconds, so a burst starts in one prefill step "
             + "(--arrival-gap-ms; 0: at once).",
         ),
+        "num_shard": (
+            "integer",
+            "Tensor-parallel shards the model is split over (--num-shard; 1: unsharded).",
+        ),
     }
     for name, (kind, description) in ours.items():
         info["properties"][name] = {"type": kind, "description": description}

@@ -10,7 +10,7 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from opentelemetry.sdk.trace import TracerProvider
@@ -24,19 +24,29 @@ from .engine.cuda_graphs import GraphSettings, unavailable_reason
 from .engine.grammar import GrammarMasks
 from .engine.loop import EngineLoop
 from .engine.paged_core import PagedCore
+from .engine.shards import ShardGroup, agree
 from .errors import ErrorType
 from .grammar_compiler import GrammarCompiler
 from .grpc.interceptors import ApiKeyInterceptor, DecodingInterceptor
 from .grpc.server import SERVICE_NAME, build_server, set_serving
 from .grpc.servicer import ServedModel, TextGenerationServicer
 from .models import LoadedModel, load_model
+from .models.loader import ModelShard
 from .observability.metrics import Metrics
 from .observability.requests import RequestRecorder
 from .observability.tracing import otlp_tracer_provider, server_interceptors
 from .openai.response_store import ResponseStore
-from .preflight import check_kv_capacity, check_strategies
+from .preflight import check_kv_capacity, check_strategies, device_type, visible_gpus
 from .proto import text_generation_service_pb2 as svc_pb
 from .proxy import start_envoy
+from .shard_processes import (
+    ShardError,
+    ShardProcesses,
+    join,
+    leave,
+    num_shards,
+    placement,
+)
 from .validation import Limits, Validator
 
 log = logging.getLogger("textgen.serve")
@@ -59,6 +69,15 @@ class Replica:
     server: object
     health: object
     grpc_port: int
+    shards: ShardProcesses | None = None  # the local ranks 1..N-1 of a sharded model
+
+    def failure(self) -> str | None:
+        """Why this replica can't serve any more (a shard or the engine died), or None."""
+        if self.shards is not None and (dead := self.shards.dead()):
+            return dead
+        if self.engine.last_error is not None:
+            return f"the engine stopped: {self.engine.last_error}"
+        return None
 
     async def drain(self, timeout: float) -> bool:
         """Stop taking work (health NOT_SERVING, new requests UNAVAILABLE) and wait up
@@ -70,9 +89,12 @@ class Replica:
     async def stop(self, grace: float | None = 5.0) -> None:
         await set_serving(self.health, False)
         await self.server.stop(grace)
-        self.engine.shutdown()
+        await asyncio.to_thread(self.engine.shutdown)  # tells the other shards to stop too
         if self.servicer.validation_workers is not None:
             self.servicer.validation_workers.shutdown(wait=False)
+        if self.shards is not None:
+            await asyncio.to_thread(self.shards.stop)
+            leave()
 
 
 async def in_own_thread(fn, *args):
@@ -85,11 +107,14 @@ async def in_own_thread(fn, *args):
         executor.shutdown(wait=False)
 
 
-def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(
+    model: torch.nn.Module, dtype: torch.dtype, kv_heads: int | None = None
+) -> int:
+    """KV-cache bytes one token takes in this process's pool (`kv_heads`: a shard's own)."""
     cfg = (
         model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     )
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    heads = kv_heads or getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return cfg.num_hidden_layers * 2 * heads * head_dim * torch.finfo(dtype).bits // 8
 
@@ -110,7 +135,10 @@ def kv_capacity_tokens(settings: Settings, loaded: LoadedModel, max_total_tokens
     if settings.max_batch_total_tokens:
         check_kv_capacity(settings, max_total_tokens)
         return settings.max_batch_total_tokens
-    per_token = kv_bytes_per_token(loaded.model, loaded.dtype)
+    layout = loaded.shard_layout
+    per_token = kv_bytes_per_token(
+        loaded.model, loaded.dtype, layout.kv_heads_per_rank if layout else None
+    )
     fraction = KV_MEMORY_FRACTION.get(loaded.device.type, 0.1)
     fits = int(free_memory_bytes(loaded.device) * fraction) // per_token
     return max(max_total_tokens, min(fits, 1 << 20))
@@ -150,6 +178,7 @@ def build_core(
     grammars: GrammarCompiler,
     graphs: GraphSettings | None = None,
     compiled: CompileSettings | None = None,
+    shards: ShardGroup | None = None,
 ) -> PagedCore:
     return PagedCore(
         loaded.model,
@@ -161,6 +190,7 @@ def build_core(
         batch_invariant=settings.deterministic,
         cuda_graphs=graphs,
         compile=compiled,
+        shards=shards,
     )
 
 
@@ -232,6 +262,7 @@ def served_model(
         cuda_graphs=cuda_graphs,
         compile=compiled,
         arrival_gap_ms=engine.arrival_gap * 1000,
+        num_shard=loaded.shard.world_size if loaded.shard else 1,
     )
     if loaded.resolved.sha:
         info.model_sha = loaded.resolved.sha
@@ -244,17 +275,56 @@ async def start_replica(
     settings: Settings, tracer_provider: TracerProvider | None = None
 ) -> Replica:
     """Load, build and start one replica; returns once it serves. Tracing is on when a
-    tracer provider is given or --otlp-endpoint is set."""
-    loaded = await in_own_thread(
-        functools.partial(
-            load_model,
-            settings.model_id,
-            settings.revision,
-            settings.dtype,
-            settings.device,
-            quantize=settings.quantize,
+    tracer provider is given or --otlp-endpoint is set. With --num-shard N > 1 it is rank 0
+    of N: it starts the local shards first (shard_processes.py)."""
+    world_size = num_shards(settings, device_type(settings), visible_gpus())
+    shards = groups = None
+    if world_size > 1:
+        shards = ShardProcesses.start(settings, world_size)
+        settings = replace(settings, master_port=shards.master_port)
+    try:
+        if shards is not None:
+            groups = await _join_watching(settings, world_size, shards)
+        loaded = await in_own_thread(
+            functools.partial(
+                load_model,
+                settings.model_id,
+                settings.revision,
+                settings.dtype,
+                "cuda:0" if world_size > 1 and device_type(settings) == "cuda" else settings.device,
+                quantize=settings.quantize,
+                shard=ModelShard(0, world_size, groups.model) if groups else None,
+            )
+        )
+        return await _start_loaded(settings, loaded, tracer_provider, shards, groups)
+    except BaseException:
+        if shards is not None:
+            await asyncio.to_thread(shards.stop, 0.0)
+            leave()
+        raise
+
+
+async def _join_watching(settings: Settings, world_size: int, shards: ShardProcesses):
+    """Join the shards' group as rank 0, failing at once if a local shard dies meanwhile."""
+    joining = asyncio.ensure_future(
+        in_own_thread(
+            join, 0, world_size, settings.master_addr, settings.master_port, device_type(settings)
         )
     )
+    while not joining.done():
+        if dead := shards.dead():
+            raise ShardError(f"{dead} before the shards joined")
+        await asyncio.wait([joining], timeout=0.2)
+    return joining.result()
+
+
+async def _start_loaded(
+    settings: Settings,
+    loaded: LoadedModel,
+    tracer_provider: TracerProvider | None,
+    shards: ShardProcesses | None,
+    groups,
+) -> Replica:
     max_input, max_total = settings.resolved_limits(loaded.max_position_embeddings)
     limits = Limits(
         max_input_tokens=max_input,
@@ -266,14 +336,30 @@ async def start_replica(
         vocab_size=loaded.model.config.get_text_config().vocab_size,
     )
     capacity = kv_capacity_tokens(settings, loaded, max_total)
+    shard_group = None
+    if groups is not None:  # every rank's pool the same size: rank 0's
+        capacity = await asyncio.to_thread(agree, capacity, groups.control)
+        shard_group = ShardGroup(
+            0,
+            loaded.shard.world_size,
+            groups.control,
+            groups.model,
+            loaded.vocab.vocab_size,
+            loaded.vocab.chunk,
+            loaded.device,
+        )
     grammars = await asyncio.to_thread(
         GrammarCompiler, loaded.tokenizer, limits.vocab_size, loaded.eos_token_ids
     )
     compiled = compile_settings(settings, loaded)
     graphs = cuda_graph_settings(settings, loaded, max_total)
-    core = build_core(settings, loaded, capacity, grammars, graphs, compiled)
+    core = build_core(settings, loaded, capacity, grammars, graphs, compiled, shard_group)
     metrics = Metrics()
     torch_threads = settings.torch_threads or default_torch_threads()
+    cpus = None
+    if shards is not None:  # rank 0's engine thread on its own cores, as every shard
+        place = placement(settings, 0, loaded.shard.world_size, loaded.device.type)
+        torch_threads, cpus = place.torch_threads or torch_threads, place.cpus
     engine = EngineLoop(
         core,
         loaded.tokenizer,
@@ -281,6 +367,7 @@ async def start_replica(
         metrics=metrics,
         torch_threads=torch_threads,
         arrival_gap=settings.arrival_gap_ms / 1000,
+        cpus=cpus,
     )
     admission = Admission(
         settings.max_concurrent_requests, settings.max_queued_requests, settings.max_queued_tokens
@@ -319,7 +406,7 @@ async def start_replica(
     )
     await server.start()
     await set_serving(health, True)
-    return Replica(settings, loaded, engine, servicer, server, health, port)
+    return Replica(settings, loaded, engine, servicer, server, health, port, shards)
 
 
 async def serve(settings: Settings) -> None:
@@ -357,16 +444,23 @@ async def serve(settings: Settings) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     stopped = asyncio.ensure_future(stop.wait())
+    failed = asyncio.ensure_future(_first_failure(replica))
     await asyncio.wait(
-        [stopped] + ([envoy.exited] if envoy else []), return_when=asyncio.FIRST_COMPLETED
+        [stopped, failed] + ([envoy.exited] if envoy else []), return_when=asyncio.FIRST_COMPLETED
     )
     stopped.cancel()
+    failed.cancel()
     envoy_died = envoy is not None and envoy.exited.done() and not stop.is_set()
     if envoy_died:
         log.error(
             "envoy (pid %d) exited with code %s; shutting down", envoy.pid, envoy.process.returncode
         )
-    if not envoy_died:
+    broken = failed.done() and not failed.cancelled() and not stop.is_set()
+    if broken:
+        # the in-flight requests got their typed error from the engine; none can finish
+        log.error("%s; shutting down", failed.result())
+        await set_serving(replica.health, False)
+    if not envoy_died and not broken:
         log.info(
             "draining: health NOT_SERVING, new requests refused, %d in flight get up to %.0fs",
             replica.servicer.admission.in_flight,
@@ -378,8 +472,19 @@ async def serve(settings: Settings) -> None:
     await replica.stop()
     if envoy:
         await envoy.stop()  # last: in-flight HTTP streams drained through it
-    if envoy_died:
+    if envoy_died or broken:
         raise SystemExit(1)
+
+
+FAILURE_POLL_S = 0.25
+
+
+async def _first_failure(replica: Replica) -> str:
+    """Why the replica stopped being able to serve, once it has (a shard or the engine
+    died): the server then exits non-zero, and its supervisor restarts it."""
+    while (reason := replica.failure()) is None:
+        await asyncio.sleep(FAILURE_POLL_S)
+    return reason
 
 
 def curl_example(http_url: str) -> str:

@@ -74,6 +74,25 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shard(args: argparse.Namespace) -> int:
+    from .allocator import keep_freed_memory
+    from .models.quantize import import_torchao_quietly
+
+    keep_freed_memory()
+    import_torchao_quietly()
+    from .shard_worker import run_shard
+
+    settings = settings_from_args(args)
+    if not settings.num_shard or not 0 < args.rank < settings.num_shard:
+        print(
+            f"textgen shard: error: --rank {args.rank}: must be 1..--num-shard - 1 "
+            f"(--num-shard {settings.num_shard})",
+            file=sys.stderr,
+        )
+        return 2
+    return run_shard(settings, args.rank, settings.num_shard)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from textgen.sdk import Client, TextGenError
 
@@ -145,6 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_level(serve, default=argparse.SUPPRESS)  # after the command too
     add_serve_arguments(serve)
     serve.set_defaults(func=_serve)
+
+    shard = sub.add_parser(
+        "shard",
+        help="one rank 1..N-1 of a sharded model (serve --num-shard N starts its local ones; "
+        "run this on other hosts with the server's settings)",
+    )
+    shard.add_argument("--rank", type=int, required=True, help="this shard's rank, 1..N-1")
+    add_serve_arguments(shard)
+    add_log_level(shard, default=argparse.SUPPRESS)
+    shard.set_defaults(func=_shard)
 
     from .front_proxy import add_proxy_arguments  # light: imports no torch
     from .front_proxy import run as run_proxy

@@ -60,17 +60,20 @@ class Option:
     switch: bool = False
     negatable: bool = False
     metavar: str | None = None
+    # other variables read when TEXTGEN_<FLAG> is unset: the names torch.distributed and
+    # TGI give the same setting (MASTER_ADDR, NUM_SHARD)
+    env_aliases: tuple[str, ...] = ()
 
 
 def option(default: object, help: str, parse: Callable[[str], object] = str, **kw) -> object:
     return field(default=default, metadata={"option": Option(help, parse, **kw)})
 
 
-def switch(default: bool | None, help: str, *, negatable: bool = False) -> object:
-    return field(
-        default=default,
-        metadata={"option": Option(help, parse_bool, switch=True, negatable=negatable)},
-    )
+def switch(
+    default: bool | None, help: str, *, negatable: bool = False, env_aliases: tuple = ()
+) -> object:
+    option = Option(help, parse_bool, switch=True, negatable=negatable, env_aliases=env_aliases)
+    return field(default=default, metadata={"option": option})
 
 
 # value parsers: text -> value, or ValueError(the rule) -----------------------------------
@@ -144,6 +147,11 @@ def gap_ms(text: str) -> float:
     return value
 
 
+def optional_positive_int(text: str) -> int | None:
+    """An empty value means unset (the default rule applies)."""
+    return positive_int(text) if text.strip() else None
+
+
 def optional_text(text: str) -> str | None:
     """An empty value (`TEXTGEN_X=`) means unset."""
     return text.strip() or None
@@ -211,6 +219,38 @@ class Settings:
         "weight-only quantization at load: int8 | int4 (CPU and CUDA; on CPU they compute in "
         "bfloat16) | fp8 (CUDA, compute capability 8.9+)",
         quantize_method,
+    )
+    num_shard: int | None = option(
+        None,
+        "tensor-parallel shards: one process per shard, each holding a slice of every layer "
+        "(default: every visible GPU on CUDA, 1 on CPU; docs/shards.md)",
+        optional_positive_int,
+        env_aliases=("NUM_SHARD",),
+    )
+    sharded: bool | None = switch(
+        None,
+        "false: one shard whatever --num-shard or the GPUs say; true: refuse to start unsharded",
+        negatable=True,
+        env_aliases=("SHARDED",),
+    )
+    master_addr: str = option(
+        "127.0.0.1",
+        "address of rank 0 for the shards' rendezvous (torch.distributed's MASTER_ADDR)",
+        host_name,
+        env_aliases=("MASTER_ADDR",),
+    )
+    master_port: int = option(
+        29500,
+        "port of the shards' rendezvous on --master-addr (0: any free one, for shards started "
+        "by this server)",
+        port_number,
+        env_aliases=("MASTER_PORT",),
+    )
+    local_shards: int | None = option(
+        None,
+        "shards this server starts itself, ranks 0..N-1 (default: all of --num-shard); the "
+        "others are started elsewhere with `textgen shard --rank R` (several hosts)",
+        optional_positive_int,
     )
     max_concurrent_requests: int = option(
         128, "requests admitted at once; more get `overloaded`", positive_int
@@ -373,12 +413,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         env = env_name(f.name)
         default = f.default
         text = os.environ.get(env)
+        for alias in opt.env_aliases:
+            if text is None and os.environ.get(alias) is not None:
+                env, text = alias, os.environ[alias]
         if text is not None and (text.strip() or not opt.switch):
             try:
                 default = opt.parse(text)
             except ValueError as exc:
                 parser.error(f"{env}={text!r}: {exc}")
-        help = f"{opt.help} [env {env}]"
+        help = f"{opt.help} [env {' or '.join((env_name(f.name), *opt.env_aliases))}]"
         if opt.switch:
             action = argparse.BooleanOptionalAction if opt.negatable else "store_true"
             parser.add_argument(flag_name(f.name), action=action, default=default, help=help)
@@ -397,6 +440,21 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(**{k: v for k, v in vars(args).items() if k in fields})
 
 
+def settings_argv(settings: Settings) -> list[str]:
+    """The flags that give `settings` again (the shards a server starts take its own)."""
+    argv: list[str] = []
+    for f, opt in options():
+        value = getattr(settings, f.name)
+        if value == f.default:
+            continue
+        flag = flag_name(f.name)
+        if opt.switch:
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
 def settings_table() -> str:
     """The settings as a Markdown table (docs/settings.md, checked by a test)."""
     rows = ["| flag | environment | default | meaning |", "| --- | --- | --- | --- |"]
@@ -406,5 +464,6 @@ def settings_table() -> str:
             flag += f" / --no-{flag[2:]}"
         default = "—" if f.default is None else f"`{f.default}`"
         meaning = opt.help.replace("%%", "%").replace("|", "\\|")
-        rows.append(f"| `{flag}` | `{env_name(f.name)}` | {default} | {meaning} |")
+        envs = ", ".join(f"`{e}`" for e in (env_name(f.name), *opt.env_aliases))
+        rows.append(f"| `{flag}` | {envs} | {default} | {meaning} |")
     return "\n".join(rows) + "\n"

@@ -32,6 +32,7 @@ class Preflight:
     max_input_tokens: int
     max_total_tokens: int
     device: str
+    num_shard: int
 
 
 def preflight(settings: Settings) -> Preflight:
@@ -41,10 +42,12 @@ def preflight(settings: Settings) -> Preflight:
     check_ports(settings)
     device = check_device(settings)
     check_strategies(settings, device)
-    model, context = model_context(settings)
+    model, config = model_config(settings)
+    context = _context(model, config)
     max_input, max_total = settings.resolved_limits(context)
     check_kv_capacity(settings, max_total)
-    return Preflight(model, context, max_input, max_total, device)
+    shards = check_shards(settings, device, config)
+    return Preflight(model, context, max_input, max_total, device, shards)
 
 
 # files --------------------------------------------------------------------------------
@@ -120,6 +123,24 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def visible_gpus() -> int:
+    """CUDA devices torch sees (CUDA_VISIBLE_DEVICES applies); 0 without importing torch on
+    a CPU build."""
+    if not cuda_available():
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def device_type(settings: Settings) -> str:
+    """The device type the model loads on: --device, or auto's choice."""
+    kind = settings.device.split(":")[0]
+    if kind == "auto":
+        return "cuda" if cuda_available() else "cpu"
+    return kind
+
+
 def check_device(settings: Settings) -> str:
     """-> the device type the model will load on ("cpu", "cuda", ...)."""
     wanted = settings.device
@@ -152,7 +173,8 @@ def _check_quantize(settings: Settings, kind: str, wanted: str) -> None:
     try:
         check_quantize(settings.quantize, dev, settings.dtype, select_dtype(settings.dtype, dev))
     except QuantizationError as exc:
-        raise SettingError("--quantize", settings.quantize, str(exc)) from None
+        rule = str(exc).removeprefix(f"--quantize {settings.quantize} ")
+        raise SettingError("--quantize", settings.quantize, rule) from None
 
 
 def check_strategies(settings: Settings, kind: str) -> None:
@@ -182,22 +204,64 @@ def check_strategies(settings: Settings, kind: str) -> None:
 # the model's context -------------------------------------------------------------------
 
 
-def model_context(settings: Settings) -> tuple[str, int]:
-    """(the model as named, its context length), from its config.json: the embedded
-    model's, a local folder's, or the Hub's (config.json alone is fetched)."""
+def model_config(settings: Settings) -> tuple[str, dict]:
+    """(the model as named, its config.json): the embedded model's, a local folder's, or
+    the Hub's (config.json alone is fetched)."""
     from .models.errors import ModelError
     from .models.hub import config_json
 
     try:
-        name, config = config_json(settings.model_id, settings.revision)
+        return config_json(settings.model_id, settings.revision)
     except ModelError as exc:
         raise SettingError("--model-id", settings.model_id or "(embedded)", str(exc)) from None
+
+
+def _context(model: str, config: dict) -> int:
+    from .models.errors import ModelError
     from .models.hub import context_length
 
     try:
-        return name, context_length(config)
+        return context_length(config)
     except ModelError as exc:
-        raise SettingError("--model-id", name, str(exc)) from None
+        raise SettingError("--model-id", model, str(exc)) from None
+
+
+def check_shards(settings: Settings, kind: str, config: dict) -> int:
+    """--num-shard against the device and the model's heads; -> the number of shards."""
+    from .models.shard_layout import ShardingError, shard_layout
+    from .shard_processes import num_shards
+
+    world_size = num_shards(settings, kind, visible_gpus() if kind == "cuda" else 0)
+    if world_size == 1:
+        return 1
+    if kind == "cuda" and world_size > visible_gpus():
+        raise SettingError(
+            "--num-shard", world_size, f"needs a GPU per shard and {visible_gpus()} are visible"
+        )
+    if settings.deterministic:
+        raise SettingError(
+            "--deterministic", None, "is not supported with --num-shard > 1 (serve it unsharded)"
+        )
+    if settings.local_shards is not None and settings.local_shards > world_size:
+        raise SettingError(
+            "--local-shards", settings.local_shards, f"is more than --num-shard ({world_size})"
+        )
+    if "num_attention_heads" in (config.get("text_config") or config):
+        try:
+            shard_layout(config, world_size)
+        except ShardingError as exc:
+            raise SettingError("--num-shard", world_size, str(exc)) from None
+    if settings.master_port and _is_local(settings.master_addr):
+        _probe("--master-port", socket.AF_INET, "0.0.0.0", settings.master_port, "this host")
+    return world_size
+
+
+def _is_local(host: str) -> bool:
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return False
+    return address.startswith("127.") or address in socket.gethostbyname_ex(socket.gethostname())[2]
 
 
 def check_kv_capacity(settings: Settings, max_total_tokens: int) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ctypes
 import json
 import logging
 import os
@@ -30,6 +29,8 @@ from pathlib import Path
 
 from textgen.envoy import config as envoy_config
 from textgen.sdk.keepalive import DEFAULT_KEEPALIVE, Keepalive
+
+from .child_process import die_with_parent
 
 log = logging.getLogger("textgen.envoy")
 
@@ -180,7 +181,7 @@ async def _launch(
         # Its own process group: a terminal's Ctrl-C reaches only us, and we stop
         # Envoy last, after in-flight streams have drained through it.
         process_group=0,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
     )
     envoy = Envoy(process, workdir)
     try:
@@ -194,19 +195,6 @@ async def _launch(
     envoy.http_url = f"http://{host}:{listen_port}"
     log.info("envoy (pid %d) serves %s, admin %s", envoy.pid, envoy.http_url, envoy.admin_url)
     return envoy
-
-
-_PR_SET_PDEATHSIG = 1
-try:  # resolved before fork: the child only makes the call
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux
-    _prctl = None
-
-
-def _die_with_parent() -> None:
-    """In the child: if textgen is killed outright (SIGKILL), Envoy follows."""
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 _ENVOY_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING}

@@ -41,27 +41,44 @@ def build_tokenizer(vocab_size: int = 400):
     )
 
 
-def build_tiny_model(path: Path, *, seed: int = 0, layers: int = 2) -> Path:
-    """Save a tiny random Llama (float32) and its tokenizer into `path`."""
+# Other architectures of the same size, for what differs between them (tests/integration/
+# test_shards.py): Qwen2's biased q/k/v (here one KV head: shards replicate it), Mistral's
+# sliding window, Gemma2's softcapping, scaled embeddings and alternating window layers.
+ARCHITECTURES = ("llama", "qwen2", "mistral", "gemma2")
+
+
+def build_tiny_model(
+    path: Path, *, seed: int = 0, layers: int = 2, architecture: str = "llama"
+) -> Path:
+    """Save a tiny random model (float32, Llama unless asked) and its tokenizer into `path`."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
     tokenizer = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
+    common = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+    }
+    extra = {
+        "llama": {},
+        "qwen2": {"num_key_value_heads": 1},
+        "mistral": {"sliding_window": 8},
+        "gemma2": {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16},
+    }[architecture]
+    name = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "gemma2": "Gemma2"}
+    config = getattr(transformers, f"{name[architecture]}Config")(**{**common, **extra})
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = getattr(transformers, f"{name[architecture]}ForCausalLM")(config)
     # sharper logits than the default init, so greedy choices are well separated
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -67,9 +68,13 @@ class EngineLoop:
         metrics=None,
         torch_threads: int | None = None,
         arrival_gap: float = 0.0,
+        cpus: tuple[int, ...] | None = None,
     ) -> None:
         """torch_threads: torch's intra-op threads on the engine's thread (None: torch's
         default); OpenMP keeps the count per thread, so it is set on that thread.
+
+        cpus: the cores the engine's thread (and the OpenMP team it starts) may run on, set
+        on that thread (None: the process's affinity): a shard's own cores (shard_processes.py).
 
         arrival_gap: seconds. An idle engine woken by a request takes its first step once
         no other request has arrived for this long (at most MAX_ARRIVAL_WAIT after the
@@ -78,6 +83,7 @@ class EngineLoop:
         first request and more for the rest. 0: step at once."""
         self.core = core
         self.torch_threads = torch_threads
+        self.cpus = cpus
         self.arrival_gap = arrival_gap
         self.metrics = metrics  # observability.metrics.Metrics, or None
         self.tokenizer = tokenizer
@@ -114,6 +120,9 @@ class EngineLoop:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        close = getattr(self.core, "close", None)
+        if close is not None:  # a sharded core releases its other ranks
+            close()
 
     @property
     def healthy(self) -> bool:
@@ -170,6 +179,8 @@ class EngineLoop:
         then every request in flight ends with a typed error, health turns unhealthy and
         nothing waits."""
         try:
+            if self.cpus:
+                os.sched_setaffinity(0, self.cpus)  # this thread only (Linux)
             if self.torch_threads:
                 torch.set_num_threads(self.torch_threads)
             self.core.warm_up()

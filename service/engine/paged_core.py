@@ -23,6 +23,7 @@ from .runner import ModelRunner, Runner, RunnerOutput
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .shards import ShardedRunner, ShardGroup
 from .stopping import token_stop_reason
 from .types import EngineError, EngineStats
 
@@ -41,6 +42,7 @@ class PagedCore:
         batch_invariant: bool = False,
         cuda_graphs: GraphSettings | None = None,
         compile: CompileSettings | None = None,
+        shards: ShardGroup | None = None,
     ) -> None:
         """
         Args:
@@ -57,11 +59,9 @@ class PagedCore:
                 warm_up() (cuda_graphs.py); None: every step eager.
             compile: decode steps through torch.compile'd graphs per batch bucket, compiled
                 by warm_up() (compiled_decode.py; CPU only, so never with cuda_graphs).
+            shards: this is rank 0 of a sharded model (`model` is its slice): every step
+                runs on all ranks, which follow in engine/shards.py's follow_steps().
         """
-        if cuda_graphs is not None and compile is not None:
-            raise ValueError(
-                "cuda_graphs and compile are two runner strategies (CUDA, CPU): pick one"
-            )
         if max_batch_total_tokens <= 0:
             raise ValueError(
                 f"max_batch_total_tokens must be positive, got {max_batch_total_tokens}"
@@ -73,14 +73,12 @@ class PagedCore:
             max_batch_prefill_tokens=max_batch_prefill_tokens,
             max_batch_size=max_batch_size,
         )
-        # one scratch block for padding tokens (batch-invariant steps, graph buckets, compiled
-        # buckets): they write and read only there
-        pool = KVCachePool(num_blocks, block_size, scratch_blocks=1)
-        self.runner: Runner = ModelRunner(model, pool, batch_invariant=batch_invariant)
-        if cuda_graphs is not None:
-            self.runner = GraphedRunner(self.runner, cuda_graphs)
-        elif compile is not None:
-            self.runner = CompiledRunner(self.runner, compile)
+        self.runner: Runner = build_runner(
+            model, num_blocks, block_size, batch_invariant, cuda_graphs, compile
+        )
+        self.shards = shards
+        if shards is not None:
+            self.runner = ShardedRunner(self.runner, shards)
         self.sampler = Sampler()
         self.grammars = grammars
         self._steps = 0
@@ -143,15 +141,21 @@ class PagedCore:
 
     def shrink_after_oom(self) -> bool:
         """After an out-of-memory step: halve the batch size and preempt every running
-        sequence (recomputed later, nothing lost). False when already at one sequence."""
+        sequence (recomputed later, nothing lost). False when already at one sequence, or
+        sharded (the other ranks are mid-step: the step can't be taken back)."""
         sched = self.scheduler
-        if sched.max_batch_size <= 1 and len(sched.running) <= 1:
+        if self.shards is not None or (sched.max_batch_size <= 1 and len(sched.running) <= 1):
             return False
         sched.max_batch_size = max(1, min(sched.max_batch_size, max(len(sched.running), 1)) // 2)
         sched.preempt_all()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return True
+
+    def close(self) -> None:
+        """Release the other ranks of a sharded model (they exit); a no-op otherwise."""
+        if isinstance(self.runner, ShardedRunner):
+            self.runner.stop()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -199,6 +203,30 @@ class PagedCore:
             if seq.is_finished:
                 self.scheduler.finish(seq)
         return outputs
+
+
+def build_runner(
+    model: torch.nn.Module,
+    num_blocks: int,
+    block_size: int,
+    batch_invariant: bool = False,
+    cuda_graphs: GraphSettings | None = None,
+    compile: CompileSettings | None = None,
+) -> Runner:
+    """The device side of a step (runner.py): the eager runner over a KV pool of
+    `num_blocks`, wrapped in its decode strategy if any (every rank of a sharded model
+    builds the same)."""
+    if cuda_graphs is not None and compile is not None:
+        raise ValueError("cuda_graphs and compile are two runner strategies (CUDA, CPU): pick one")
+    # one scratch block for padding tokens (batch-invariant steps, graph buckets, compiled
+    # buckets): they write and read only there
+    pool = KVCachePool(num_blocks, block_size, scratch_blocks=1)
+    runner: Runner = ModelRunner(model, pool, batch_invariant=batch_invariant)
+    if cuda_graphs is not None:
+        return GraphedRunner(runner, cuda_graphs)
+    if compile is not None:
+        return CompiledRunner(runner, compile)
+    return runner
 
 
 def _constrained_to_sample(batch) -> list[Sequence]:

@@ -25,6 +25,8 @@ import torch
 from .errors import ModelError
 from .hub import ResolvedModel, context_length, resolve_model
 from .quantize import check_quantize, quantize_model
+from .shard_layout import ShardLayout, shard_layout
+from .sharding import VocabSlice, install_collectives, localize, tp_plan_overrides
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -111,6 +113,15 @@ def select_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return chosen
 
 
+@dataclass(frozen=True)
+class ModelShard:
+    """Load one rank's slice of the model (sharding.py); the process group is up."""
+
+    rank: int
+    world_size: int
+    group: object  # torch.distributed.ProcessGroup of the model's collectives
+
+
 @dataclass
 class LoadedModel:
     resolved: ResolvedModel
@@ -121,6 +132,9 @@ class LoadedModel:
     eos_token_ids: frozenset[int]  # every EOS id the generation_config (and tokenizer) names
     max_position_embeddings: int
     quantize: str | None = None  # --quantize applied to the weights; None: as loaded
+    shard: ModelShard | None = None  # this process holds one rank's slice of the model
+    shard_layout: ShardLayout | None = None  # how its attention splits (sharded only)
+    vocab: VocabSlice | None = None  # the vocabulary rows its lm_head projects (sharded)
 
 
 def load_model(
@@ -130,9 +144,11 @@ def load_model(
     device: str = "auto",
     cache_dir: Path | None = None,
     quantize: str | None = None,
+    shard: ModelShard | None = None,
 ) -> LoadedModel:
     """Resolve, then load model and tokenizer ready for inference; `quantize` (int8, int4,
-    fp8) converts the Linear layers' weights after loading (quantize.py)."""
+    fp8) converts the Linear layers' weights after loading (quantize.py); `shard` loads
+    one rank's slice of a tensor-parallel model (sharding.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = select_device(device)  # validate flags before any download or conversion
@@ -142,20 +158,27 @@ def load_model(
     started = time.monotonic()
     # local_files_only: the folder is already complete; nothing may reach the network here.
     tokenizer = AutoTokenizer.from_pretrained(resolved.path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        resolved.path,
-        dtype=dt,
-        use_safetensors=True,  # never unpickle
-        local_files_only=True,
-        # load straight onto the device (no CPU copy first on a GPU)
-        device_map=dev if dev.type != "cpu" else None,
-    )
+    layout = None
+    if shard is None:
+        model = AutoModelForCausalLM.from_pretrained(
+            resolved.path,
+            dtype=dt,
+            use_safetensors=True,  # never unpickle
+            local_files_only=True,
+            # load straight onto the device (no CPU copy first on a GPU)
+            device_map=dev if dev.type != "cpu" else None,
+        )
+    else:
+        model, layout = _load_slice(resolved.path, dt, dev, shard)
     if dev.type == "cpu":
         model.to(dev)
     model.eval()
     params = sum(p.numel() for p in model.parameters())  # before quantizing repacks them
     if quantize is not None:
         quantize_model(model, quantize, dev)
+    vocab = None
+    if shard is not None:
+        vocab = install_collectives(model, shard.group, shard.rank, shard.world_size)
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token  # batching pads; some tokenizers name no pad
 
@@ -184,7 +207,34 @@ def load_model(
         eos_token_ids=eos,
         max_position_embeddings=max_pos,
         quantize=quantize,
+        shard=shard,
+        shard_layout=layout,
+        vocab=vocab,
     )
+
+
+def _load_slice(path: Path, dtype: torch.dtype, device: torch.device, shard: ModelShard):
+    """One rank's slice, read by transformers' tensor-parallel loader, made plain
+    (sharding.py); the plan is checked before any weight is read."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    layout = shard_layout(json.loads((path / "config.json").read_text()), shard.world_size)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    overrides = tp_plan_overrides(model_class, config, layout)
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=dtype,
+        use_safetensors=True,
+        local_files_only=True,
+        distributed_config=DistributedConfig(tp_size=shard.world_size, tp_plan=overrides or None),
+    )
+    localize(model, shard.rank, layout)
+    model.to(device)
+    return model, layout
 
 
 def eos_token_ids(model, tokenizer) -> frozenset[int]:

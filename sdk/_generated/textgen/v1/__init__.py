@@ -610,6 +610,13 @@ class InfoResponse(betterproto2.Message):
     (--arrival-gap-ms; 0: at once).
     """
 
+    num_shard: "int" = betterproto2.field(29, betterproto2.TYPE_UINT32)
+    """
+    Tensor-parallel shards the model is split over (--num-shard; 1: unsharded). Each holds
+    its slice of every layer and the KV heads of its attention heads, so kv_cache_blocks
+    counts tokens of all of them.
+    """
+
 
 default_message_pool.register_message("textgen.v1", "InfoResponse", InfoResponse)
 

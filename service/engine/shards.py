@@ -1,0 +1,217 @@
+"""A step over several ranks (`--num-shard N`): rank 0 drives, the others follow.
+
+Rank 0 holds the scheduler, the engine loop and everything above them; every rank holds a
+slice of the model (models/sharding.py) and a KV pool of its own heads, the same number of
+blocks each. A step's device side (runner.py's `run(StepInputs)`) runs on every rank in
+lockstep: rank 0's `ShardedRunner` sends the step's inputs to the others in a fixed layout
+(one small header, then one int64 tensor: no pickled objects), every rank runs its runner
+stack (eager, compiled or CUDA graphs, the same choice on every rank since it depends only
+on the inputs), and the ranks' vocabulary slices of the kept logits are gathered to rank 0,
+which samples. Workers loop in `follow_steps()`.
+
+Control messages go over a gloo group (the inputs are host lists; on CUDA the model's own
+group is NCCL); an idle engine sends a heartbeat every HEARTBEAT_S so that a worker waiting
+for the next step can tell a quiet rank 0 from a dead one (the groups' timeout).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .runner import StepInputs, StepRunner
+
+log = logging.getLogger("textgen.engine")
+
+HEADER_SIZE = 6
+HEARTBEAT_S = 5.0  # an idle rank 0 says it is alive this often
+
+
+class Op(enum.IntEnum):
+    STEP = 1
+    WARMUP = 2
+    HEARTBEAT = 3
+    STOP = 4
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """This process's place among the ranks, and the groups they talk over."""
+
+    rank: int
+    world_size: int
+    control: dist.ProcessGroup  # gloo: headers and step inputs (host tensors)
+    model: dist.ProcessGroup  # the model's collectives and the logits gather
+    vocab_size: int  # the full vocabulary
+    vocab_chunk: int  # rows of it per rank (the last rank's may be fewer)
+    device: torch.device
+
+    def send(self, op: Op, inputs: StepInputs | None = None) -> None:
+        """Rank 0: tell the others what to do next."""
+        payload = encode(inputs) if inputs is not None else None
+        header = torch.zeros(HEADER_SIZE, dtype=torch.long)
+        header[0] = op
+        if inputs is not None:
+            header[1:5] = torch.tensor(_sizes(inputs))
+        dist.broadcast(header, 0, group=self.control)
+        if payload is not None:
+            dist.broadcast(payload, 0, group=self.control)
+
+    def receive(self) -> tuple[Op, StepInputs | None]:
+        """Ranks 1..N-1: the next op from rank 0 (and a step's inputs)."""
+        header = torch.zeros(HEADER_SIZE, dtype=torch.long)
+        dist.broadcast(header, 0, group=self.control)
+        op = Op(int(header[0]))
+        if op is not Op.STEP:
+            return op, None
+        sizes = header[1:5].tolist()
+        payload = torch.empty(_payload_length(*sizes), dtype=torch.long)
+        dist.broadcast(payload, 0, group=self.control)
+        return op, decode(payload, *sizes)
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
+        """Each rank's `[rows, its vocab slice]` -> `[rows, vocab]` on rank 0 (None elsewhere)."""
+        if local.shape[-1] < self.vocab_chunk:  # the last rank's shorter slice
+            local = torch.nn.functional.pad(local, (0, self.vocab_chunk - local.shape[-1]))
+        local = local.contiguous()
+        if self.rank != 0:
+            dist.gather(local, None, dst=0, group=self.model)
+            return None
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.gather(local, parts, dst=0, group=self.model)
+        return torch.cat(parts, dim=-1)[..., : self.vocab_size]
+
+
+def _sizes(inputs: StepInputs) -> tuple[int, int, int, int]:
+    """(tokens, entries, kept rows, block-table entries)."""
+    return (
+        len(inputs.token_ids),
+        len(inputs.query_lens),
+        len(inputs.keep),
+        sum(len(t) for t in inputs.block_tables),
+    )
+
+
+def _payload_length(tokens: int, entries: int, kept: int, table_entries: int) -> int:
+    return 2 * tokens + 3 * entries + kept + table_entries
+
+
+def encode(inputs: StepInputs) -> torch.Tensor:
+    """ids | positions | query lens | context lens | table lens | tables | keep."""
+    flat: list[int] = [*inputs.token_ids, *inputs.positions, *inputs.query_lens]
+    flat += inputs.context_lens
+    flat += [len(t) for t in inputs.block_tables]
+    for table in inputs.block_tables:
+        flat += table
+    flat += inputs.keep
+    return torch.tensor(flat, dtype=torch.long)
+
+
+def decode(
+    payload: torch.Tensor, tokens: int, entries: int, kept: int, table_entries: int
+) -> StepInputs:
+    values = payload.tolist()
+    at = 0
+
+    def take(n: int) -> list[int]:
+        nonlocal at
+        part = values[at : at + n]
+        at += n
+        return part
+
+    token_ids, positions = take(tokens), take(tokens)
+    query_lens, context_lens, table_lens = take(entries), take(entries), take(entries)
+    tables = [take(n) for n in table_lens]
+    return StepInputs(token_ids, positions, query_lens, context_lens, tables, take(kept))
+
+
+class ShardedRunner(StepRunner):
+    """Rank 0's runner (the Runner protocol, runner.py): each step's inputs to every rank,
+    the same device side on each, the logits gathered here."""
+
+    def __init__(self, inner, group: ShardGroup) -> None:
+        self.inner = inner
+        self.group = group
+        self._lock = threading.Lock()  # a step and a heartbeat never interleave their messages
+        self._last_sent = time.monotonic()
+        self._stopped = threading.Event()
+        self._heartbeat = threading.Thread(
+            target=self._beat, name="textgen-shard-heartbeat", daemon=True
+        )
+
+    @property
+    def pool(self):
+        return self.inner.pool
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.inner.batch_invariant
+
+    @property
+    def stats(self):  # the inner strategy's counters (compiled or graph steps)
+        return self.inner.stats
+
+    def warmup(self) -> None:
+        with self._lock:
+            self.group.send(Op.WARMUP)
+            self.inner.warmup()
+            self._last_sent = time.monotonic()
+        self._heartbeat.start()
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        with self._lock:
+            self.group.send(Op.STEP, inputs)
+            self._last_sent = time.monotonic()
+            local = self.inner.run(inputs)
+            return self.group.gather_logits(local)
+
+    def stop(self) -> None:
+        """Release the other ranks (they exit); idempotent, best effort."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        with self._lock:
+            try:
+                self.group.send(Op.STOP)
+            except RuntimeError as exc:  # a rank is gone already
+                log.warning("could not tell the other shards to stop: %s", exc)
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(HEARTBEAT_S / 2):
+            with self._lock:
+                if self._stopped.is_set():
+                    return
+                if time.monotonic() - self._last_sent < HEARTBEAT_S:
+                    continue
+                try:
+                    self.group.send(Op.HEARTBEAT)
+                except RuntimeError as exc:  # the next step fails on it too, visibly
+                    log.error("shard heartbeat failed: %s", exc)
+                    return
+                self._last_sent = time.monotonic()
+
+
+@torch.inference_mode()
+def follow_steps(runner, group: ShardGroup) -> None:
+    """Ranks 1..N-1: run what rank 0 sends until it says stop (raises if a rank is gone)."""
+    while True:
+        op, inputs = group.receive()
+        if op is Op.STEP:
+            group.gather_logits(runner.run(inputs))
+        elif op is Op.WARMUP:
+            runner.warmup()
+        elif op is Op.STOP:
+            return
+
+
+def agree(value: int, group: dist.ProcessGroup) -> int:
+    """Rank 0's `value` on every rank (e.g. the KV pool's size, sized by rank 0's memory)."""
+    tensor = torch.tensor([value], dtype=torch.long)
+    dist.broadcast(tensor, 0, group=group)
+    return int(tensor.item())

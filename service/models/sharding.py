@@ -1,0 +1,191 @@
+"""Tensor parallelism of a model (`--num-shard N`): each rank holds a slice of every layer.
+
+The plan is transformers' own, per architecture (`base_model_tp_plan` and the model class's
+`_tp_plan`): the attention's q/k/v and the MLP's gate/up projections `colwise` (each rank
+computes its heads and its share of the intermediate features), the attention's o and the
+MLP's down projections `rowwise` (each rank a partial sum, all-reduced), the embedding
+`embedding_rowwise` (vocab-parallel: each rank looks up its rows, the lookups are summed)
+and lm_head `colwise_gather_output` (each rank the logits of its share of the vocabulary).
+
+Loading is the library's: `from_pretrained(distributed_config=DistributedConfig(tp_size=N))`
+reads each rank's slices straight from the safetensors, so no rank ever holds the whole model.
+The library's layers then run on DTensor parameters, swapped for local ones around every
+Linear call; `localize()` turns them into plain tensors and puts one all-reduce after each
+row-parallel layer and the embedding, measured cheaper per step (docs/performance.md,
+"Shards"). lm_head's slices are not gathered here: the engine gathers the logits it keeps,
+to rank 0 only (engine/shards.py).
+
+What the plan can't shard is refused before the weights load (`check_shardable`): a model
+without a plan or with styles this does not implement (packed or fused projections, experts),
+and heads that do not split evenly. KV heads: when there are fewer than N but N is a multiple
+of them, each rank keeps the one its query heads read (replicated, as vLLM does).
+
+The collective is one opaque custom op (`textgen::all_reduce`), so torch.compile'd decode
+steps and CUDA graphs keep it as it is; its process group is this process's one model group.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .shard_layout import ShardingError, ShardLayout
+
+logger = logging.getLogger("textgen.models")
+
+# styles localize() implements; "replicate" and the norms' style need nothing at inference
+COLWISE, ROWWISE, EMBEDDING, LM_HEAD = (
+    "colwise",
+    "rowwise",
+    "embedding_rowwise",
+    "colwise_gather_output",
+)
+NO_OP_STYLES = frozenset({"replicate", "replicated_with_grad_allreduce"})
+SUPPORTED_STYLES = frozenset({COLWISE, ROWWISE, EMBEDDING, LM_HEAD}) | NO_OP_STYLES
+KV_PROJECTIONS = ("k_proj", "v_proj")
+
+_group: dist.ProcessGroup | None = None  # the model's group (set by localize)
+
+
+def tp_plan_overrides(model_class: type, config, layout: ShardLayout) -> dict[str, str]:
+    """The model's plan, checked, with the overrides we load it with: KV projections
+    replicated when there are fewer KV heads than shards (sliced per rank afterwards)."""
+    plan = dict(getattr(model_class, "_tp_plan", None) or {})
+    base = getattr(config.get_text_config(), "base_model_tp_plan", None) or {}
+    prefix = getattr(model_class, "base_model_prefix", "model")
+    plan.update({f"{prefix}.{k}": v for k, v in base.items()})
+    if not base:
+        raise ShardingError(
+            f"{model_class.__name__} has no tensor-parallel plan in transformers "
+            "(base_model_tp_plan): it can't be sharded; serve it with --num-shard 1"
+        )
+    unsupported = sorted({s for s in plan.values() if s not in SUPPORTED_STYLES})
+    if unsupported:
+        raise ShardingError(
+            f"{model_class.__name__}'s tensor-parallel plan uses {', '.join(unsupported)}, "
+            "which textgen's shards don't implement (packed or fused projections, experts); "
+            "serve it with --num-shard 1"
+        )
+    if layout.kv_replicated:
+        return {k: "replicate" for k in plan if k.rsplit(".", 1)[-1] in KV_PROJECTIONS}
+    return {}
+
+
+def localize(model: torch.nn.Module, rank: int, layout: ShardLayout) -> None:
+    """DTensor parameters -> this rank's plain tensors; the library's per-call wrappers ->
+    our collectives (module docstring). Run once, after loading; `install_collectives`
+    puts the all-reduces in (after quantization, which may replace the Linear layers)."""
+    from torch.distributed.tensor import DTensor
+
+    for _, module in model.named_modules():
+        module.__dict__.pop("forward", None)  # the library's wrapper: the class's forward again
+        for name, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                local = param.to_local().detach()
+                setattr(module, name, torch.nn.Parameter(local, requires_grad=False))
+        if isinstance(module, torch.nn.Linear):
+            module.out_features, module.in_features = module.weight.shape
+    for name, style in resolved_plan(model).items():
+        module = model.get_submodule(name)
+        if style == ROWWISE and module.bias is not None and rank != 0:
+            module.bias.data.zero_()  # added once: the sum of the ranks' partials
+        if layout.kv_replicated and name.rsplit(".", 1)[-1] in KV_PROJECTIONS:
+            _keep_kv_head(module, layout.kv_head_of(rank), layout.head_dim)
+
+
+def install_collectives(
+    model: torch.nn.Module, group: dist.ProcessGroup, rank: int, world_size: int
+) -> VocabSlice:
+    """All-reduce after each row-parallel layer and the vocab-parallel embedding; -> the
+    slice of the vocabulary this rank's lm_head computes."""
+    global _group
+    _group = group
+    vocab = None
+    for name, style in resolved_plan(model).items():
+        module = model.get_submodule(name)
+        if style == ROWWISE:
+            _all_reduce_output(module)
+        elif style == EMBEDDING:
+            _vocab_parallel(module, rank, world_size)
+        elif style == LM_HEAD:
+            vocab = VocabSlice.of(model.config.get_text_config().vocab_size, rank, world_size)
+    if vocab is None:
+        raise ShardingError("the plan shards no lm_head: the logits would be incomplete")
+    return vocab
+
+
+@dataclass(frozen=True)
+class VocabSlice:
+    """The rows of the vocabulary rank `rank` projects (torch.chunk's split, as DTensor's)."""
+
+    vocab_size: int
+    chunk: int  # rows per rank but maybe the last
+    start: int
+    stop: int
+
+    @classmethod
+    def of(cls, vocab_size: int, rank: int, world_size: int) -> VocabSlice:
+        chunk = -(-vocab_size // world_size)
+        start = min(rank * chunk, vocab_size)
+        return cls(vocab_size, chunk, start, min(start + chunk, vocab_size))
+
+
+def resolved_plan(model: torch.nn.Module) -> dict[str, str]:
+    """Module name -> style, for every module the model's plan names."""
+    patterns = [
+        (re.compile("^" + re.escape(p).replace(r"\*", r"\d+") + "$"), s)
+        for p, s in model.tp_plan.items()
+    ]
+    return {
+        name: style
+        for name, _ in model.named_modules()
+        for pattern, style in patterns
+        if pattern.match(name)
+    }
+
+
+def _keep_kv_head(linear: torch.nn.Linear, head: int, head_dim: int) -> None:
+    rows = slice(head * head_dim, (head + 1) * head_dim)
+    linear.weight = torch.nn.Parameter(linear.weight.data[rows].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(linear.bias.data[rows].clone(), requires_grad=False)
+    linear.out_features = head_dim
+
+
+def _all_reduce_output(module: torch.nn.Module) -> None:
+    forward = type(module).forward
+
+    def reduced(x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(forward(module, x))
+
+    module.forward = reduced
+
+
+def _vocab_parallel(embedding: torch.nn.Module, rank: int, world_size: int) -> None:
+    rows = VocabSlice.of(embedding.num_embeddings, rank, world_size)
+    embedding.num_embeddings = rows.stop - rows.start
+    forward = type(embedding).forward
+
+    def looked_up(ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < rows.start) | (ids >= rows.stop)
+        local = forward(embedding, (ids - rows.start).masked_fill(outside, 0))
+        return all_reduce(local.masked_fill(outside.unsqueeze(-1), 0))
+
+    embedding.forward = looked_up
+
+
+@torch.library.custom_op("textgen::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of `x` over the model's ranks (a new tensor)."""
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=_group)
+    return out
+
+
+@all_reduce.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)

@@ -1,0 +1,191 @@
+"""`--num-shard N` through the real server: `textgen serve` starts its shard processes
+(gloo on CPU), and every request's greedy tokens equal those of one unsharded server
+(float32), for mixed batches, prefix-cache hits, preemption, aborts and a grammar; the
+architectures whose attention differs (GQA with a replicated KV head and q/k/v biases,
+sliding windows, softcapping) and the embedded model on 3 shards; a shard killed under load
+ends the streams typed and the server exits non-zero."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import re
+import signal
+import time
+
+import pytest
+from conftest import ServerThread, tiny_settings
+from serve_process import textgen_serve
+from textgen.sdk import Client, TextGenError
+from tiny_model import build_tiny_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+PROMPTS = [
+    "The quick brown fox",
+    "What is the capital of France? The capital",
+    "def add(a, b):",
+    "日本語のテキスト、中文文本",
+    "textgen serves large language models over gRPC and HTTP. " * 3,
+]
+# a KV pool too small for every request at once: the scheduler preempts and recomputes
+LIMITS = ["--max-total-tokens", "128", "--max-batch-total-tokens", "192"]
+
+
+def sharded(model_dir, num_shard: int, *extra: str):
+    args = ["--model-id", str(model_dir), "--num-shard", str(num_shard), "--master-port", "0"]
+    args += ["--dtype", "float32", "--no-envoy", "--grpc-port", "0", *extra]
+    return textgen_serve(*args)
+
+
+def unsharded(model_dir):
+    settings = tiny_settings(model_dir, max_total_tokens=128, max_batch_total_tokens=192)
+    return ServerThread(settings).start()
+
+
+def greedy(target: str, prompts=PROMPTS, max_new_tokens: int = 40) -> list[list[int]]:
+    """Every prompt at once (a mixed batch: prefills beside decodes): their token ids."""
+
+    def one(prompt: str) -> list[int]:
+        with Client(target, timeout=300) as client:
+            out = client.generate(
+                prompt, max_new_tokens=max_new_tokens, ignore_eos=True, details=True
+            )
+        return [t.id for t in out.details.tokens]
+
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def metric(target: str, name: str) -> float:
+    with Client(target, timeout=30) as client:
+        text = client.metrics()
+    found = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tiny_model_dir):
+    """The tiny Llama unsharded (in process) and on 2 shards (`textgen serve`)."""
+    reference = unsharded(tiny_model_dir)
+    try:
+        with sharded(tiny_model_dir, 2, *LIMITS) as served:
+            assert served.grpc_target, served.log[-3000:]
+            served.drain_log()
+            yield reference.target, served
+    finally:
+        reference.stop()
+
+
+def test_two_shards_equal_one(llama_pair):
+    one, served = llama_pair
+    two = served.grpc_target
+    with Client(two, timeout=30) as client:
+        info = client.info()
+    assert info.num_shard == 2
+    before = metric(two, "textgen_preemptions")
+    assert greedy(two) == greedy(one)
+    assert metric(two, "textgen_preemptions") > before, "the load preempted nothing"
+
+
+def test_prefix_hits_grammar_and_an_abort(llama_pair):
+    one, served = llama_pair
+    two = served.grpc_target
+    prompt = "What is the capital of France? The capital of France is Paris. " * 2
+    hits = metric(two, "textgen_prefix_cache_hit_tokens")
+    for target in (one, two):  # twice: the second is served from the prefix cache
+        assert greedy(target, [prompt]) == greedy(target, [prompt])
+    assert greedy(two, [prompt]) == greedy(one, [prompt])
+    assert metric(two, "textgen_prefix_cache_hit_tokens") > hits
+
+    regex = {"type": "regex", "value": "[0-9]{3}-[a-z]{4}"}
+    texts = []
+    for target in (one, two):
+        with Client(target, timeout=120) as client:
+            texts.append(
+                client.generate("The code is", max_new_tokens=12, grammar=regex).generated_text
+            )
+    assert texts[0] == texts[1] and re.fullmatch("[0-9]{3}-[a-z]{4}", texts[1]), texts
+
+    with Client(two, timeout=120) as client:  # a stream walked away from mid-generation
+        stream = client.generate_stream("The quick brown fox", max_new_tokens=100, ignore_eos=True)
+        for _ in range(3):
+            next(stream)
+        stream.close()
+    deadline = time.monotonic() + 30
+    while metric(two, "textgen_kv_cache_blocks_used") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(two, "textgen_kv_cache_blocks_used") == 0
+    assert greedy(two, PROMPTS[:2]) == greedy(one, PROMPTS[:2])  # and it serves on
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "mistral", "gemma2"])
+def test_other_attention_layouts(architecture, tmp_path):
+    model_dir = build_tiny_model(tmp_path / architecture, architecture=architecture)
+    reference = unsharded(model_dir)
+    try:
+        expected = greedy(reference.target)
+    finally:
+        reference.stop()
+    with sharded(model_dir, 2, *LIMITS) as served:
+        assert served.grpc_target, served.log[-3000:]
+        served.drain_log()
+        assert greedy(served.grpc_target) == expected
+
+
+def test_the_embedded_model_on_three_shards():
+    """SmolLM2-135M: 9 heads and 3 KV heads split in 3 (in 2 they don't: test_preflight)."""
+    question = "What is the capital of France?"
+    common = ["--dtype", "float32", "--no-envoy", "--grpc-port", "0", *LIMITS]
+    results = []
+    for extra in ([], ["--num-shard", "3", "--master-port", "0"]):
+        with textgen_serve(*common, *extra) as served:
+            assert served.grpc_target, served.log[-3000:]
+            served.drain_log()
+            results.append(greedy(served.grpc_target, [question, PROMPTS[0]], 16))
+            with Client(served.grpc_target, timeout=30) as client:
+                info = client.info()
+            served.proc.send_signal(signal.SIGTERM)
+            assert served.proc.wait(60) == 0
+    assert info.num_shard == 3
+    assert results[1] == results[0]
+
+
+def test_a_dead_shard_ends_the_streams_typed_and_the_server(tiny_model_dir):
+    with sharded(tiny_model_dir, 2) as served:
+        assert served.grpc_target, served.log[-3000:]
+        served.drain_log()
+        shard_pid = int(re.search(r"started shards \[1\] \(pids \[(\d+)\]\)", served.log).group(1))
+        started = cf.ThreadPoolExecutor(4)
+
+        def stream() -> str:
+            with Client(served.grpc_target, timeout=120) as client:
+                try:
+                    for _ in client.generate_stream("hello", max_new_tokens=400, ignore_eos=True):
+                        pass
+                except TextGenError as exc:
+                    return exc.error_type
+            return "finished"
+
+        streams = [started.submit(stream) for _ in range(4)]
+        with Client(served.grpc_target, timeout=30) as client:
+            deadline = time.monotonic() + 60
+            while metric(served.grpc_target, "textgen_requests_running") < 4:
+                assert time.monotonic() < deadline, "the four streams never ran together"
+                time.sleep(0.1)
+            os.kill(shard_pid, signal.SIGKILL)
+            killed = time.monotonic()
+            serving = True
+            while serving and time.monotonic() - killed < 10:
+                try:
+                    serving = client.health(timeout=1)
+                except TextGenError:  # the server is gone already
+                    serving = False
+        assert not serving, "still SERVING 10 s after its shard died"
+        ends = [s.result(timeout=60) for s in streams]
+        started.shutdown()
+        served.proc.wait(30)
+        took = time.monotonic() - killed
+    assert all(end in ("generation", "incomplete_generation", "unavailable") for end in ends), ends
+    assert served.proc.returncode not in (0, None)
+    assert took < 10, f"the server took {took:.1f}s to exit"
