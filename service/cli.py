@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from .config import SettingError, add_serve_arguments, settings_from_args
@@ -90,7 +91,7 @@ def _shard(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    return run_shard(settings, args.rank, settings.num_shard)
+    return run_shard(settings, args.rank, settings.num_shard, args.local_rank)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -171,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
         "run this on other hosts with the server's settings)",
     )
     shard.add_argument("--rank", type=int, required=True, help="this shard's rank, 1..N-1")
+    shard.add_argument(
+        "--local-rank",
+        type=int,
+        default=int(os.environ.get("LOCAL_RANK", "0")),
+        help="its place among this host's --local-shards ranks: its GPU, its cores "
+        "[env LOCAL_RANK; default 0]",
+    )
     add_serve_arguments(shard)
     add_log_level(shard, default=argparse.SUPPRESS)
     shard.set_defaults(func=_shard)

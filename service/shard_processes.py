@@ -61,24 +61,27 @@ def num_shards(settings: Settings, device_type: str, visible_gpus: int) -> int:
 class RankPlacement:
     """Where one local rank runs: its device, and on CPU its cores and threads."""
 
-    rank: int
+    local_rank: int  # among this host's ranks
     device: str
     cpus: tuple[int, ...] | None  # None: the process's own affinity, unchanged
     torch_threads: int
 
 
-def placement(settings: Settings, rank: int, world_size: int, device_type: str) -> RankPlacement:
+def placement(
+    settings: Settings, local_rank: int, world_size: int, device_type: str
+) -> RankPlacement:
+    """The `local_rank`-th of this host's `--local-shards` ranks: GPU `local_rank` of those
+    visible, or its share of the CPUs."""
     if device_type == "cuda":
-        return RankPlacement(rank, f"cuda:{rank}", None, settings.torch_threads)
+        return RankPlacement(local_rank, f"cuda:{local_rank}", None, settings.torch_threads)
     allowed = sorted(os.sched_getaffinity(0))
     local = settings.local_shards or world_size
     per_rank = max(1, min(len(allowed), available_cpus()) // local)
     threads = settings.torch_threads or per_rank
-    first = (rank * per_rank) % len(allowed)
+    first = (local_rank * per_rank) % len(allowed)
     cpus = tuple(allowed[(first + i) % len(allowed)] for i in range(per_rank))
-    return RankPlacement(
-        rank, settings.device if settings.device != "auto" else "cpu", cpus, threads
-    )
+    device = settings.device if settings.device != "auto" else "cpu"
+    return RankPlacement(local_rank, device, cpus, threads)
 
 
 def free_port(host: str) -> int:
@@ -137,6 +140,7 @@ class ShardProcesses:
 
 def _spawn(rank: int, world_size: int, argv: list[str]) -> subprocess.Popen:
     command = [sys.executable, "-m", "textgen.service.cli", "shard", "--rank", str(rank)]
+    command += ["--local-rank", str(rank)]  # this host's ranks are 0..L-1
     env = {**os.environ, "LOCAL_RANK": str(rank), "PYTHONUNBUFFERED": "1"}
     env.pop("OMP_NUM_THREADS", None)  # each shard sets its own threads
     return subprocess.Popen(

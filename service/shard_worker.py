@@ -17,21 +17,18 @@ from .engine.paged_core import build_runner
 from .engine.shards import ShardGroup, agree, follow_steps
 from .models import load_model
 from .models.loader import ModelShard
-from .preflight import cuda_available
+from .preflight import device_type
 from .shard_processes import join, leave, pin, placement
 
 log = logging.getLogger("textgen.shards")
 
 
-def run_shard(settings: Settings, rank: int, world_size: int) -> int:
-    device_type = (
-        "cuda"
-        if settings.device.startswith("cuda") or (settings.device == "auto" and cuda_available())
-        else "cpu"
-    )
-    place = placement(settings, rank, world_size, device_type)
+def run_shard(settings: Settings, rank: int, world_size: int, local_rank: int = 0) -> int:
+    """Rank `rank` of `world_size`, the `local_rank`-th of this host's (its GPU, its cores)."""
+    kind = device_type(settings)
+    place = placement(settings, local_rank, world_size, kind)
     pin(place)
-    groups = join(rank, world_size, settings.master_addr, settings.master_port, device_type)
+    groups = join(rank, world_size, settings.master_addr, settings.master_port, kind)
     try:
         loaded = load_model(
             settings.model_id,

@@ -78,6 +78,7 @@ def test_every_manifest_parses():
     kustomization = load_all(K8S / "kustomization.yaml")[0]
     listed = set(kustomization["resources"])
     assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert (K8S / "multi-host" / "leaderworkerset.yaml") in paths
 
 
 def test_configmap_is_the_rendered_front_config_and_envoy_validates_it(tmp_path):
@@ -142,6 +143,62 @@ def test_replica_deployment_matches_the_image_and_the_cli():
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
     (service_port,) = service["spec"]["ports"]
     assert service_port["port"] == grpc_port and service_port["targetPort"] == "grpc"
+
+
+LWS = K8S / "multi-host"
+# what the LeaderWorkerSet controller puts in every container of a group, for the parse
+LWS_VARIABLES = {"LWS_GROUP_SIZE": "2", "LWS_LEADER_ADDRESS": "leader.lws", "LWS_WORKER_INDEX": "1"}
+
+
+def expanded(args: list[str], env: list[dict]) -> list[str]:
+    """`args` as the kubelet passes them: $(VAR) from the container's env and LWS's."""
+    values = {**LWS_VARIABLES, **{e["name"]: e.get("value", "") for e in env}}
+    return [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], a) for a in args]
+
+
+def test_the_leaderworkerset_is_one_sharded_replica_per_group():
+    """The leader is `textgen serve --num-shard size` (rank 0, gRPC and Envoy), worker i is
+    `textgen shard --rank i`, with the same settings, rendezvous and one GPU each; both
+    parse with the real CLI, and the Service reaches the leaders only."""
+    (lws, service) = load_all(LWS / "leaderworkerset.yaml")
+    assert load_all(LWS / "kustomization.yaml")[0]["resources"] == ["leaderworkerset.yaml"]
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert template["restartPolicy"] == "RecreateGroupOnPodRestart"  # no half model serves
+    (leader,) = template["leaderTemplate"]["spec"]["containers"]
+    (worker,) = template["workerTemplate"]["spec"]["containers"]
+    entrypoint, exposed = dockerfile()
+    leader_args = expanded(leader["args"], leader["env"])
+    serve = parse([*entrypoint[1:], *leader_args])
+    shard = parse([*worker["command"][1:], *expanded(worker["args"], worker["env"])])
+    assert worker["command"][0] == entrypoint[0] and worker["command"][1] == "shard"
+    assert leader["env"] == worker["env"]  # one model, dtype and limits for every rank
+    assert int(LWS_VARIABLES["LWS_GROUP_SIZE"]) == serve.num_shard == shard.num_shard
+    assert "$(LWS_GROUP_SIZE)" in leader["args"] and "$(LWS_WORKER_INDEX)" in worker["args"]
+    assert shard.rank == int(LWS_VARIABLES["LWS_WORKER_INDEX"])
+    assert serve.local_shards == shard.local_shards == 1  # a rank, and a GPU, per pod
+    assert (serve.master_addr, serve.master_port) == (shard.master_addr, shard.master_port)
+    assert serve.master_addr == LWS_VARIABLES["LWS_LEADER_ADDRESS"]
+    ports = {p["name"]: p["containerPort"] for p in leader["ports"]}
+    assert ports == {"http": serve.port, "grpc": serve.grpc_port, "rendezvous": serve.master_port}
+    assert {serve.port, serve.grpc_port} <= exposed and not serve.no_envoy
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert leader[probe]["grpc"]["port"] == serve.grpc_port, probe
+    for container in (leader, worker):
+        for kind in ("requests", "limits"):
+            assert container["resources"][kind]["nvidia.com/gpu"] == 1
+        assert {m["mountPath"] for m in container["volumeMounts"]} == {"/data", "/dev/shm"}
+    grace = float(
+        next(e["value"] for e in leader["env"] if e["name"].endswith("TERMINATION_TIMEOUT"))
+    )
+    assert template["leaderTemplate"]["spec"]["terminationGracePeriodSeconds"] >= grace + 10
+    leader_labels = template["leaderTemplate"]["metadata"]["labels"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"].items() <= leader_labels.items()
+    assert (
+        not service["spec"]["selector"].items()
+        <= template["workerTemplate"]["metadata"]["labels"].items()
+    )
 
 
 def test_front_reads_the_configmap_over_the_headless_service():
