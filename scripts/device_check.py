@@ -25,6 +25,10 @@ JSON and the table rewritten after every section so a run cut short still leaves
                against the HBM floor = (weight bytes read + KV bytes read) / copy bandwidth.
              - prefill throughput: a batch of long prompts through the engine's chunked
                prefill, tokens/s and the matmul TFLOP/s that implies.
+  shards     where two or more GPUs are visible: the 8b shape (random weights, saved as the
+             serving section saves its model) served with `--num-shard 2` (NCCL) and with one
+             shard, `textgen bench --ignore-eos` on each, and a few greedy requests compared
+             between the two; "needs 2 GPUs" elsewhere (the lent H200 is one GPU).
   serving    the first size (a smaller one on GPU: 0.5b) saved with a byte-level tokenizer of
              the model's vocab size to a temp folder, `textgen serve --no-envoy` started on it
              as a subprocess, `textgen bench --ignore-eos` at each concurrency, the server
@@ -1211,6 +1215,56 @@ class Server:
         return self.proc.returncode
 
 
+SHARD_SIZE = "8b"
+SHARD_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+
+def section_shards(prof, device, dtype, child_env, rec, results) -> dict:
+    """`--num-shard 2` against one shard on the 8b shape, where two GPUs are visible."""
+    import torch
+    from transformers import GenerationConfig
+
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if gpus < 2:
+        raise Skip(f"needs 2 GPUs (NCCL): {gpus} visible")
+    entry: dict = {"model": SHARD_SIZE, "gpus": gpus}
+    results["shards"] = entry
+    rec.need(300, "saving the 8b shape and two servers")
+    work = Path(tempfile.mkdtemp(prefix="textgen-device-check-shards-"))
+    folder = work / f"random-llama-{SHARD_SIZE}"
+    try:
+        t0 = time.perf_counter()
+        model = build_model(SHARD_SIZE, device, dtype)
+        tokenizer = sized_tokenizer(model.config.vocab_size)
+        model.generation_config = GenerationConfig(
+            bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
+        )
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+        del model
+        _free_memory()
+        entry["save_s"] = round(time.perf_counter() - t0, 2)
+        cmd = [
+            sys.executable, "-m", "textgen.service.cli", "serve", "--no-envoy",
+            "--model-id", str(folder), "--dtype", str(dtype).removeprefix("torch."),
+            "--max-total-tokens", "1024", "--max-batch-size", "32",
+            "--max-concurrent-requests", "40", "--graceful-termination-timeout", "5",
+        ]  # fmt: skip
+        for name, extra in (("two", ["--num-shard", "2", "--master-port", "0"]), ("one", [])):
+            run: dict = {"runs": []}
+            entry[name] = run
+            rec.need(90, f"the {name}-shard server")
+            run["serve_command"] = " ".join([*cmd, *extra][1:])
+            _serve_and_bench(run, [*cmd, *extra], prof, child_env, rec, work, SHARD_PROMPTS)
+        greedy = [entry[n].get("greedy") for n in ("two", "one")]
+        if all(greedy):
+            entry["greedy_equal"] = sum(a == b for a, b in zip(*greedy, strict=True))
+            entry["greedy_total"] = len(SHARD_PROMPTS)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return entry
+
+
 def section_serving(prof, device, dtype, child_env, rec, results) -> dict:
     from transformers import GenerationConfig
 
@@ -1288,9 +1342,11 @@ def section_serving(prof, device, dtype, child_env, rec, results) -> dict:
     return entry
 
 
-def _serve_and_bench(entry: dict, cmd: list[str], prof, child_env, rec, work: Path) -> None:
+def _serve_and_bench(
+    entry: dict, cmd: list[str], prof, child_env, rec, work: Path, greedy: list | None = None
+) -> None:
     """Start `cmd` (its port is free now), bench it at each concurrency into entry["runs"],
-    stop it by PID."""
+    stop it by PID; first the greedy tokens of the `greedy` prompts into entry["greedy"]."""
     port = free_port()
     cmd = [*cmd, "--grpc-port", str(port)]
     new_tokens = prof["serve_new_tokens"]
@@ -1301,6 +1357,8 @@ def _serve_and_bench(entry: dict, cmd: list[str], prof, child_env, rec, work: Pa
         server.wait_ready(timeout=min(300, max(30, rec.remaining() - 30)))
         entry["ready_s"] = round(time.perf_counter() - t0, 2)
         log(f"   server ready in {entry['ready_s']} s (pid {server.proc.pid}, port {port})")
+        if greedy:
+            entry["greedy"] = _greedy_tokens(f"127.0.0.1:{port}", greedy)
         for conc in prof["concurrency"]:
             requests = max(conc, prof["serve_min_requests"])
             run: dict = {"concurrency": conc, "requests": requests}
@@ -1360,6 +1418,19 @@ def _serve_and_bench(entry: dict, cmd: list[str], prof, child_env, rec, work: Pa
     finally:
         entry["server_returncode"] = server.stop()
         entry["server_log_tail"] = server.tail(15)
+
+
+def _greedy_tokens(target: str, prompts: list[str], new_tokens: int = 32) -> list[list[int]]:
+    from textgen.sdk import Client
+
+    with Client(target, timeout=300) as client:
+        return [
+            [
+                t.id
+                for t in client.generate(p, max_new_tokens=new_tokens, details=True).details.tokens
+            ]
+            for p in prompts
+        ]
 
 
 # markdown -------------------------------------------------------------------------------
@@ -1619,6 +1690,23 @@ def render_markdown(results: dict) -> str:
                 f"Eager vs graphed serving: {eager.get('status')}: {eager.get('reason', '')}",
                 "",
             ]
+    sh = results.get("shards")
+    if sh:
+        lines += [
+            f"## Shards: the {sh['model']} shape on `--num-shard 2` (NCCL) and on one GPU",
+            "",
+        ]
+        for name in ("two", "one"):
+            if "runs" in sh.get(name, {}):
+                lines += [f"`{sh[name]['serve_command']}`:", "", *_bench_lines(sh[name])]
+        if "greedy_equal" in sh:
+            lines += [
+                (
+                    f"Greedy, 32 tokens: {sh['greedy_equal']} of {sh['greedy_total']} prompts "
+                    "equal between two shards and one (bfloat16: a near-tie may flip)."
+                ),
+                "",
+            ]
     sections = results.get("sections", {})
     if sections:
         lines += ["| section | status | seconds |", "| --- | --- | ---: |"]
@@ -1750,6 +1838,8 @@ def run_all(args, prof, profile, device, dtype, out: Path, boot: dict) -> int:
             rec.need(30, f"model {size}")
             section_model(size, prof, device, dtype, bandwidth, not args.no_graphs, rec, results)
     rec.reserve_s = 0.0
+    with rec.section("shards"):
+        section_shards(prof, device, dtype, boot["env"], rec, results)
     if not args.skip_serve:
         with rec.section("serving"):
             rec.need(45, "serving")

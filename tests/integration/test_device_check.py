@@ -32,6 +32,9 @@ def run_check(out: Path, *args: str, timeout: float) -> dict:
     assert (out / "device_check.json").is_file(), done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "device_check.json").read_text())
     errors = {n: s for n, s in results["sections"].items() if s["status"] != "ok"}
+    shards = errors.pop("shards", None)  # two GPUs or more, else it says so
+    if shards is not None:
+        assert shards["status"] == "skipped" and "needs 2 GPUs" in shards["reason"], shards
     assert not errors, f"sections not ok: {errors}\n{done.stdout[-3000:]}"
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (out / "device_check.md").is_file()
@@ -95,6 +98,7 @@ def test_quick_run_on_cpu(tmp_path):
     assert "| batch |" in table and "| concurrency |" in table
     assert "Attention kernels (one layer, decode): skipped: needs CUDA" in table
     assert "Eager vs graphed serving: skipped: needs CUDA" in table
+    assert results["sections"]["shards"]["reason"] == "needs 2 GPUs (NCCL): 0 visible"
 
 
 @pytest.mark.gpu
