@@ -447,13 +447,13 @@ def test_killed_replica_ends_its_streams_typed(stable, victim, proxy):
     RST_STREAM, INTERNAL): docs/failures.md. The stable replica's streams complete."""
     prompts = homes(proxy, stable, victim)
     with cf.ThreadPoolExecutor(4) as pool:
-        # stable, victim, stable, victim: each replica holds the same load throughout
-        streams = [
-            Streamed(pool, face, proxy.http_port, prompts[side][i])
-            for i, face in enumerate(("http", "grpc"))
-            for side in ("stable", "victim")
-        ]
-        assert all(s.started.wait(60) for s in streams)
+        # one at a time, stable, victim, stable, victim: neither replica is ever more
+        # than one stream ahead, so each stream stays on its prompt's home
+        streams = []
+        for i, face in enumerate(("http", "grpc")):
+            for side in ("stable", "victim"):
+                streams.append(Streamed(pool, face, proxy.http_port, prompts[side][i]))
+                assert streams[-1].started.wait(60), (face, side, streams[-1].error)
         assert victim.in_flight() == 2 and stable.in_flight() == 2
         victim.popen.kill()  # SIGKILL, by PID
         for s in streams:
