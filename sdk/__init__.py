@@ -7,7 +7,9 @@
             print(message.token.text, end="", flush=True)
 
 `AsyncClient` has the same methods for asyncio. Keyword arguments follow TGI's
-Python client; failures raise `TextGenError` subclasses. The SDK needs grpcio,
+Python client; failures raise `TextGenError` subclasses. `textgen.sdk.http_streams`
+streams the HTTP faces (TGI's `/generate_stream`, OpenAI's routes) with the standard
+library and the same typed errors. The SDK needs grpcio,
 protobuf, googleapis-common-protos and betterproto2 only (no torch, no transformers).
 """
 

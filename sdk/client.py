@@ -13,7 +13,10 @@ return: a value or an iterator for `Client`, a coroutine or an async iterator fo
 `AsyncClient`.
 
 Every failure surfaces as a `textgen.sdk.errors.TextGenError` subclass, never as a
-raw `grpc.RpcError`. Streams cancel their RPC as soon as the caller stops iterating.
+raw `grpc.RpcError`; a stream's says how many tokens had arrived, and a stream that
+breaks midway with no word from the server is an IncompleteGenerationError
+(`errors.from_broken_stream`). Streams cancel their RPC as soon as the caller stops
+iterating.
 """
 
 from __future__ import annotations
@@ -53,10 +56,17 @@ from ._generated.textgen.v1 import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from .errors import UnavailableError, from_rpc_error, from_stream_error
+from .errors import (
+    TextGenError,
+    UnavailableError,
+    from_broken_stream,
+    from_event,
+    from_rpc_error,
+    from_stream_error,
+)
 from .keepalive import DEFAULT_KEEPALIVE
 from .parameters import GenerateOptions, build_generate_request
-from .sse import SseDecoder
+from .sse import EventStream
 
 __all__ = ["DEFAULT_TARGET", "AsyncClient", "Client"]
 
@@ -101,31 +111,6 @@ def _channel_options(options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]
     return [o for o in DEFAULT_KEEPALIVE.channel_options() if o[0] not in given] + list(options)
 
 
-def _raise_in_band_error(message: Any) -> None:
-    """Raise TGI's in-band stream error, sent before the RPC's failing status."""
-    if isinstance(message, GenerateStreamResponse) and (
-        message.error is not None or message.error_type is not None
-    ):
-        raise from_stream_error(message.error or "", message.error_type)
-
-
-def _raise_error_event(event: Any) -> None:
-    """Raise an SSE error event: TGI's `{"error": str, "error_type": str}`, OpenAI's
-    `{"error": {"message": str, "type": str}}`, or the Responses API's
-    `{"type": "error", "code": str, "message": str}` (a response object's `"error": null`
-    is no error)."""
-    if not isinstance(event, dict):
-        return
-    if event.get("type") == "error":
-        raise from_stream_error(str(event.get("message", "")), event.get("code"))
-    error = event.get("error")
-    if error is None:
-        return
-    if isinstance(error, dict):
-        raise from_stream_error(str(error.get("message", error)), error.get("type"))
-    raise from_stream_error(str(error), event.get("error_type"))
-
-
 def _json_body(body: Mapping[str, Any], *, stream: bool) -> HttpBody:
     """The request HttpBody; `stream` is set from the method the caller chose."""
     payload = {**body, "stream": stream}
@@ -135,7 +120,9 @@ def _json_body(body: Mapping[str, Any], *, stream: bool) -> HttpBody:
 def _json_result(bodies: Iterable[HttpBody]) -> dict[str, Any]:
     """The one JSON answer that a non-streaming OpenAI call's bodies make up."""
     result = json.loads(b"".join(body.data for body in bodies))
-    _raise_error_event(result)
+    error = from_event(result)
+    if error is not None:
+        raise error
     return result
 
 
@@ -167,44 +154,55 @@ def _unary_failure(error: grpc.RpcError, on_unavailable: Any) -> Any:
 
 class _Decoder(Protocol):
     """What a stream yields: each message is `feed`, then `close` at the stream's end;
-    both return the items to yield (an iterator may raise after yielding some)."""
+    both return the items to yield (an iterator may raise after yielding some).
+    `failure` is the exception for the RPC failing midway."""
 
     def feed(self, message: Any) -> Iterable[Any]: ...
 
     def close(self) -> Iterable[Any]: ...
 
+    def failure(self, error: grpc.RpcError) -> TextGenError: ...
+
 
 class _Messages:
     """The messages themselves; TGI's in-band error raises."""
 
+    def __init__(self) -> None:
+        self.tokens_received = 0
+
     def feed(self, message: Any) -> Iterable[Any]:
         # Raising here ends the RPC: its failing status is never read, so the
         # in-band error is not reported a second time.
-        _raise_in_band_error(message)
+        if isinstance(message, GenerateStreamResponse):
+            if message.error is not None or message.error_type is not None:
+                raise from_stream_error(
+                    message.error or "", message.error_type, self.tokens_received
+                )
+            self.tokens_received += message.token is not None
         return (message,)
 
     def close(self) -> Iterable[Any]:
         return ()
 
+    def failure(self, error: grpc.RpcError) -> TextGenError:
+        return from_broken_stream(error, self.tokens_received)
+
 
 class _Events:
     """The JSON payloads of the SSE frames that the HttpBody messages carry, up to
-    `data: [DONE]`; an error event raises."""
+    their last event (sse.EventStream); an error event raises."""
 
     def __init__(self) -> None:
-        self._decoder = SseDecoder()
+        self._events = EventStream("openai")
 
     def feed(self, message: Any) -> Iterable[Any]:
-        return self._checked(self._decoder.feed(message.data))
+        return self._events.feed(message.data)
 
     def close(self) -> Iterable[Any]:
-        return self._checked(self._decoder.close())
+        return self._events.close()
 
-    @staticmethod
-    def _checked(events: list[Any]) -> Iterator[Any]:
-        for event in events:
-            _raise_error_event(event)
-            yield event
+    def failure(self, error: grpc.RpcError) -> TextGenError:
+        return from_broken_stream(error, self._events.tokens_received)
 
 
 class _BaseClient:
@@ -452,7 +450,7 @@ class Client(_BaseClient):
                 yield from decoder.feed(message)
             yield from decoder.close()
         except grpc.RpcError as error:
-            raise from_rpc_error(error) from error
+            raise decoder.failure(error) from error
         finally:
             call.cancel()  # a no-op once the RPC has ended
 
@@ -624,7 +622,7 @@ class AsyncClient(_BaseClient):
             for item in decoder.close():
                 yield item
         except grpc.RpcError as error:
-            raise from_rpc_error(error) from error
+            raise decoder.failure(error) from error
         finally:
             call.cancel()  # on aclose() or CancelledError; a no-op once the RPC ended
 

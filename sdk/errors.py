@@ -5,7 +5,10 @@ The server puts a `google.rpc.ErrorInfo` (domain "textgen") in every failed RPC'
 exception class. Failures that carry no ErrorInfo (a deadline, a refused connection,
 a proxy's answer) are classified by their status code instead. A stream that fails
 after it started sends TGI's in-band error message first; `from_stream_error` maps
-that message to the same classes.
+that message to the same classes. A stream that breaks with no word from the server
+(its replica died: Envoy resets the stream, a gRPC client sees INTERNAL or UNAVAILABLE
+from the transport) is an `IncompleteGenerationError` (`from_broken_stream`). Errors
+raised by a stream say how many tokens had arrived (`tokens_received`).
 
 The status details are parsed with googleapis-common-protos alone, so the SDK does
 not need grpcio-status.
@@ -30,6 +33,8 @@ __all__ = [
     "UnavailableError",
     "UnknownError",
     "ValidationError",
+    "from_broken_stream",
+    "from_event",
     "from_rpc_error",
     "from_stream_error",
 ]
@@ -41,7 +46,9 @@ class TextGenError(Exception):
     """Base of every error the SDK raises for a failed request.
 
     `message` is the server's text, `error_type` TGI's error type (the ErrorInfo
-    reason when the server sent one), `code` the gRPC status code.
+    reason when the server sent one), `code` the gRPC status code. `tokens_received`
+    is set when a stream failed: how many tokens had arrived before (TGI's token
+    messages or events; for OpenAI's streams, the chunks that carried generated text).
     """
 
     default_error_type: ClassVar[str] = "unknown"
@@ -53,16 +60,21 @@ class TextGenError(Exception):
         *,
         error_type: str | None = None,
         code: grpc.StatusCode | None = None,
+        tokens_received: int | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.error_type = error_type or self.default_error_type
         self.code = code or self.default_code
+        self.tokens_received = tokens_received
 
     def __repr__(self) -> str:
+        received = (
+            "" if self.tokens_received is None else f", tokens_received={self.tokens_received}"
+        )
         return (
             f"{type(self).__name__}({self.message!r}, error_type={self.error_type!r}, "
-            f"code={self.code.name})"
+            f"code={self.code.name}{received})"
         )
 
 
@@ -166,20 +178,67 @@ def _error_info(status: status_pb2.Status) -> error_details_pb2.ErrorInfo | None
 
 def from_rpc_error(error: grpc.RpcError) -> TextGenError:
     """The typed exception for a failed call (`grpc.RpcError` or `grpc.aio.AioRpcError`)."""
+    code, message, reason = _failure(error)
+    return _class_for(reason, code)(message, error_type=reason, code=code)
+
+
+def from_broken_stream(error: grpc.RpcError, tokens_received: int) -> TextGenError:
+    """The typed exception for a stream whose RPC failed after `tokens_received` tokens.
+
+    A failure the server typed (its ErrorInfo), and the caller's own deadline, keep
+    their class. One without a word from the server, once tokens have arrived, is an
+    IncompleteGenerationError with the status as received: its replica died, and the
+    proxy could only reset the stream (gRPC INTERNAL "Stream removed" through Envoy,
+    UNAVAILABLE straight from a closed connection). A retry generates from scratch.
+    """
+    code, message, reason = _failure(error)
+    if reason is None and tokens_received and code != grpc.StatusCode.DEADLINE_EXCEEDED:
+        return IncompleteGenerationError(
+            f"the stream broke after {tokens_received} tokens: {message}",
+            code=code,
+            tokens_received=tokens_received,
+        )
+    return _class_for(reason, code)(
+        message, error_type=reason, code=code, tokens_received=tokens_received
+    )
+
+
+def _failure(error: grpc.RpcError) -> tuple[grpc.StatusCode | None, str, str | None]:
+    """A failed call's status code, message, and ErrorInfo reason (None without one)."""
     code = _call_attribute(error, "code")
     message = _call_attribute(error, "details") or str(code.name if code else error)
     status = _status_details(_call_attribute(error, "trailing_metadata"))
     info = _error_info(status) if status is not None else None
     if status is not None and status.message:
         message = status.message
-    reason = info.reason if info is not None else None
-    return _class_for(reason, code)(message, error_type=reason, code=code)
+    return code, message, info.reason if info is not None else None
 
 
-def from_stream_error(message: str, error_type: str | None) -> TextGenError:
+def from_stream_error(
+    message: str, error_type: str | None, tokens_received: int | None = None
+) -> TextGenError:
     """The typed exception for TGI's in-band stream error (`error`, `error_type`)."""
     cls = _class_for(error_type, None)
-    return cls(message, error_type=error_type)
+    return cls(message, error_type=error_type, tokens_received=tokens_received)
+
+
+def from_event(event: Any, tokens_received: int | None = None) -> TextGenError | None:
+    """The typed exception of an SSE error event, or None for any other event: TGI's
+    `{"error": str, "error_type": str}`, OpenAI's `{"error": {"message": str, "type":
+    str}}`, the Responses API's `{"type": "error", "code": str, "message": str}` (a
+    response object's `"error": null` is no error)."""
+    if not isinstance(event, dict):
+        return None
+    if event.get("type") == "error":
+        return from_stream_error(str(event.get("message", "")), event.get("code"), tokens_received)
+    error = event.get("error")
+    if error is None:
+        return None
+    if isinstance(error, dict):
+        message, error_type = str(error.get("message", error)), error.get("type")
+    else:
+        message, error_type = str(error), event.get("error_type")
+    return from_stream_error(message, error_type, tokens_received)
 
 
 def _call_attribute(error: grpc.RpcError, name: str) -> Any:

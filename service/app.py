@@ -38,7 +38,7 @@ from .observability.tracing import otlp_tracer_provider, server_interceptors
 from .openai.response_store import ResponseStore
 from .preflight import check_kv_capacity, check_strategies, device_type, visible_gpus
 from .proto import text_generation_service_pb2 as svc_pb
-from .proxy import start_envoy
+from .proxy import Envoy, start_envoy
 from .shard_processes import (
     ShardError,
     ShardProcesses,
@@ -56,6 +56,9 @@ log = logging.getLogger("textgen.serve")
 # is zero-filled up front and shares the machine with everything else.
 KV_MEMORY_FRACTION = {"cuda": 0.85, "cpu": 0.1}
 KV_BLOCK_SIZE = 16
+# What Envoy gets, past --graceful-termination-timeout, to deliver the error events of
+# the requests the drain had to cut.
+CUT_DELIVERY_TIMEOUT = 2.0
 
 
 @dataclass
@@ -85,6 +88,12 @@ class Replica:
         self.servicer.draining = True
         await set_serving(self.health, False)
         return await self.servicer.admission.wait_idle(timeout)
+
+    async def cut(self) -> None:
+        """End every request still running now: the engine stops, and each one ends
+        with its error (`the engine is shutting down`), which a started stream gets
+        in-band, so that an HTTP client behind Envoy sees it too."""
+        await asyncio.to_thread(self.engine.shutdown)
 
     async def stop(self, grace: float | None = 5.0) -> None:
         await set_serving(self.health, False)
@@ -461,19 +470,36 @@ async def serve(settings: Settings) -> None:
         log.error("%s; shutting down", failed.result())
         await set_serving(replica.health, False)
     if not envoy_died and not broken:
-        log.info(
-            "draining: health NOT_SERVING, new requests refused, %d in flight get up to %.0fs",
-            replica.servicer.admission.in_flight,
-            settings.graceful_termination_timeout,
-        )
-        if not await replica.drain(settings.graceful_termination_timeout):
-            log.warning("graceful termination timeout: cutting the requests still running")
+        await drain(replica, envoy, settings.graceful_termination_timeout)
     log.info("shutting down (pid %d)", os.getpid())
     await replica.stop()
     if envoy:
-        await envoy.stop()  # last: in-flight HTTP streams drained through it
+        await envoy.stop()
     if envoy_died or broken:
         raise SystemExit(1)
+
+
+async def drain(replica: Replica, envoy: Envoy | None, timeout: float) -> None:
+    """SIGTERM's drain, within `timeout` seconds: refuse new work, let the engine finish
+    what runs, then let Envoy deliver it all to its clients. The gRPC server stays up
+    meanwhile: Envoy may still be reading a finished stream's last messages from it.
+    Requests still running at the timeout end with a typed error, which Envoy gets
+    CUT_DELIVERY_TIMEOUT more seconds to deliver."""
+    deadline = time.monotonic() + timeout
+    log.info(
+        "draining: health NOT_SERVING, new requests refused, %d in flight get up to %.0fs",
+        replica.servicer.admission.in_flight,
+        timeout,
+    )
+    if not await replica.drain(timeout):
+        log.warning(
+            "graceful termination timeout: %d requests still running end with an error",
+            replica.servicer.admission.in_flight,
+        )
+        await replica.cut()
+        deadline = time.monotonic() + CUT_DELIVERY_TIMEOUT
+    if envoy is not None and not await envoy.drain(deadline):
+        log.warning("graceful termination timeout: cutting the responses still undelivered")
 
 
 FAILURE_POLL_S = 0.25

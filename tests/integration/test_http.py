@@ -21,6 +21,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from http_client import PROMPT, Http, no_eos, openapi_validator, sse_events
 from serve_process import textgen_serve
+from textgen.sdk import ValidationError, http_streams
 from textgen.service.config import Settings
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
@@ -145,6 +146,20 @@ def test_generate_stream_is_incremental_sse(web, tokenizer, grpc_stub):
     assert final["details"]["finish_reason"] == "length"
     assert final["details"]["generated_tokens"] == 150
     assert all("generated_text" not in e for _, e in events[:-1])
+
+
+def test_sdk_http_streams_read_tgi_to_the_end(http_server, grpc_stub):
+    """The SDK's standard-library helper: every event, ending at the final one, equal to
+    the gRPC answer; a refusal raises its class."""
+    events = list(
+        http_streams.generate_stream(http_server.http_url, PROMPT, timeout=30, max_new_tokens=8)
+    )
+    assert [e["index"] for e in events] == list(range(1, 9))
+    assert events[-1]["generated_text"] == reference(grpc_stub, PROMPT, 8).generated_text
+    with pytest.raises(ValidationError, match="top_n_tokens"):
+        list(
+            http_streams.generate_stream(http_server.http_url, PROMPT, timeout=30, top_n_tokens=99)
+        )
 
 
 def test_generate_has_tgi_headers_and_schema(web):

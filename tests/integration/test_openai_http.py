@@ -8,6 +8,7 @@ import huggingface_hub
 import openai
 import pytest
 import requests
+from textgen.sdk import http_streams
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.timeout(60)
@@ -132,3 +133,20 @@ def test_openai_sdk_raises_on_bad_request(client):
             top_logprobs=9,
         )
     assert info.value.body["param"] == "top_logprobs"
+
+
+def test_sdk_http_streams_read_openai_to_the_end(client, http_server):
+    """The SDK's standard-library helper reads each OpenAI stream to its end marker
+    (chat and completions: `[DONE]`; responses: `response.completed`) without calling
+    it incomplete, and says the same as the openai SDK."""
+    url, body = http_server.http_url, {"model": "m", "max_tokens": 6, "temperature": 0}
+    chunks = list(http_streams.chat_completions_stream(url, {**body, "messages": MESSAGES}))
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    expected = client.chat.completions.create(messages=MESSAGES, stream=False, **body)
+    assert text == expected.choices[0].message.content
+    completions = list(http_streams.completions_stream(url, {**body, "prompt": "Hello"}))
+    assert completions[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    events = list(
+        http_streams.responses_stream(url, {"model": "m", "input": "Hi", "max_output_tokens": 6})
+    )
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")

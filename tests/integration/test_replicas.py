@@ -1,7 +1,8 @@
 """Several replicas behind `textgen proxy` (a real Envoy, rendered front=True), all
 real processes on this machine with the tiny model: load balancing, the retry of a
 refused request onto another replica before its first byte (HTTP and native gRPC),
-a replica killed under load, and a replica draining on SIGTERM.
+a replica killed under load, a replica draining on SIGTERM, and a replica killed under
+the SDK's streams (their typed end: docs/failures.md).
 
 One `stable` replica and the proxy live for the module; each test gets a `victim`
 replica on one fixed port (the proxy knows both addresses from the start, as it
@@ -26,6 +27,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from replica_processes import Proc, Proxy, Replica, free_port, wait_until
 from textgen.envoy.clusters import NUM_RETRIES
+from textgen.sdk import Client, IncompleteGenerationError, TextGenError, http_streams
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
 
@@ -379,3 +381,94 @@ def test_sigterm_drains_without_a_failure(stable, victim, proxy):
         f"{exited - signalled:.2f}s; {len(during)} requests through the proxy meanwhile, "
         f"{refused_by_victim} refused by the victim (UNAVAILABLE, incl. 1 direct) and retried"
     )
+
+
+def served_by(proxy: Proxy, replica: Replica, prompt: str) -> bool:
+    """Whether the proxy sends `prompt` to `replica` while both replicas are idle (its
+    prefix-affinity home): one short generation through the proxy, seen in the
+    replica's own request count."""
+    before = replica.counter("tgi_request_count")
+    status, _, body = http_call(
+        proxy.http_port, "/generate", {"inputs": prompt, "parameters": {"max_new_tokens": 1}}
+    )
+    assert status == 200, body
+    return replica.counter("tgi_request_count") > before
+
+
+def homes(proxy: Proxy, stable: Replica, victim: Replica) -> dict[str, list[str]]:
+    """Two prompts whose home is the victim, two whose home is the stable replica."""
+    found: dict[str, list[str]] = {"victim": [], "stable": []}
+    for i in range(64):
+        prompt = f"{i} the quick brown fox"
+        side = "victim" if served_by(proxy, victim, prompt) else "stable"
+        if len(found[side]) < 2:
+            found[side].append(prompt)
+        if all(len(p) == 2 for p in found.values()):
+            return found
+    raise AssertionError(f"the ring sent 64 prompts one way: {found}")
+
+
+class Streamed:
+    """One long stream through the proxy with the SDK, on its own thread: the events
+    (TGI's over HTTP, or the gRPC messages' indices) and how it ended."""
+
+    def __init__(self, pool: cf.Executor, face: str, port: int, prompt: str) -> None:
+        self.face, self.indices, self.error = face, [], None
+        self.started = threading.Event()
+        self.done = pool.submit(self._run, port, prompt)
+
+    def _run(self, port: int, prompt: str) -> None:
+        options = {"max_new_tokens": 400, "ignore_eos": True}
+        try:
+            if self.face == "http":
+                url = f"http://127.0.0.1:{port}"
+                for event in http_streams.generate_stream(url, prompt, timeout=30, **options):
+                    self._arrived(event["index"])
+            else:
+                with Client(f"127.0.0.1:{port}", timeout=30) as client:
+                    for message in client.generate_stream(prompt, **options):
+                        self._arrived(message.index)
+        except TextGenError as exc:
+            self.error = exc
+
+    def _arrived(self, index: int) -> None:
+        self.indices.append(index)
+        if len(self.indices) >= 2:
+            self.started.set()
+
+
+@pytest.mark.timeout(180)
+def test_killed_replica_ends_its_streams_typed(stable, victim, proxy):
+    """kill -9 of the victim while an HTTP and a gRPC stream run on it through the
+    proxy (and one of each on the stable replica, which also keeps the ring's bounded
+    load from moving the victim's): each of the victim's streams ends with the SDK's
+    IncompleteGenerationError saying how many tokens arrived, and every one of those
+    arrived, in order. Envoy can only cut them (HTTP: a chunked body cut short; gRPC:
+    RST_STREAM, INTERNAL): docs/failures.md. The stable replica's streams complete."""
+    prompts = homes(proxy, stable, victim)
+    with cf.ThreadPoolExecutor(4) as pool:
+        # one at a time, stable, victim, stable, victim: neither replica is ever more
+        # than one stream ahead, so each stream stays on its prompt's home
+        streams = []
+        for i, face in enumerate(("http", "grpc")):
+            for side in ("stable", "victim"):
+                streams.append(Streamed(pool, face, proxy.http_port, prompts[side][i]))
+                assert streams[-1].started.wait(60), (face, side, streams[-1].error)
+        assert victim.in_flight() == 2 and stable.in_flight() == 2
+        victim.popen.kill()  # SIGKILL, by PID
+        for s in streams:
+            s.done.result(timeout=60)  # none hangs
+
+    on_stable, on_victim = streams[0::2], streams[1::2]
+    assert [(s.error, len(s.indices)) for s in on_stable] == [(None, 400)] * 2
+    for s in on_victim:
+        assert isinstance(s.error, IncompleteGenerationError), (s.face, s.error)
+        # every token that arrived, in order, and the error says how many
+        received = len(s.indices)
+        assert s.indices == list(range(1, received + 1)) and 2 <= received < 400
+        assert s.error.tokens_received == received, (s.face, s.error)
+    http_error, grpc_error = (s.error for s in on_victim)
+    assert isinstance(http_error.__cause__, http.client.IncompleteRead), http_error
+    # the status as the transport made it up: INTERNAL through Envoy (RST_STREAM)
+    assert grpc_error.code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE)
+    print(f"killed mid-stream: {[repr(s.error) for s in on_victim]}")

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import http.client
 import json
 import signal
+import socket
 import threading
 import time
+import urllib.parse
+import urllib.request
 
 import openai
 import pytest
 import requests
 from conftest import ServerThread, tiny_settings
-from http_client import Http, sse_events
+from http_client import JSON, Http, sse_events
 from serve_process import textgen_serve
 from textgen.sdk import (
     Client,
@@ -24,6 +28,7 @@ from textgen.sdk import (
     OverloadedError,
     UnauthenticatedError,
     UnavailableError,
+    http_streams,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -187,6 +192,129 @@ def test_sigterm_drains_live_streams_and_exits_zero(tiny_model_dir):
             counts = [f.result(timeout=90) for f in streams]
         assert counts == [400] * 8  # every live stream completed
         assert served.proc.wait(timeout=60) == 0
+
+
+class SlowReader:
+    """A /generate_stream through Envoy on a socket whose receive buffer is small (set
+    before connect, so the TCP window stays small): what it does not read stays with
+    Envoy."""
+
+    def __init__(self, http_url: str, body: dict) -> None:
+        url = urllib.parse.urlsplit(http_url)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(60)
+        sock.connect((url.hostname, url.port))
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+        conn.sock = sock
+        conn.request("POST", "/generate_stream", json.dumps(body), JSON)
+        self.resp = conn.getresponse()
+        assert self.resp.status == 200, self.resp.read()
+        self.events = [event for _, event in _take(sse_events(self.resp), 2)]
+
+    def read_the_rest(self) -> str | None:
+        """Every event left; what broke the stream, if it broke."""
+        try:
+            for _, event in sse_events(self.resp):
+                self.events.append(event)
+        except (OSError, http.client.HTTPException) as exc:
+            return repr(exc)
+        finally:
+            self.resp.close()
+        return None
+
+
+def _take(iterator, n: int):
+    return [next(iterator) for _ in range(n)]
+
+
+def envoy_stat(admin_url: str, name: str) -> int:
+    query = urllib.parse.quote(f"^{name}$".replace(".", r"\."))
+    with urllib.request.urlopen(f"{admin_url}/stats?filter={query}", timeout=5) as resp:
+        return int(resp.read().decode().split(": ")[1])
+
+
+def envoy_state(admin_url: str) -> str:
+    """Envoy's /ready: LIVE, DRAINING, or gone."""
+    try:
+        with urllib.request.urlopen(f"{admin_url}/ready", timeout=5) as resp:
+            return resp.read().decode().strip()
+    except urllib.error.HTTPError as exc:  # 503: DRAINING
+        return exc.read().decode().strip()
+    except OSError:
+        return "gone"
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_delivers_every_event_to_slow_readers(tiny_model_dir):
+    """Two HTTP clients read two events each, then pause across the SIGTERM. One stream
+    (~6 KB events: 100 top tokens each) is larger than what the kernel holds between
+    Envoy and its client, so Envoy itself still holds bytes when the engine has
+    finished; the other (64 plain tokens, as in the issue) fits in the kernel's buffers.
+    The drain waits for both clients: once they read again (when Envoy says DRAINING,
+    or has gone), every event arrives, the last with its details, and the server exits
+    0. Stopping Envoy as soon as the engine had finished (the drain before this test)
+    cut the large stream about half way, with no final event."""
+    args = ["--model-id", str(tiny_model_dir), "--dtype", "float32", "--grpc-port", "0",
+            "--port", "0", "--max-batch-total-tokens", "8192",
+            "--max-top-n-tokens", "100"]  # fmt: skip
+    streams = {900: {"top_n_tokens": 100}, 64: {}}  # tokens: parameters
+    with textgen_serve(*args) as served:
+        assert served.http_url and served.envoy_admin, served.log
+        served.drain_log()
+        readers = [
+            SlowReader(
+                served.http_url,
+                {"inputs": "hello", "parameters": {"max_new_tokens": n, "ignore_eos": True, **p}},
+            )
+            for n, p in streams.items()
+        ]
+        # the premise: Envoy holds bytes that the kernel between it and a client could not take
+        buffered = "http.textgen_http.downstream_cx_tx_bytes_buffered"
+        assert wait_until(lambda: envoy_stat(served.envoy_admin, buffered) > 0, 300), (
+            "Envoy never buffered anything: the kernel holds more than these streams here"
+        )
+        served.proc.send_signal(signal.SIGTERM)
+        # the server has done all it can without the clients
+        assert wait_until(lambda: envoy_state(served.envoy_admin) != "LIVE", 300)
+        with cf.ThreadPoolExecutor(2) as pool:
+            broken = list(pool.map(SlowReader.read_the_rest, readers))
+        assert served.proc.wait(timeout=60) == 0
+    for tokens, reader, error in zip(streams, readers, broken):
+        indices = [event["index"] for event in reader.events]
+        assert error is None and indices == list(range(1, tokens + 1)), (error, len(indices))
+        final = reader.events[-1]
+        assert final["details"]["generated_tokens"] == tokens and final["generated_text"]
+
+
+def test_sigterm_past_the_timeout_ends_streams_typed(tiny_model_dir):
+    """--graceful-termination-timeout 0 cuts what runs at once: a stream that has
+    started ends with a typed error, in-band (HTTP through Envoy, read with the SDK's
+    HTTP helper, as native gRPC), saying how many tokens arrived; the server exits 0."""
+    args = ["--model-id", str(tiny_model_dir), "--dtype", "float32", "--grpc-port", "0",
+            "--port", "0", "--max-batch-total-tokens", "8192", "--max-top-n-tokens", "100",
+            "--graceful-termination-timeout", "0"]  # fmt: skip
+    # 100 top tokens per event: seconds of work, far from done when the signal comes
+    options = {"max_new_tokens": 1000, "ignore_eos": True, "top_n_tokens": 100}
+    with textgen_serve(*args) as served:
+        assert served.http_url, served.log
+        served.drain_log()
+        web = http_streams.generate_stream(served.http_url, "hello", timeout=60, **options)
+        seen = {"http": _take(web, 2), "grpc": []}
+        with Client(served.grpc_target, timeout=60) as client:
+            native = client.generate_stream("hello", **options)
+            seen["grpc"] = _take(native, 2)
+            served.proc.send_signal(signal.SIGTERM)
+            errors = {}
+            for face, stream in (("http", web), ("grpc", native)):
+                with pytest.raises(UnavailableError) as raised:
+                    seen[face] += list(stream)
+                errors[face] = raised.value
+        assert served.proc.wait(timeout=60) == 0
+    for face, error in errors.items():
+        assert error.message == "the engine is shutting down", (face, error)
+        assert 2 <= error.tokens_received < 1000, (face, error)
+    assert errors["http"].__cause__ is None  # an event the server sent, not a cut body
 
 
 # engine failure ----------------------------------------------------------------------

@@ -109,6 +109,7 @@ class FakeTextGeneration(TextGenerationServiceServicer):
         self.token_delay = 0.0
         self.unary_delay = 0.0
         self.in_band_error: InBandError | None = None
+        self.broken_after: Failure | None = None  # a status after the tokens, no in-band error
         self.healthy = True
         self.http_chunks: list[bytes] = []
         self.stream_cancelled = threading.Event()
@@ -146,6 +147,9 @@ class FakeTextGeneration(TextGenerationServiceServicer):
                 return
             token = generate_pb2.Token(id=index, text=f" t{index}", logprob=-0.5)
             yield generate_pb2.GenerateStreamResponse(index=index, token=token)
+        if self.broken_after is not None:
+            outcome["scripted_end"] = True
+            abort(context, self.broken_after)
         if self.in_band_error is not None:
             error = self.in_band_error
             outcome["scripted_end"] = True
@@ -501,6 +505,60 @@ def test_in_band_error_raises_its_class_once(client: Client, fake: FakeTextGener
     # The in-band message is the error; the status that follows is not wrapped again.
     assert raised.value.message == "in-band: request dropped"
     assert raised.value.__cause__ is None
+    assert raised.value.tokens_received == 3
+
+
+# A stream cut with no word from the server (its replica died behind Envoy): the
+# status the transport made up. Through Envoy a gRPC client sees INTERNAL "Stream
+# removed" (RST_STREAM); straight from a closed connection, UNAVAILABLE.
+BROKEN = [
+    Failure(grpc.StatusCode.INTERNAL, "Stream removed"),
+    Failure(grpc.StatusCode.UNAVAILABLE, "Socket closed"),
+    Failure(grpc.StatusCode.UNKNOWN, "reset"),
+]
+
+
+@pytest.mark.parametrize("failure", BROKEN, ids=lambda f: f.code.name)
+def test_broken_stream_is_incomplete_with_tokens_received(
+    client: Client, fake: FakeTextGeneration, failure: Failure
+) -> None:
+    fake.broken_after = failure
+    tokens = []
+    with pytest.raises(IncompleteGenerationError) as raised:
+        for message in client.generate_stream("Hello"):
+            tokens.append(message.token.text)
+    assert tokens == [" t1", " t2", " t3"]
+    error = raised.value
+    assert (error.tokens_received, error.code, error.error_type) == (
+        3,
+        failure.code,
+        "incomplete_generation",
+    )
+    assert "after 3 tokens" in error.message and failure.message in error.message
+
+
+async def test_async_broken_stream_is_incomplete(
+    aclient: AsyncClient, fake: FakeTextGeneration
+) -> None:
+    fake.broken_after = BROKEN[0]
+    with pytest.raises(IncompleteGenerationError) as raised:
+        async for _ in aclient.generate_stream("Hello"):
+            pass
+    assert (raised.value.tokens_received, raised.value.code) == (3, grpc.StatusCode.INTERNAL)
+
+
+def test_stream_failures_keep_their_class_with_tokens_received(
+    client: Client, fake: FakeTextGeneration
+) -> None:
+    # typed by the server (ErrorInfo), or before any token: the class of its reason/code
+    fake.broken_after = Failure(grpc.StatusCode.INTERNAL, "device lost", "generation")
+    with pytest.raises(GenerationError) as raised:
+        list(client.generate_stream("Hello"))
+    assert raised.value.tokens_received == 3
+    fake.broken_after, fake.stream_tokens = Failure(grpc.StatusCode.UNAVAILABLE, "gone"), 0
+    with pytest.raises(UnavailableError) as raised:
+        list(client.generate_stream("Hello"))
+    assert raised.value.tokens_received == 0
 
 
 async def test_async_in_band_error_raises_its_class(
