@@ -19,6 +19,7 @@ from . import __version__
 from .admission import Admission
 from .config import SettingError, Settings
 from .cpus import default_torch_threads
+from .engine.block_manager import num_blocks_for_tokens
 from .engine.compiled_decode import CompileSettings
 from .engine.cuda_graphs import GraphSettings, unavailable_reason
 from .engine.grammar import GrammarMasks
@@ -256,6 +257,7 @@ async def start_replica(
         )
     )
     max_input, max_total = settings.resolved_limits(loaded.max_position_embeddings)
+    capacity = kv_capacity_tokens(settings, loaded, max_total)
     limits = Limits(
         max_input_tokens=max_input,
         max_total_tokens=max_total,
@@ -264,8 +266,10 @@ async def start_replica(
         max_top_n_tokens=settings.max_top_n_tokens,
         max_stop_sequence_length=settings.max_stop_sequence_length,
         vocab_size=loaded.model.config.get_text_config().vocab_size,
+        max_n=min(settings.max_n, settings.max_batch_size),
+        kv_cache_blocks=num_blocks_for_tokens(capacity, KV_BLOCK_SIZE),
+        kv_block_size=KV_BLOCK_SIZE,
     )
-    capacity = kv_capacity_tokens(settings, loaded, max_total)
     grammars = await asyncio.to_thread(
         GrammarCompiler, loaded.tokenizer, limits.vocab_size, loaded.eos_token_ids
     )
