@@ -270,6 +270,14 @@ def generate_request(tgi: dict, name: str) -> dict:
     return schema
 
 
+CACHED_TOKENS = {
+    "type": "integer",
+    "format": "int32",
+    "minimum": 0,
+    "description": "Prompt tokens served from the prefix cache (not computed).",
+}
+
+
 def seed_number() -> dict:
     return {
         "type": "number",
@@ -328,6 +336,7 @@ def tgi_schemas(tgi: dict) -> dict:
         "description": "Number of prompt tokens.",
     }
     details["properties"]["timings"] = ref("Timings")
+    details["properties"]["cached_tokens"] = CACHED_TOKENS
     details["properties"]["best_of_sequences"].pop("nullable", None)
     s["Details"] = details
     best_of = copy.deepcopy(tgi["BestOfSequence"])
@@ -338,6 +347,7 @@ def tgi_schemas(tgi: dict) -> dict:
     stream_details = copy.deepcopy(tgi["StreamDetails"])
     stream_details["properties"]["seed"] = seed_number()
     stream_details["properties"]["timings"] = ref("Timings")
+    stream_details["properties"]["cached_tokens"] = CACHED_TOKENS
     s["StreamDetails"] = stream_details
     stream = copy.deepcopy(tgi["StreamResponse"])
     stream["description"] = (
@@ -566,7 +576,15 @@ def _openai_sampling() -> dict:
             maximum=INT32_MAX,
             example=32,
         ),
-        "n": _bounded("integer", "Only 1 is supported.", minimum=1, maximum=1),
+        "n": _bounded(
+            "integer",
+            "Choices to generate (`index` 0 to n - 1), each sampled with its own seed (the"
+            " request's seed + i); the prompt is computed once for all of them. At most the"
+            " server's --max-n (16) and --max-batch-size; all of them at full length must fit"
+            " the KV cache at once.",
+            minimum=1,
+            maximum=16,
+        ),
         "temperature": _bounded(
             "number",
             "0 means greedy decoding; otherwise sampled at this temperature.",
@@ -575,9 +593,10 @@ def _openai_sampling() -> dict:
         ),
         "top_p": _bounded(
             "number",
-            "Nucleus sampling mass (when sampling); 1 or more means none.",
+            "Nucleus sampling mass (when sampling), in (0, 1]; 1 means none.",
             minimum=0,
             exclusiveMinimum=True,
+            maximum=1,
             example=0.95,
         ),
         "frequency_penalty": _bounded("number", "In [-2, 2].", minimum=-2, maximum=2),
@@ -615,6 +634,22 @@ def openai_schemas(tgi: dict) -> dict:
     s: dict = {}
     s["StreamOptions"] = copy.deepcopy(tgi["StreamOptions"])
     s["Usage"] = copy.deepcopy(tgi["Usage"])
+    s["Usage"]["description"] = (
+        "A prompt counts once, however many choices it has; completion_tokens add up over"
+        " every choice sampled (best_of's too)."
+    )
+    s["Usage"]["properties"]["prompt_tokens_details"] = {
+        "type": "object",
+        "required": ["cached_tokens"],
+        "properties": {
+            "cached_tokens": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "Prompt tokens served from the prefix cache (not computed).",
+            }
+        },
+    }
+    s["Usage"]["required"].append("prompt_tokens_details")
     s["ModelInfo"] = copy.deepcopy(tgi["ModelInfo"])
     s["ModelList"] = {
         "type": "object",
@@ -776,7 +811,10 @@ def openai_schemas(tgi: dict) -> dict:
         ),
         "logprobs": {"type": "boolean", "nullable": True, "default": False},
         "top_logprobs": _bounded(
-            "integer", "Alternatives per token, 0 to 5; needs logprobs: true.", minimum=0, maximum=5
+            "integer",
+            "Alternatives per token, 0 to 20; needs logprobs: true.",
+            minimum=0,
+            maximum=20,
         ),
         "tools": {"type": "array", "items": ref("Tool"), "minItems": 1, "nullable": True},
         "tool_choice": nullable(ref("ToolChoice")),
@@ -939,7 +977,14 @@ def openai_schemas(tgi: dict) -> dict:
                 "Fill-in-the-middle is not supported: a non-empty suffix is refused (422)."
             ),
         },
-        "best_of": _bounded("integer", "Only 1 is supported.", minimum=1, maximum=1),
+        "best_of": _bounded(
+            "integer",
+            "Choices to sample per prompt (at least n; unset: n); the n with the highest"
+            " summed token logprob are answered. Streamed only when it equals n. At most the"
+            " server's --max-n (16).",
+            minimum=1,
+            maximum=16,
+        ),
     }
     s["CompletionRequest"] = {
         "type": "object",
@@ -1087,9 +1132,9 @@ def _responses_request() -> dict:
         },
         "top_logprobs": _bounded(
             "integer",
-            "Alternatives per token, 0 to 5; needs include message.output_text.logprobs.",
+            "Alternatives per token, 0 to 20; needs include message.output_text.logprobs.",
             minimum=0,
-            maximum=5,
+            maximum=20,
         ),
         "truncation": {
             "type": "string",

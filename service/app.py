@@ -19,6 +19,7 @@ from . import __version__
 from .admission import Admission
 from .config import SettingError, Settings
 from .cpus import default_torch_threads
+from .engine.block_manager import num_blocks_for_tokens
 from .engine.compiled_decode import CompileSettings
 from .engine.cuda_graphs import GraphSettings, unavailable_reason
 from .engine.grammar import GrammarMasks
@@ -335,15 +336,6 @@ async def _start_loaded(
     groups,
 ) -> Replica:
     max_input, max_total = settings.resolved_limits(loaded.max_position_embeddings)
-    limits = Limits(
-        max_input_tokens=max_input,
-        max_total_tokens=max_total,
-        max_best_of=settings.max_best_of,
-        max_stop_sequences=settings.max_stop_sequences,
-        max_top_n_tokens=settings.max_top_n_tokens,
-        max_stop_sequence_length=settings.max_stop_sequence_length,
-        vocab_size=loaded.model.config.get_text_config().vocab_size,
-    )
     capacity = kv_capacity_tokens(settings, loaded, max_total)
     shard_group = None
     if groups is not None:  # every rank's pool the same size: rank 0's
@@ -357,6 +349,18 @@ async def _start_loaded(
             loaded.vocab.chunk,
             loaded.device,
         )
+    limits = Limits(
+        max_input_tokens=max_input,
+        max_total_tokens=max_total,
+        max_best_of=settings.max_best_of,
+        max_stop_sequences=settings.max_stop_sequences,
+        max_top_n_tokens=settings.max_top_n_tokens,
+        max_stop_sequence_length=settings.max_stop_sequence_length,
+        vocab_size=loaded.model.config.get_text_config().vocab_size,
+        max_n=min(settings.max_n, settings.max_batch_size),
+        kv_cache_blocks=num_blocks_for_tokens(capacity, KV_BLOCK_SIZE),
+        kv_block_size=KV_BLOCK_SIZE,
+    )
     grammars = await asyncio.to_thread(
         GrammarCompiler, loaded.tokenizer, limits.vocab_size, loaded.eos_token_ids
     )

@@ -269,6 +269,12 @@ class Settings:
         non_negative_float,
     )
     max_best_of: int = option(2, "largest best_of", positive_int)
+    max_n: int = option(
+        16,
+        "largest n (choices per request) on the OpenAI routes, and their best_of; at most "
+        "--max-batch-size (a request's choices share its prompt's KV blocks and run together)",
+        positive_int,
+    )
     max_stop_sequences: int = option(4, "most stop sequences per request", non_negative_int)
     max_stop_sequence_length: int = option(
         256, "longest stop sequence, in characters", positive_int

@@ -51,6 +51,9 @@ class GenerateParameters:
     max_time: float | None = None
     adapter_id: str | None = None
     priority: int | None = None  # lower is served sooner; None: the face's default (0)
+    # choices sampled from the one prompt (OpenAI's `n`, or its `best_of` when larger);
+    # None: best_of's (TGI's), else 1
+    n: int | None = None
 
 
 # TGI's own names: the identity.
@@ -66,6 +69,9 @@ class GenerateRequest:
     lark: str | None = None
     # The face's name of a field, where it differs from TGI's (for error messages).
     names: Mapping[str, str] = field(default_factory=lambda: TGI_NAMES)
+    # The face's own bound on top_n_tokens (OpenAI's top_logprobs: 20); None: the
+    # server's --max-top-n-tokens (TGI's).
+    max_top_n_tokens: int | None = None
 
     def name(self, field_name: str) -> str:
         """How the client calls `field_name` (a GenerateParameters field or "inputs")."""

@@ -13,6 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from .engine.block_manager import num_blocks_for_choices
 from .engine.types import EngineRequest, SamplingParams, StoppingParams
 from .errors import ErrorType
 from .grammar_compiler import GrammarCompiler, GrammarError
@@ -54,6 +55,11 @@ class Limits:
     max_top_n_tokens: int
     vocab_size: int
     max_stop_sequence_length: int = 256
+    max_n: int = 1  # largest n (choices of one request, OpenAI's routes)
+    # the KV pool, in blocks of kv_block_size tokens: a request whose choices can't all
+    # be held at once is refused (None: not checked)
+    kv_cache_blocks: int | None = None
+    kv_block_size: int = 16
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,7 @@ class ValidRequest:
 
     engine_request: EngineRequest
     inputs: str
-    best_of: int
+    best_of: int  # TGI's best_of (engine_request.n is the choices sampled)
     details: bool
     decoder_input_details: bool
     return_full_text: bool
@@ -82,7 +88,8 @@ class Validator:
         check = _Checker(request)
         p = request.parameters
         best_of = self._best_of(check, p, stream)
-        sampling = self._sampling(check, p, best_of)
+        sampling = self._sampling(check, p, best_of, request.max_top_n_tokens)
+        n = self._n(check, p, best_of)
         if p.max_new_tokens is not None and p.max_new_tokens <= 0:
             raise check.error("max_new_tokens", "must be strictly positive")
         stops = self._stops(check, p.stop)
@@ -102,6 +109,7 @@ class Validator:
         truncate = self._truncate(check, p.truncate)
         prompt_ids = self._tokenize(check, request.inputs, truncate)
         max_new_tokens = self._max_new_tokens(check, p.max_new_tokens, len(prompt_ids))
+        self._choices_fit(check, p, n, len(prompt_ids), max_new_tokens)
         engine_request = EngineRequest(
             request_id=uuid.uuid4().hex,
             prompt_ids=tuple(prompt_ids),
@@ -116,6 +124,7 @@ class Validator:
             arrival_time=arrival,
             grammar=grammar,
             priority=self._priority(check, p.priority),
+            n=n,
         )
         return ValidRequest(
             engine_request=engine_request,
@@ -143,7 +152,42 @@ class Validator:
             raise check.error("best_of", "!= 1 is not supported when streaming tokens")
         return best_of
 
-    def _sampling(self, check: _Checker, p: GenerateParameters, best_of: int) -> SamplingParams:
+    def _n(self, check: _Checker, p: GenerateParameters, best_of: int) -> int:
+        """The choices to sample: OpenAI's n (best_of when larger), else TGI's best_of."""
+        if p.n is None:
+            return best_of
+        if best_of > 1:
+            raise check.error("n", "must not be set with `best_of`")
+        if not 1 <= p.n <= self.limits.max_n:
+            raise check.error("n", f"must be >= 1 and <= {self.limits.max_n}. Given: {p.n}")
+        return p.n
+
+    def _choices_fit(
+        self, check: _Checker, p: GenerateParameters, n: int, input_length: int, max_new: int
+    ) -> None:
+        """n choices run side by side: all of them, at full length, must fit the KV pool
+        at once (each alone fits: max_total_tokens is checked against it at startup)."""
+        blocks, block_size = self.limits.kv_cache_blocks, self.limits.kv_block_size
+        if n == 1 or blocks is None:
+            return
+        needed = num_blocks_for_choices(input_length, max_new, n, block_size)
+        if needed > blocks:
+            field_name = "best_of" if p.n is None else "n"
+            raise ValidationError(
+                f"{n} choices ({check.quoted(field_name)}) of up to {input_length + max_new} "
+                f"tokens each need {needed * block_size} tokens of KV cache but the server "
+                f"holds {blocks * block_size}: lower {check.quoted(field_name)} or "
+                f"{check.quoted('max_new_tokens')}",
+                check.name(field_name),
+            )
+
+    def _sampling(
+        self,
+        check: _Checker,
+        p: GenerateParameters,
+        best_of: int,
+        max_top_n_tokens: int | None = None,
+    ) -> SamplingParams:
         for name in _FLOAT_FIELDS:
             value = getattr(p, name)
             if value is not None and not math.isfinite(value):
@@ -189,10 +233,10 @@ class Validator:
                 check.name("seed"),
             )
         top_n_tokens = _default(p.top_n_tokens, 0)
-        if not 0 <= top_n_tokens <= self.limits.max_top_n_tokens:
+        max_top_n = self.limits.max_top_n_tokens if max_top_n_tokens is None else max_top_n_tokens
+        if not 0 <= top_n_tokens <= max_top_n:
             raise check.error(
-                "top_n_tokens",
-                f"must be >= 0 and <= {self.limits.max_top_n_tokens}. Given: {top_n_tokens}",
+                "top_n_tokens", f"must be >= 0 and <= {max_top_n}. Given: {top_n_tokens}"
             )
         return SamplingParams(
             # TGI samples as soon as any sampling parameter is given

@@ -9,6 +9,11 @@ previous block's hash and its own token ids, so equal hashes mean equal prefixes
 sequence whose leading full blocks hash to cached blocks shares them (ref count) instead of
 recomputing them. A block whose ref count drops to zero goes back to the free list but keeps
 its hash, so it is still reusable until the allocator evicts it (LRU over free blocks).
+
+Forks: the choices of an n > 1 request share every block of the computed prompt (ref
+counts), the last, partly filled one included; the first write into a shared partial
+block copies it to a block of the writer's own (copy-on-write: `append_slots` hands the
+copy to the runner through `take_copies`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,16 @@ from .sequence import Sequence
 
 def num_blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return math.ceil(num_tokens / block_size)
+
+
+def num_blocks_for_choices(
+    num_prompt_tokens: int, max_new_tokens: int, n: int, block_size: int
+) -> int:
+    """Blocks a request's n choices hold when all run to max_new_tokens at once: the
+    prompt's full blocks once (shared), then each choice's own from the partial one on."""
+    shared = num_prompt_tokens // block_size
+    total = num_blocks_for_tokens(num_prompt_tokens + max_new_tokens, block_size)
+    return shared + n * (total - shared)
 
 
 @dataclass(slots=True)
@@ -56,6 +71,9 @@ class BlockManager:
         self._seq_hashes: dict[Sequence, list[bytes]] = {}
         self.prefix_hit_tokens = 0  # prompt tokens served from the prefix cache, cumulative
         self.prefix_queried_tokens = 0  # prompt tokens looked up in it, cumulative
+        # (source, destination) block copies made by append_slots, for the runner to do
+        # before the step's forward (take_copies)
+        self._copies: list[tuple[int, int]] = []
 
     # counts ------------------------------------------------------------------
 
@@ -73,18 +91,19 @@ class BlockManager:
         return sum(1 for b in self._free if self.blocks[b].block_hash is not None)
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """New blocks `seq` needs to hold `num_new_tokens` more computed tokens."""
+        """New blocks `seq` needs to hold `num_new_tokens` more computed tokens (with
+        the copy of a shared partial block it writes into)."""
         total = seq.num_computed_tokens + num_new_tokens
-        return max(0, num_blocks_for_tokens(total, self.block_size) - len(seq.block_table))
+        fresh = max(0, num_blocks_for_tokens(total, self.block_size) - len(seq.block_table))
+        return fresh + (num_new_tokens > 0 and self._shares_partial_tail(seq))
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= len(self._free)
 
     def num_fitting_tokens(self, seq: Sequence, max_tokens: int) -> int:
         """How many of `max_tokens` new tokens fit in seq's last block plus the free blocks."""
-        capacity = (
-            len(seq.block_table) + len(self._free)
-        ) * self.block_size - seq.num_computed_tokens
+        usable = len(seq.block_table) + len(self._free) - self._shares_partial_tail(seq)
+        capacity = usable * self.block_size - seq.num_computed_tokens
         return max(0, min(max_tokens, capacity))
 
     # prefix cache ------------------------------------------------------------
@@ -128,7 +147,8 @@ class BlockManager:
         seq.block_table = list(hits)
         cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = cached_tokens
-        seq.num_cached_prompt_tokens = cached_tokens
+        if seq.num_preemptions == 0:  # what the request found; a recompute's hits aren't
+            seq.num_cached_prompt_tokens = cached_tokens
         self._seq_hashes[seq] = [self.blocks[b].block_hash for b in hits]  # type: ignore[misc]
         if self.enable_prefix_caching and prefix_hits is not None:
             self.prefix_queried_tokens += seq.num_tokens
@@ -136,12 +156,38 @@ class BlockManager:
         return cached_tokens
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Give `seq` the blocks for `num_new_tokens` more tokens."""
+        """Give `seq` the blocks for `num_new_tokens` more tokens; a shared partial block
+        they would write into is first copied to one of its own."""
         needed = self.blocks_needed(seq, num_new_tokens)
         if needed > len(self._free):
             raise RuntimeError(f"KV cache out of blocks: need {needed}, have {len(self._free)}")
+        if num_new_tokens > 0 and self._shares_partial_tail(seq):
+            index = seq.num_computed_tokens // self.block_size
+            shared = seq.block_table[index]
+            self.blocks[shared].ref_count -= 1  # > 0: another sequence still holds it
+            seq.block_table[index] = self._allocate_fresh()
+            self._copies.append((shared, seq.block_table[index]))
+            needed -= 1
         for _ in range(needed):
             seq.block_table.append(self._allocate_fresh())
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` (a choice of the same request, holding no blocks) shares every block of
+        `parent`'s computed tokens and their prefix-cache hashes."""
+        if child.block_table:
+            raise RuntimeError(f"sequence {child.request_id} already holds blocks")
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+        self._seq_hashes[child] = list(self._seq_hashes.get(parent, []))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies made since the last call: the runner
+        copies their K/V before the forward that writes into the destinations."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def free(self, seq: Sequence) -> None:
         """Return all of seq's blocks. Tail blocks are freed first so that, among equally
@@ -179,6 +225,11 @@ class BlockManager:
                 self._cached[parent] = block.block_id
 
     # internals ---------------------------------------------------------------
+
+    def _shares_partial_tail(self, seq: Sequence) -> bool:
+        """seq's next token lands in a block another sequence (a fork) holds too."""
+        index, offset = divmod(seq.num_computed_tokens, self.block_size)
+        return offset != 0 and self.blocks[seq.block_table[index]].ref_count > 1
 
     def _acquire(self, block_id: int) -> None:
         block = self.blocks[block_id]

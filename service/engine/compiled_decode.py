@@ -145,6 +145,7 @@ class CompiledRunner(StepRunner):
             return self.eager.run(inputs)
         self.stats.compiled_steps += 1
         self.stats.padded_rows += bucket - len(inputs.query_lens)
+        self.eager.pool.copy_blocks(inputs.block_copies)
         return self._run_padded(inputs, bucket)
 
     def bucket_for(self, inputs: StepInputs) -> int | None:

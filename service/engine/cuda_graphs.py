@@ -249,6 +249,7 @@ class GraphedRunner(StepRunner):
             return self.eager.run(inputs)
         self.stats.graph_steps += 1
         self.stats.padded_rows += graph.batch - len(inputs.query_lens)
+        self.eager.pool.copy_blocks(inputs.block_copies)
         return graph.run(inputs)
 
     def graph_for(self, inputs: StepInputs) -> _DecodeGraph | None:

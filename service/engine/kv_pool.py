@@ -72,6 +72,18 @@ class KVCachePool:
         cache.value_rows.index_copy_(1, slots, value.transpose(1, 2))
         return cache
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy every layer's K/V of block `source` into block `destination`, for each
+        (source, destination) pair: a fork's own copy of a block it shared."""
+        if not copies or not self._layers:
+            return
+        some = next(iter(self._layers.values()))
+        pairs = torch.tensor(copies, dtype=torch.long, device=some.keys.device)
+        source, destination = pairs[:, 0], pairs[:, 1]
+        for cache in self._layers.values():
+            cache.keys.index_copy_(0, destination, cache.keys.index_select(0, source))
+            cache.values.index_copy_(0, destination, cache.values.index_select(0, source))
+
     def _allocate(self, states: torch.Tensor) -> torch.Tensor:
         _, num_heads, _, head_dim = states.shape
         return torch.zeros(

@@ -46,12 +46,21 @@ MAX_ARRIVAL_WAIT = 0.02  # seconds
 
 
 @dataclass(eq=False)
-class _Stream:
-    """Engine-thread state of one request, and the asyncio queue it feeds."""
+class _Group:
+    """The asyncio queue one request's choices feed, and how many are still open (on
+    the engine thread: the queue ends when the last one finishes)."""
 
-    seq: Sequence
     queue: asyncio.Queue
     event_loop: asyncio.AbstractEventLoop
+    open: int
+
+
+@dataclass(eq=False)
+class _Stream:
+    """Engine-thread state of one sequence (one choice of a request)."""
+
+    seq: Sequence
+    group: _Group
     detokenizer: IncrementalDetokenizer
     stops: StopSequenceMatcher
     events: list = field(default_factory=list)  # produced this step, not yet delivered
@@ -139,23 +148,21 @@ class EngineLoop:
     # asyncio side ---------------------------------------------------------------
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
-        """Stream the request's tokens. Leaving the iteration early (the client went
-        away, the task was cancelled) aborts the sequence and frees its blocks."""
+        """Stream the request's tokens; with n > 1 choices, those of every choice as they
+        come (TokenEvent.choice tells them apart), until all have finished. Leaving the
+        iteration early (the client went away, the task was cancelled) aborts the
+        sequences and frees their blocks."""
         if not self.healthy:
             raise EngineError("the engine is not running", ErrorType.UNAVAILABLE)
-        seq = Sequence(request, self.eos_token_ids)
-        stream = _Stream(
-            seq=seq,
-            queue=asyncio.Queue(),
-            event_loop=asyncio.get_running_loop(),
-            detokenizer=IncrementalDetokenizer.for_prompt(self.tokenizer, seq.num_prompt_tokens),
-            stops=StopSequenceMatcher(request.stopping.stop_sequences),
-        )
-        self._post("add", stream)
+        choices = request.choices()
+        group = _Group(asyncio.Queue(), asyncio.get_running_loop(), open=len(choices))
+        streams = [self._stream(r, i, group) for i, r in enumerate(choices)]
+        streams[0].seq.forks = [s.seq for s in streams[1:]]
+        self._post("add", streams)
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await group.queue.get()
                 if item is _END:
                     finished = True
                     return
@@ -166,7 +173,16 @@ class EngineLoop:
                     yield event
         finally:
             if not finished:
-                self._post("abort", request.request_id)
+                self._post("abort", [r.request_id for r in choices])
+
+    def _stream(self, request: EngineRequest, choice: int, group: _Group) -> _Stream:
+        seq = Sequence(request, self.eos_token_ids, choice=choice)
+        return _Stream(
+            seq=seq,
+            group=group,
+            detokenizer=IncrementalDetokenizer.for_prompt(self.tokenizer, seq.num_prompt_tokens),
+            stops=StopSequenceMatcher(request.stopping.stop_sequences),
+        )
 
     def _post(self, kind: str, payload: object) -> None:
         self._inbox.append((kind, payload))
@@ -239,18 +255,20 @@ class EngineLoop:
     def _drain_inbox(self) -> None:
         while self._inbox:
             kind, payload = self._inbox.popleft()
-            if kind == "add":
-                stream = payload
+            if kind == "add":  # a request's choices; the first carries the others as forks
+                streams = payload
                 try:
-                    self.core.add(stream.seq)
+                    self.core.add(streams[0].seq)
                 except EngineError as exc:  # e.g. it can never fit in the KV pool
-                    _send(stream, exc)
+                    _send(streams[0].group, exc)
                     continue
-                self._streams[stream.seq.request_id] = stream
+                for stream in streams:
+                    self._streams[stream.seq.request_id] = stream
             else:
-                stream = self._streams.pop(payload, None)
-                if stream is not None:
-                    self.core.abort(stream.seq)
+                for request_id in payload:
+                    stream = self._streams.pop(request_id, None)
+                    if stream is not None:
+                        self.core.abort(stream.seq)
 
     def _process(self, outputs: list[StepOutput]) -> None:
         touched = []
@@ -305,6 +323,7 @@ class EngineLoop:
             top_tokens=tuple(self._token_info(i, lp) for i, lp in out.top_tokens),
             prefill=self._prefill(seq, out.prefill_logprobs),
             finish=finish,
+            choice=seq.choice,
         )
 
     @staticmethod
@@ -340,6 +359,7 @@ class EngineLoop:
             queue_time=max(0.0, started - seq.request.arrival_time),
             inference_time=now - started,
             prefill_time=(seq.first_token_time or now) - started,
+            cached_tokens=seq.num_cached_prompt_tokens,
         )
 
     def _deliver(self, streams: list[_Stream]) -> None:
@@ -353,7 +373,12 @@ class EngineLoop:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, list, bool]]] = {}
         for s in streams:
             if s.events:
-                by_loop.setdefault(s.event_loop, []).append((s.queue, s.events, s.seq.is_finished))
+                group = s.group
+                if s.seq.is_finished:
+                    group.open -= 1
+                by_loop.setdefault(group.event_loop, []).append(
+                    (group.queue, s.events, group.open == 0)
+                )
                 s.events = []
         for event_loop, batch in by_loop.items():
             try:
@@ -368,16 +393,19 @@ class EngineLoop:
         while self._inbox:
             kind, payload = self._inbox.popleft()
             if kind == "add":
-                streams.append(payload)
+                streams.extend(payload)
+        groups = {}
         for s in streams:
             with contextlib.suppress(Exception):
                 self.core.abort(s.seq)
-            _send(s, error)
+            groups[id(s.group)] = s.group
+        for group in groups.values():
+            _send(group, error)
 
 
-def _send(stream: _Stream, item) -> None:
+def _send(group: _Group, item) -> None:
     try:
-        stream.event_loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        group.event_loop.call_soon_threadsafe(group.queue.put_nowait, item)
     except RuntimeError:  # the loop is closed: nobody is listening any more
         pass
 

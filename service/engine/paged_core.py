@@ -13,7 +13,7 @@ import time
 import torch
 
 from ..errors import ErrorType
-from .block_manager import BlockManager, num_blocks_for_tokens
+from .block_manager import BlockManager, num_blocks_for_choices, num_blocks_for_tokens
 from .compiled_decode import CompiledRunner, CompileSettings
 from .core import StepOutput
 from .cuda_graphs import GraphedRunner, GraphSettings
@@ -94,11 +94,15 @@ class PagedCore:
         # The engine's own invariants: a request that could never fit would wait forever.
         # Validated requests never fail them (validation bounds max_new_tokens by
         # max_total_tokens, which startup checks against the pool: app.py).
-        needed = seq.num_prompt_tokens + seq.request.stopping.max_new_tokens
-        if needed > self.max_total_tokens:
+        bm = self.block_manager
+        needed = num_blocks_for_choices(
+            seq.num_prompt_tokens, seq.request.stopping.max_new_tokens, seq.width, bm.block_size
+        )
+        if needed > bm.num_blocks:
             raise EngineError(
-                f"request needs {needed} tokens of KV cache but the pool holds "
-                f"{self.max_total_tokens} (max_batch_total_tokens)",
+                f"request needs {needed * bm.block_size} tokens of KV cache for its "
+                f"{seq.width} choice(s) but the pool holds {self.max_total_tokens} "
+                "(max_batch_total_tokens)",
                 ErrorType.VALIDATION,
             )
         if seq.num_prompt_tokens == 0:
@@ -132,7 +136,7 @@ class PagedCore:
                 seq.first_scheduled_time = now
         # grammar masks are computed on a worker thread while the forward runs
         masks = self.start_masks(batch)
-        result = self.runner.execute(batch)
+        result = self.runner.execute(batch)  # copies forked blocks first (batch.block_copies)
         self.scheduler.commit(batch)
         _store_prompt_logprobs(result)
         if not result.sample_seqs:
@@ -169,6 +173,7 @@ class PagedCore:
             prefix_cache_queried_tokens=bm.prefix_queried_tokens,
             preemptions=self.scheduler.num_preemptions,
             steps=self._steps,
+            prefill_tokens=self.scheduler.num_prefill_tokens,
         )
 
     # internals ---------------------------------------------------------------
@@ -184,10 +189,11 @@ class PagedCore:
         logits = result.sample_logits.float()
         if masks is not None:
             self.grammars.apply(logits, result.sample_seqs, masks)
-        sampled = self.sampler.sample(logits, result.sample_seqs)
+        seqs, logits = self._fork(result.sample_seqs, logits)
+        sampled = self.sampler.sample(logits, seqs)
         outputs = []
         now = time.monotonic()
-        for row, seq in enumerate(result.sample_seqs):
+        for row, seq in enumerate(seqs):
             prefill = None
             if seq.request.decoder_input_details and seq.num_output_tokens == 0:
                 prefill = [None, *seq.prefill_logprobs]
@@ -203,6 +209,31 @@ class PagedCore:
             if seq.is_finished:
                 self.scheduler.finish(seq)
         return outputs
+
+    def _fork(
+        self, seqs: list[Sequence], logits: torch.Tensor
+    ) -> tuple[list[Sequence], torch.Tensor]:
+        """The sequences that sample this step, with the forks of those whose prompt it
+        computed (other choices of their request), and their logits rows: a fork shares
+        its parent's blocks and samples its own first token from the parent's row (its
+        grammar mask included), so the prompt is computed once for all n choices."""
+        if not any(s.forks for s in seqs):
+            return seqs, logits
+        out, rows = [], []
+        for row, seq in enumerate(seqs):
+            out.append(seq)
+            rows.append(row)
+            forks, seq.forks = seq.forks, []
+            for child in forks:
+                if child.is_finished:  # aborted with its request
+                    continue
+                self.scheduler.add_fork(seq, child)
+                child.prefill_logprobs = list(seq.prefill_logprobs)
+                if seq.grammar_state is not None:  # before seq's token moves it on
+                    child.grammar_state = seq.grammar_state.deep_copy()
+                out.append(child)
+                rows.append(row)
+        return out, logits[torch.tensor(rows, device=logits.device)]
 
 
 def build_runner(

@@ -84,6 +84,9 @@ class StepInputs:
     context_lens: list[int]  # [B] tokens cached after the step
     block_tables: list[list[int]]  # [B] each entry's blocks, covering its context
     keep: list[int]  # batch rows whose logits are projected, in the logits' row order
+    # (source, destination) KV blocks to copy before the forward: a fork's first write into
+    # the partial block it shares with its request's other choices (block_manager.py)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_pure_decode(self) -> bool:
@@ -128,6 +131,7 @@ class StepRunner:
             layout = lay_out(batch, ROW_MULTIPLE, self.pool.scratch_block)
         else:
             layout = lay_out(batch)
+        layout.block_copies = batch.block_copies
         logits = self.run(layout.inputs)
         if len(layout.sample_rows) == logits.shape[0]:
             sample_logits = logits
@@ -177,6 +181,7 @@ class ModelRunner(StepRunner):
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
+        self.pool.copy_blocks(inputs.block_copies)
         meta = BatchMetadata.build(
             self.pool,
             inputs.query_lens,
@@ -230,6 +235,7 @@ class Layout:
     sample_rows: list[int] = field(default_factory=list)  # row in `keep` of each of those
     # (seq, first row in `keep`, first position, chunk length) for prompt logprobs
     prompt_spans: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # StepInputs'
 
     @property
     def inputs(self) -> StepInputs:
@@ -240,6 +246,7 @@ class Layout:
             self.context_lens,
             self.block_tables,
             self.keep,
+            self.block_copies,
         )
 
     def add(self, seq: Sequence, num_new: int) -> None:

@@ -9,7 +9,10 @@ sooner, vLLM's convention), then arrival order.
 2. Prefill chunks of running sequences whose prompt (or recompute) is not done yet, first
    first, within the per-step prefill budget `max_batch_prefill_tokens`.
 3. Admission of waiting sequences, first first, while the prefill budget, `max_batch_size`
-   and the free blocks allow. A long prompt is split into chunks across steps.
+   and the free blocks allow. A long prompt is split into chunks across steps. A request of
+   n choices is admitted as one sequence that will be n (Sequence.width): the batch must
+   have room for all of them, and the pool for its prompt plus one block per other choice
+   (the copy of the shared partial block each will write into).
 
 Starvation policy. TGI's `waiting_served_ratio` / `max_waiting_tokens` exist because its
 prefill is a separate forward that stalls every running decode for the whole prompt, so it
@@ -45,6 +48,9 @@ class SchedulerOutput:
     num_decode_tokens: int = 0  # one per running sequence with a single token left
     # sequences preempted while building this step: blocks freed, back at the waiting front
     preempted: list[Sequence] = field(default_factory=list)
+    # (source, destination) KV blocks to copy before the forward: a fork's first write
+    # into the partial block it shares (block_manager.py)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +74,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # cumulative
+        self.num_prefill_tokens = 0  # prompt and recompute tokens scheduled, cumulative
         self._arrivals = itertools.count()
 
     # queue management --------------------------------------------------------
@@ -89,6 +96,15 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def add_fork(self, parent: Sequence, child: Sequence) -> None:
+        """Run `child`, a choice of parent's request, on parent's computed prompt (after
+        the step that computed it): it shares parent's blocks and rank."""
+        self.block_manager.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        child.arrival_order = parent.arrival_order
+        child.first_scheduled_time = parent.first_scheduled_time
+        _insert(self.running, child)
+
     def preempt_all(self) -> None:
         """Preempt every running sequence (recompute), keeping their order."""
         out = SchedulerOutput()
@@ -106,6 +122,8 @@ class Scheduler:
         # decodes to a newcomer and preempt again next step.
         if not out.preempted:
             self._admit_waiting(out, budget)
+        out.block_copies = self.block_manager.take_copies()
+        self.num_prefill_tokens += out.num_prefill_tokens
         return out
 
     def commit(self, out: SchedulerOutput) -> None:
@@ -157,9 +175,17 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:
+            return
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+        # sequences running, and those their pending forks will add
+        occupied = sum(s.width for s in self.running)
+        while self.waiting and budget > 0:
             seq = self.waiting[0]  # the first ranked: no skipping ahead of it
+            # room for all its choices; alone, it runs whatever its width (the batch size
+            # may have been shrunk below it after an out-of-memory step)
+            if occupied and occupied + seq.width > self.max_batch_size:
+                break
             # Prompt logprobs need the logits of every prompt position: no prefix reuse.
             hits = None if seq.request.decoder_input_details else bm.match_prefix(seq)
             num_to_compute = seq.num_tokens - len(hits or ()) * bm.block_size
@@ -167,7 +193,8 @@ class Scheduler:
             # Admit only when the whole rest of the prompt fits in the free blocks (not just
             # this chunk): a sequence admitted on a sliver would stall mid-prompt and be
             # preempted, wasting the chunks already computed.
-            if num_blocks_for_tokens(num_to_compute, bm.block_size) > free_blocks:
+            needed = num_blocks_for_tokens(num_to_compute, bm.block_size) + len(seq.forks)
+            if needed > free_blocks:
                 break
             num_new = min(num_to_compute, budget)
             self.waiting.pop(0)
@@ -175,6 +202,7 @@ class Scheduler:
             bm.append_slots(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             _insert(self.running, seq)
+            occupied += seq.width
             out.scheduled.append((seq, num_new))
             out.num_prefill_tokens += num_new
             budget -= num_new

@@ -39,6 +39,11 @@ class Sequence:
     num_preemptions: int = 0
     arrival_order: int = 0  # set by the scheduler when it is added: ties between priorities
     grammar_state: object | None = None  # owned by GrammarMasks (the request's matcher)
+    choice: int = 0  # which of the request's n choices this is (0: the one that prefills)
+    # the request's other choices, waiting for this one's prompt to be computed: then they
+    # are forked from it (sharing its KV blocks) and sample their own first token from
+    # its logits (paged_core.py). Empty once forked, or when n is 1.
+    forks: list[Sequence] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -64,6 +69,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def width(self) -> int:
+        """Sequences this one will be once its pending forks are made."""
+        return 1 + len(self.forks)
 
     @property
     def in_prefill(self) -> bool:

@@ -29,7 +29,7 @@ from .runner import StepInputs, StepRunner
 
 log = logging.getLogger("textgen.engine")
 
-HEADER_SIZE = 6
+HEADER_SIZE = 7
 HEARTBEAT_S = 5.0  # an idle rank 0 says it is alive this often
 
 
@@ -58,7 +58,7 @@ class ShardGroup:
         header = torch.zeros(HEADER_SIZE, dtype=torch.long)
         header[0] = op
         if inputs is not None:
-            header[1:5] = torch.tensor(_sizes(inputs))
+            header[1:6] = torch.tensor(_sizes(inputs))
         dist.broadcast(header, 0, group=self.control)
         if payload is not None:
             dist.broadcast(payload, 0, group=self.control)
@@ -70,7 +70,7 @@ class ShardGroup:
         op = Op(int(header[0]))
         if op is not Op.STEP:
             return op, None
-        sizes = header[1:5].tolist()
+        sizes = header[1:6].tolist()
         payload = torch.empty(_payload_length(*sizes), dtype=torch.long)
         dist.broadcast(payload, 0, group=self.control)
         return op, decode(payload, *sizes)
@@ -88,33 +88,36 @@ class ShardGroup:
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
 
-def _sizes(inputs: StepInputs) -> tuple[int, int, int, int]:
-    """(tokens, entries, kept rows, block-table entries)."""
+def _sizes(inputs: StepInputs) -> tuple[int, int, int, int, int]:
+    """(tokens, entries, kept rows, block-table entries, block copies)."""
     return (
         len(inputs.token_ids),
         len(inputs.query_lens),
         len(inputs.keep),
         sum(len(t) for t in inputs.block_tables),
+        len(inputs.block_copies),
     )
 
 
-def _payload_length(tokens: int, entries: int, kept: int, table_entries: int) -> int:
-    return 2 * tokens + 3 * entries + kept + table_entries
+def _payload_length(tokens: int, entries: int, kept: int, table_entries: int, copies: int) -> int:
+    return 2 * tokens + 3 * entries + kept + table_entries + 2 * copies
 
 
 def encode(inputs: StepInputs) -> torch.Tensor:
-    """ids | positions | query lens | context lens | table lens | tables | keep."""
+    """ids | positions | query lens | context lens | table lens | tables | keep | copies."""
     flat: list[int] = [*inputs.token_ids, *inputs.positions, *inputs.query_lens]
     flat += inputs.context_lens
     flat += [len(t) for t in inputs.block_tables]
     for table in inputs.block_tables:
         flat += table
     flat += inputs.keep
+    for source, destination in inputs.block_copies:
+        flat += (source, destination)
     return torch.tensor(flat, dtype=torch.long)
 
 
 def decode(
-    payload: torch.Tensor, tokens: int, entries: int, kept: int, table_entries: int
+    payload: torch.Tensor, tokens: int, entries: int, kept: int, table_entries: int, copies: int
 ) -> StepInputs:
     values = payload.tolist()
     at = 0
@@ -128,7 +131,10 @@ def decode(
     token_ids, positions = take(tokens), take(tokens)
     query_lens, context_lens, table_lens = take(entries), take(entries), take(entries)
     tables = [take(n) for n in table_lens]
-    return StepInputs(token_ids, positions, query_lens, context_lens, tables, take(kept))
+    keep = take(kept)
+    pairs = take(2 * copies)
+    block_copies = list(zip(pairs[0::2], pairs[1::2], strict=True))
+    return StepInputs(token_ids, positions, query_lens, context_lens, tables, keep, block_copies)
 
 
 class ShardedRunner(StepRunner):

@@ -4,9 +4,11 @@ what the engine hands back. Plain dataclasses; nothing here knows gRPC or torch.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import ErrorType
+
+_SEEDS = 2**64  # seeds are unsigned 64-bit
 
 
 class FinishReason(str, enum.Enum):
@@ -56,6 +58,25 @@ class EngineRequest:
     # an llguidance grammar the output must follow (engine/grammar.py), None: unconstrained
     grammar: str | None = None
     priority: int = 0  # lower is scheduled sooner (vLLM's convention); ties: arrival order
+    # choices sampled from the one prompt (OpenAI's `n`, TGI's `best_of`): the prompt is
+    # computed once and its KV blocks shared (engine/paged_core.py forks the sequences)
+    n: int = 1
+
+    def choices(self) -> tuple[EngineRequest, ...]:
+        """One request per choice: the first is this one; choice i's id is suffixed and
+        its seed is this seed + i (so a seeded request's choices are reproducible, and its
+        first choice is the one an n=1 request with that seed gets)."""
+        if self.n == 1:
+            return (self,)
+        first = replace(self, n=1)
+        return (first,) + tuple(
+            replace(
+                first,
+                request_id=f"{self.request_id}-{i}",
+                sampling=replace(self.sampling, seed=(self.sampling.seed + i) % _SEEDS),
+            )
+            for i in range(1, self.n)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +104,7 @@ class FinishInfo:
     queue_time: float  # seconds from arrival to the first forward that included it
     inference_time: float  # seconds from that forward to the last token
     prefill_time: float = 0.0  # seconds from that forward to the first token
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +119,7 @@ class TokenEvent:
     top_tokens: tuple[TokenInfo, ...] = ()
     prefill: tuple[PrefillInfo, ...] = ()  # on the first event when decoder_input_details
     finish: FinishInfo | None = None  # on the last event
+    choice: int = 0  # which of the request's n choices (0-based) this token belongs to
 
 
 class EngineError(Exception):
@@ -121,3 +144,4 @@ class EngineStats:
     prefix_cache_queried_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
+    prefill_tokens: int = 0  # prompt (and recompute) tokens computed so far, cumulative

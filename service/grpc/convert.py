@@ -118,6 +118,7 @@ def stream_response(
                 generated_tokens=f.generated_tokens,
                 input_length=f.input_length,
                 timings=timings(f, validation_time, total_time),
+                cached_tokens=f.cached_tokens,
             )
         )
         if seed_reported:  # TGI reports a seed only when sampling
@@ -136,6 +137,7 @@ def details(
         tokens=[token(e.token) for e in events],
         input_length=finish.input_length,
         timings=timings(finish, validation_time, total_time),
+        cached_tokens=finish.cached_tokens,
     )
     if seed_reported:
         out.seed = float(finish.seed)

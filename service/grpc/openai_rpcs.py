@@ -44,26 +44,31 @@ class OpenAIRpcs:
                         yield body
                     return
                 try:
-                    events = [e async for e in self.engine.generate(valid.engine_request)]
+                    runs = await self.collect_choices(valid.engine_request)
                 except EngineError as exc:
                     await abort(context, exc.message, exc.error_type)
-                record.finished(events[-1].finish)
-                yield httpbody_pb2.HttpBody(content_type=JSON, data=renderer.completion(events))
+                record.finished(*(run[-1].finish for run in runs))
+                yield httpbody_pb2.HttpBody(content_type=JSON, data=renderer.completion(runs))
 
     async def _chat_stream(self, renderer: ChatRenderer, valid, context, record):
-        stream = ChatStream(renderer)
+        streams = [ChatStream(renderer, i) for i in range(valid.engine_request.n)]
+        finishes = []
         sent_any = False
         try:
             async for event in self.engine.generate(valid.engine_request):
                 if event.finish is not None:
-                    record.finished(event.finish)
-                for data in stream.chunks(event):
+                    finishes.append(event.finish)
+                for data in streams[event.choice].chunks(event):
                     yield _body(data)
                     sent_any = True
         except EngineError as exc:
             if sent_any:
                 yield _body(sse_error(exc.message, exc.error_type))
             await abort(context, exc.message, exc.error_type)
+        record.finished(*finishes)
+        if renderer.request.include_usage:
+            yield _body(renderer.usage_chunk(finishes))
+        yield _body(DONE)
 
     async def Completions(self, request, context):
         async with self.request(context, "Completions") as record:
@@ -86,40 +91,43 @@ class OpenAIRpcs:
                     async for body in self._completion_stream(renderer, streams, context, record):
                         yield body
                     return
-                runs = [[] for _ in valid]
+                # per prompt, each sampled choice's events
+                runs = [[[] for _ in range(req.best_of)] for _ in valid]
                 try:
-                    async for index, event in _merged(streams):
-                        runs[index].append(event)
+                    async for p, event in _merged(streams):
+                        runs[p][event.choice].append(event)
                 except EngineError as exc:
                     await abort(context, exc.message, exc.error_type)
-                record.finished(*(run[-1].finish for run in runs))
+                record.finished(*(choice[-1].finish for run in runs for choice in run))
                 yield httpbody_pb2.HttpBody(content_type=JSON, data=renderer.completion(runs))
 
     async def _completion_stream(self, renderer: CompletionRenderer, streams, context, record):
+        """Streamed, best_of is n: choice i of prompt p is index p * n + i."""
         req = renderer.request
-        holdbacks = [StopHoldback(req.stop) for _ in streams]
-        finishes = []
+        holdbacks = [StopHoldback(req.stop) for _ in range(len(streams) * req.n)]
+        finishes: list[list] = [[] for _ in streams]  # per prompt
         sent_any = False
         try:
             if req.echo:
-                for index, prompt in enumerate(req.prompts):
-                    yield _body(renderer.chunk(index, prompt))
+                for index in range(len(holdbacks)):
+                    yield _body(renderer.chunk(index, req.prompts[index // req.n]))
                     sent_any = True
-            async for index, event in _merged(streams):
+            async for p, event in _merged(streams):
+                index = p * req.n + event.choice
                 final = event.finish is not None
                 text = holdbacks[index].feed(event.text, final)
                 if text or (req.logprobs is not None and not event.token.special):
                     yield _body(renderer.chunk(index, text, event))
                     sent_any = True
                 if final:
-                    finishes.append(event.finish)
+                    finishes[p].append(event.finish)
                     yield _body(renderer.chunk(index, "", reason=finish_reason(event.finish)))
                     sent_any = True
         except EngineError as exc:
             if sent_any:
                 yield _body(sse_error(exc.message, exc.error_type))
             await abort(context, exc.message, exc.error_type)
-        record.finished(*finishes)
+        record.finished(*(f for prompt in finishes for f in prompt))
         if req.include_usage:
             yield _body(renderer.usage_chunk(finishes))
         yield _body(DONE)

@@ -165,23 +165,18 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
         )
 
     async def _generate_best_of(self, valid: ValidRequest) -> list[list[TokenEvent]]:
-        """best_of sequences run side by side with their own seeds; the first is the
-        best by summed token logprob (TGI's rule)."""
-        requests = [valid.engine_request]
-        for i in range(1, valid.best_of):
-            base = valid.engine_request
-            requests.append(
-                replace(
-                    base,
-                    request_id=f"{base.request_id}-{i}",
-                    sampling=replace(base.sampling, seed=base.sampling.seed + i),
-                )
-            )
-        runs = await asyncio.gather(*(self._collect(r) for r in requests))
+        """best_of sequences run side by side with their own seeds (the engine's n
+        choices, sharing the prompt's KV blocks); the first is the best by summed token
+        logprob (TGI's rule)."""
+        runs = await self.collect_choices(valid.engine_request)
         return sorted(runs, key=lambda events: -sum(e.token.logprob for e in events))
 
-    async def _collect(self, engine_request) -> list[TokenEvent]:
-        return [event async for event in self.engine.generate(engine_request)]
+    async def collect_choices(self, engine_request) -> list[list[TokenEvent]]:
+        """Each of the request's n choices' events, in choice order."""
+        runs: list[list[TokenEvent]] = [[] for _ in range(engine_request.n)]
+        async for event in self.engine.generate(engine_request):
+            runs[event.choice].append(event)
+        return runs
 
     def _generate_response(self, valid: ValidRequest, runs: list[list[TokenEvent]], arrival: float):
         best = runs[0]

@@ -200,6 +200,12 @@ class _EngineCollector:
         yield _gauge(
             "textgen_preemptions", "Sequences preempted (recomputed) so far", s.preemptions
         )
+        yield _gauge(
+            "textgen_prefill_tokens",
+            "Prompt tokens computed so far (recomputes included; prefix-cache hits and the"
+            " other choices of an n > 1 request, which share the prompt, not)",
+            s.prefill_tokens,
+        )
 
 
 PRIORITY_LABEL_RANGE = 10  # priorities beyond +-10 share the labels "<-10" and ">10"

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from ..engine.types import FinishInfo, TokenEvent
 from ..request import GenerateParameters, GenerateRequest
 from .common import (
-    DONE,
+    MAX_TOP_LOGPROBS,
     SAMPLING_FIELDS,
     OpenAIRequestError,
     StopHoldback,
+    checked_top_logprobs,
     finish_reason,
     json_bytes,
     json_object,
@@ -72,7 +73,7 @@ def parse_chat_request(body: bytes, tokenizer) -> ChatRequest:
     if plan is None:
         params["grammar"] = answer_format
     logprobs = bool(optional_field(data, "logprobs", bool) or False)
-    top_logprobs = optional_field(data, "top_logprobs", int) or 0
+    top_logprobs = checked_top_logprobs(data)
     if top_logprobs and not logprobs:
         raise OpenAIRequestError("`top_logprobs` requires `logprobs: true`", "top_logprobs")
     if top_logprobs:
@@ -85,6 +86,7 @@ def parse_chat_request(body: bytes, tokenizer) -> ChatRequest:
         parameters=GenerateParameters(**params),
         lark=plan.lark(lark_answer(answer_format, "response_format")) if plan is not None else None,
         names=_names(data, plan),
+        max_top_n_tokens=MAX_TOP_LOGPROBS,
     )
     return ChatRequest(
         generate=generate,
@@ -205,7 +207,13 @@ class ChatRenderer:
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def completion(self, events: list[TokenEvent]) -> bytes:
+    def completion(self, runs: list[list[TokenEvent]]) -> bytes:
+        """The answer: each choice's events, in choice order."""
+        body = self._envelope("chat.completion", [self._choice(i, e) for i, e in enumerate(runs)])
+        body["usage"] = usage([events[-1].finish for events in runs])
+        return json_bytes(body)
+
+    def _choice(self, index: int, events: list[TokenEvent]) -> dict:
         finish = events[-1].finish
         text = trim_stop(finish.generated_text, self.request.stop)
         message = {"role": "assistant", "content": text}
@@ -218,39 +226,38 @@ class ChatRenderer:
                 "tool_calls": [_call_dict(c) for c in parsed.calls],
             }
             reason = tool_finish_reason(reason, parsed)
-        choice = {
-            "index": 0,
+        return {
+            "index": index,
             "message": message,
             "logprobs": self._logprobs(events),
             "finish_reason": reason,
         }
-        body = self._envelope("chat.completion", [choice])
-        body["usage"] = usage(finish)
-        return json_bytes(body)
 
-    def first_chunk(self) -> bytes:
-        return self._chunk({"role": "assistant", "content": ""}, None, None)
+    def first_chunk(self, index: int) -> bytes:
+        return self._chunk(index, {"role": "assistant", "content": ""}, None, None)
 
-    def delta_chunk(self, delta: dict) -> bytes:
-        return self._chunk(delta, None, None)
+    def delta_chunk(self, index: int, delta: dict) -> bytes:
+        return self._chunk(index, delta, None, None)
 
-    def content_chunk(self, text: str, event: TokenEvent | None) -> bytes:
-        return self.content_chunk_of(text, [event] if event is not None else [])
+    def content_chunk(self, index: int, text: str, event: TokenEvent | None) -> bytes:
+        return self.content_chunk_of(index, text, [event] if event is not None else [])
 
-    def content_chunk_of(self, text: str, events: list[TokenEvent]) -> bytes:
+    def content_chunk_of(self, index: int, text: str, events: list[TokenEvent]) -> bytes:
         """Content with the logprobs of the tokens that produced it (may be several)."""
-        return self._chunk({"content": text}, None, self._logprobs(events) if events else None)
+        logprobs = self._logprobs(events) if events else None
+        return self._chunk(index, {"content": text}, None, logprobs)
 
-    def final_chunk(self, finish: FinishInfo, reason: str | None = None) -> bytes:
-        return self._chunk({}, reason or finish_reason(finish), None)
+    def final_chunk(self, index: int, finish: FinishInfo, reason: str | None = None) -> bytes:
+        return self._chunk(index, {}, reason or finish_reason(finish), None)
 
-    def usage_chunk(self, finish: FinishInfo) -> bytes:
+    def usage_chunk(self, finishes: list[FinishInfo]) -> bytes:
+        """The totals over the choices' finishes (stream_options.include_usage)."""
         body = self._envelope("chat.completion.chunk", [])
-        body["usage"] = usage(finish)
+        body["usage"] = usage(finishes)
         return sse_bytes(body)
 
-    def _chunk(self, delta: dict, reason: str | None, logprobs) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+    def _chunk(self, index: int, delta: dict, reason: str | None, logprobs) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         body = self._envelope("chat.completion.chunk", [choice])
         if self.request.include_usage:
             body["usage"] = None
@@ -288,10 +295,12 @@ def _call_dict(call) -> dict:
 
 @dataclass
 class ChatStream:
-    """Engine events -> chat.completion.chunk bytes: stop sequences held back, and with
-    tools, text told apart from calls before the first chunk says which it is."""
+    """One choice's engine events -> chat.completion.chunk bytes: stop sequences held
+    back, and with tools, text told apart from calls before the first chunk says which it
+    is. The stream's end (usage, `[DONE]`) is the caller's, once every choice is done."""
 
     renderer: ChatRenderer
+    index: int = 0  # the choice
     holdback: StopHoldback = field(init=False)
     parser: ToolCallParser | None = field(init=False)
     started: bool = False
@@ -309,20 +318,18 @@ class ChatStream:
         out = []
         if self.parser is None:
             if not self.started:
-                out.append(self.renderer.first_chunk())
+                out.append(self.renderer.first_chunk(self.index))
                 self.started = True
             if text or (request.logprobs and not event.token.special):
-                out.append(self.renderer.content_chunk(text, event if request.logprobs else None))
+                logprobs_of = event if request.logprobs else None
+                out.append(self.renderer.content_chunk(self.index, text, logprobs_of))
         else:
             out.extend(self._tool_aware(text, final, event))
         if final:
             reason = finish_reason(event.finish)
             if self.parser is not None and self.parser.is_calls and self.parser.calls:
                 reason = tool_finish_reason(reason, self.parser)
-            out.append(self.renderer.final_chunk(event.finish, reason))
-            if request.include_usage:
-                out.append(self.renderer.usage_chunk(event.finish))
-            out.append(DONE)
+            out.append(self.renderer.final_chunk(self.index, event.finish, reason))
         return out
 
     def _tool_aware(self, text: str, final: bool, event: TokenEvent) -> list[bytes]:
@@ -336,17 +343,18 @@ class ChatStream:
             if not self.started:
                 self.started = True
                 if "tool_calls" in delta:  # OpenAI's first chunk of a call carries its head
-                    out.append(
-                        self.renderer.delta_chunk({"role": "assistant", "content": None, **delta})
-                    )
+                    head = {"role": "assistant", "content": None, **delta}
+                    out.append(self.renderer.delta_chunk(self.index, head))
                     continue
-                out.append(self.renderer.first_chunk())
+                out.append(self.renderer.first_chunk(self.index))
             if "content" in delta:
-                out.append(self.renderer.content_chunk_of(delta["content"], self.held_events))
+                out.append(
+                    self.renderer.content_chunk_of(self.index, delta["content"], self.held_events)
+                )
                 self.held_events = []
             else:
-                out.append(self.renderer.delta_chunk(delta))
+                out.append(self.renderer.delta_chunk(self.index, delta))
         if final and not self.started:  # an empty answer still opens with the role
             self.started = True
-            out.append(self.renderer.first_chunk())
+            out.append(self.renderer.first_chunk(self.index))
         return out

@@ -47,8 +47,9 @@ def sampling_parameters(data: dict) -> tuple[dict, tuple[str, ...]]:
     `stream`), as keyword arguments of request.GenerateParameters, and the stop strings."""
     params: dict = {}
     n = optional_field(data, "n", int)
-    if n is not None and n != 1:
-        raise OpenAIRequestError("only `n: 1` is supported", "n")
+    if n is not None and n < 1:
+        raise OpenAIRequestError("`n` must be at least 1", "n")
+    params["n"] = n  # its upper bound is the server's (validation.py: --max-n)
     max_tokens = optional_field(data, "max_completion_tokens", int)
     if max_tokens is None:
         max_tokens = optional_field(data, "max_tokens", int)
@@ -58,7 +59,7 @@ def sampling_parameters(data: dict) -> tuple[dict, tuple[str, ...]]:
     if temperature is not None and temperature < 0:
         raise OpenAIRequestError("`temperature` must be >= 0", "temperature")
     sampling = temperature is None or temperature > 0  # OpenAI samples unless temperature is 0
-    top_p = optional_field(data, "top_p", float)
+    top_p = checked_top_p(data)
     top_k = optional_field(data, "top_k", int)
     if top_k is not None and top_k < -1:
         raise OpenAIRequestError("`top_k` must be -1 or 0 (off) or a positive integer", "top_k")
@@ -92,6 +93,29 @@ def sampling_parameters(data: dict) -> tuple[dict, tuple[str, ...]]:
         logit_bias[int(token)] = float(bias)
     params["logit_bias"] = logit_bias
     return params, stop
+
+
+def checked_top_p(data: dict) -> float | None:
+    """`top_p` within OpenAI's bounds, (0, 1]."""
+    top_p = optional_field(data, "top_p", float)
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise OpenAIRequestError(f"`top_p` must be > 0 and <= 1. Given: {top_p}", "top_p")
+    return top_p
+
+
+# OpenAI's bound on top_logprobs (TGI's routes keep the server's --max-top-n-tokens)
+MAX_TOP_LOGPROBS = 20
+
+
+def checked_top_logprobs(data: dict) -> int:
+    """`top_logprobs` within OpenAI's bounds, 0 to 20 (0 when absent)."""
+    top_logprobs = optional_field(data, "top_logprobs", int) or 0
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise OpenAIRequestError(
+            f"`top_logprobs` must be >= 0 and <= {MAX_TOP_LOGPROBS}. Given: {top_logprobs}",
+            "top_logprobs",
+        )
+    return top_logprobs
 
 
 def _stop(data: dict) -> tuple[str, ...]:
@@ -163,11 +187,17 @@ def trim_stop(text: str, stop: tuple[str, ...]) -> str:
     return text if cut < 0 else text[:cut]
 
 
-def usage(finish: FinishInfo) -> dict:
+def usage(*prompts: list[FinishInfo]) -> dict:
+    """OpenAI's usage of one or more prompts, each given as its choices' finishes: a
+    prompt counts once (its choices share it), completions add up over every choice.
+    `cached_tokens`: prompt tokens served from the prefix cache."""
+    prompt = sum(choices[0].input_length for choices in prompts)
+    completion = sum(f.generated_tokens for choices in prompts for f in choices)
     return {
-        "prompt_tokens": finish.input_length,
-        "completion_tokens": finish.generated_tokens,
-        "total_tokens": finish.input_length + finish.generated_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(c[0].cached_tokens for c in prompts)},
     }
 
 

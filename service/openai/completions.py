@@ -1,7 +1,9 @@
 """/v1/completions: OpenAI's legacy completions. `prompt` is a string or a list of
-strings (one choice each, up to max_client_batch_size); `echo` puts the prompt in
-front of the text; `suffix` (fill-in-the-middle) is refused, as no served template
-supports it."""
+strings (up to max_client_batch_size), each answered with `n` choices (choice
+`prompt_index * n + i`); `best_of` > n samples that many and keeps the n most likely
+(by summed token logprob; not streamable, as OpenAI's); `echo` puts the prompt in front
+of the text; `suffix` (fill-in-the-middle) is refused, as no served template supports
+it."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from .common import (
     sampling_parameters,
     sse_bytes,
     trim_stop,
+    usage,
 )
 
 
@@ -29,6 +32,8 @@ from .common import (
 class CompletionRequest:
     prompts: tuple[str, ...]
     generates: tuple[GenerateRequest, ...]  # one per prompt, same parameters
+    n: int  # choices answered per prompt
+    best_of: int  # choices sampled per prompt (>= n): the n most likely are answered
     stream: bool
     include_usage: bool
     echo: bool
@@ -50,28 +55,43 @@ def parse_completion_request(body: bytes, max_prompts: int) -> CompletionRequest
     prompts = _prompts(data.get("prompt"), max_prompts)
     if optional_field(data, "suffix", str):
         raise OpenAIRequestError("`suffix` is not supported", "suffix")
-    best_of = optional_field(data, "best_of", int)
-    if best_of is not None and best_of != 1:  # clients such as LangChain's send 1
-        raise OpenAIRequestError("only `best_of: 1` is supported", "best_of")
     params, stop = sampling_parameters(data)
+    stream = bool(optional_field(data, "stream", bool) or False)
+    n = params["n"] or 1
+    best_of = _best_of(data, n, stream)
+    params["n"] = best_of  # sampled; validation bounds it by --max-n
     logprobs = optional_field(data, "logprobs", int)
     if logprobs is not None:
         if logprobs < 0:
             raise OpenAIRequestError("`logprobs` must be >= 0", "logprobs")
         params["top_n_tokens"] = logprobs
     options = optional_field(data, "stream_options", dict) or {}
+    names = {**COMPLETION_NAMES, "n": "best_of" if best_of > n else "n"}
     return CompletionRequest(
         prompts=prompts,
         generates=tuple(
-            GenerateRequest(p, GenerateParameters(**params), names=COMPLETION_NAMES)
-            for p in prompts
+            GenerateRequest(p, GenerateParameters(**params), names=names) for p in prompts
         ),
-        stream=bool(optional_field(data, "stream", bool) or False),
+        n=n,
+        best_of=best_of,
+        stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         echo=bool(optional_field(data, "echo", bool) or False),
         logprobs=logprobs,
         stop=stop,
     )
+
+
+def _best_of(data: dict, n: int, stream: bool) -> int:
+    """OpenAI's best_of: at least n (n when unset), and only streamed when it is n."""
+    best_of = optional_field(data, "best_of", int)
+    if best_of is None:
+        return n
+    if best_of < n:
+        raise OpenAIRequestError(f"`best_of` must be >= `n` ({n}). Given: {best_of}", "best_of")
+    if best_of > n and stream:
+        raise OpenAIRequestError("`best_of` > `n` can't be streamed", "best_of")
+    return best_of
 
 
 def _prompts(prompt, max_prompts: int) -> tuple[str, ...]:
@@ -114,21 +134,24 @@ class CompletionRenderer:
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def completion(self, runs: list[list[TokenEvent]]) -> bytes:
+    def completion(self, runs: list[list[list[TokenEvent]]]) -> bytes:
+        """The answer: per prompt, each sampled choice's events, in choice order."""
         choices = []
-        for index, events in enumerate(runs):
-            finish = events[-1].finish
-            prefix = self.request.prompts[index] if self.request.echo else ""
-            choices.append(
-                {
-                    "index": index,
-                    "text": prefix + trim_stop(finish.generated_text, self.request.stop),
-                    "logprobs": self._logprobs(events, len(prefix)),
-                    "finish_reason": finish_reason(finish),
-                }
-            )
+        n = self.request.n
+        for p, sampled in enumerate(runs):
+            prefix = self.request.prompts[p] if self.request.echo else ""
+            for i, events in enumerate(best(sampled, n)):
+                finish = events[-1].finish
+                choices.append(
+                    {
+                        "index": p * n + i,
+                        "text": prefix + trim_stop(finish.generated_text, self.request.stop),
+                        "logprobs": self._logprobs(events, len(prefix)),
+                        "finish_reason": finish_reason(finish),
+                    }
+                )
         body = self._envelope(choices)
-        body["usage"] = total_usage([events[-1].finish for events in runs])
+        body["usage"] = usage(*([events[-1].finish for events in sampled] for sampled in runs))
         return json_bytes(body)
 
     def chunk(
@@ -142,9 +165,10 @@ class CompletionRenderer:
             body["usage"] = None
         return sse_bytes(body)
 
-    def usage_chunk(self, finishes: list[FinishInfo]) -> bytes:
+    def usage_chunk(self, finishes: list[list[FinishInfo]]) -> bytes:
+        """The totals: per prompt, its choices' finishes."""
         body = self._envelope([])
-        body["usage"] = total_usage(finishes)
+        body["usage"] = usage(*finishes)
         return sse_bytes(body)
 
     def _envelope(self, choices: list) -> dict:
@@ -163,11 +187,9 @@ class CompletionRenderer:
         return legacy_logprobs([e for e in events if not e.token.special], offset)
 
 
-def total_usage(finishes: list[FinishInfo]) -> dict:
-    prompt = sum(f.input_length for f in finishes)
-    completion = sum(f.generated_tokens for f in finishes)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
+def best(sampled: list[list[TokenEvent]], n: int) -> list[list[TokenEvent]]:
+    """The n most likely of the sampled choices (by summed token logprob), or all of
+    them, in order, when n were sampled."""
+    if len(sampled) == n:
+        return sampled
+    return sorted(sampled, key=lambda events: -sum(e.token.logprob for e in events))[:n]

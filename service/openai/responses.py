@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from ..request import GenerateParameters, GenerateRequest
 from .chat import render_prompt
 from .common import (
+    MAX_TOP_LOGPROBS,
     OpenAIRequestError,
+    checked_top_logprobs,
     json_object,
     optional_field,
     refuse_unknown_fields,
@@ -89,6 +91,7 @@ def parse_responses_request(body: bytes, tokenizer, store: ResponseStore) -> Res
             "top_n_tokens": "top_logprobs",
             "grammar": "tools" if plan is not None else "text",
         },
+        max_top_n_tokens=MAX_TOP_LOGPROBS,
     )
     return ResponsesRequest(
         generate=generate,
@@ -325,9 +328,7 @@ def _logprobs(data: dict) -> tuple[bool, int]:
                 f"`include`: {value!r} is not supported (only {LOGPROBS_INCLUDE!r})", "include"
             )
     logprobs = LOGPROBS_INCLUDE in include
-    top_logprobs = optional_field(data, "top_logprobs", int) or 0
-    if top_logprobs < 0:
-        raise OpenAIRequestError("`top_logprobs` must be >= 0", "top_logprobs")
+    top_logprobs = checked_top_logprobs(data)
     if top_logprobs and not logprobs:
         raise OpenAIRequestError(
             f'`top_logprobs` requires `include: ["{LOGPROBS_INCLUDE}"]`', "top_logprobs"

@@ -37,10 +37,10 @@ def is_cut(finish: FinishInfo) -> bool:
 
 
 def usage(finish: FinishInfo) -> dict:
-    """Prompt-cache hits are not counted per request: `cached_tokens` is 0."""
+    """`cached_tokens`: prompt tokens served from the prefix cache."""
     return {
         "input_tokens": finish.input_length,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": finish.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": finish.generated_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": finish.input_length + finish.generated_tokens,

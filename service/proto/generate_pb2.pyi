@@ -120,7 +120,7 @@ class Timings(_message.Message):
     def __init__(self, total_time: _Optional[float] = ..., validation_time: _Optional[float] = ..., queue_time: _Optional[float] = ..., inference_time: _Optional[float] = ..., time_per_token: _Optional[float] = ...) -> None: ...
 
 class Details(_message.Message):
-    __slots__ = ("finish_reason", "generated_tokens", "seed", "prefill", "tokens", "best_of_sequences", "top_tokens", "input_length", "timings")
+    __slots__ = ("finish_reason", "generated_tokens", "seed", "prefill", "tokens", "best_of_sequences", "top_tokens", "input_length", "timings", "cached_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class Details(_message.Message):
     TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     generated_tokens: int
     seed: float
@@ -139,7 +140,8 @@ class Details(_message.Message):
     top_tokens: _containers.RepeatedCompositeFieldContainer[_struct_pb2.ListValue]
     input_length: int
     timings: Timings
-    def __init__(self, finish_reason: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[float] = ..., prefill: _Optional[_Iterable[_Union[PrefillToken, _Mapping]]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., best_of_sequences: _Optional[_Iterable[_Union[BestOfSequence, _Mapping]]] = ..., top_tokens: _Optional[_Iterable[_Union[_struct_pb2.ListValue, _Mapping]]] = ..., input_length: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, finish_reason: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[float] = ..., prefill: _Optional[_Iterable[_Union[PrefillToken, _Mapping]]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., best_of_sequences: _Optional[_Iterable[_Union[BestOfSequence, _Mapping]]] = ..., top_tokens: _Optional[_Iterable[_Union[_struct_pb2.ListValue, _Mapping]]] = ..., input_length: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class BestOfSequence(_message.Message):
     __slots__ = ("generated_text", "finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens")
@@ -168,18 +170,20 @@ class GenerateResponse(_message.Message):
     def __init__(self, generated_text: _Optional[str] = ..., details: _Optional[_Union[Details, _Mapping]] = ...) -> None: ...
 
 class StreamDetails(_message.Message):
-    __slots__ = ("finish_reason", "generated_tokens", "seed", "input_length", "timings")
+    __slots__ = ("finish_reason", "generated_tokens", "seed", "input_length", "timings", "cached_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     INPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     generated_tokens: int
     seed: float
     input_length: int
     timings: Timings
-    def __init__(self, finish_reason: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[float] = ..., input_length: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, finish_reason: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[float] = ..., input_length: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
     __slots__ = ("index", "token", "top_tokens", "generated_text", "details", "error", "error_type")

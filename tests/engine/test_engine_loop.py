@@ -76,3 +76,47 @@ def test_the_wait_for_a_burst_is_bounded(tiny_llama, monkeypatch):
 def test_without_a_gap_the_first_request_starts_alone(tiny_llama):
     steps = run_arrivals(tiny_llama, arrival_gap=0.0, count=2, spacing=0.5)
     assert steps[0] == {"r0"}
+
+
+def test_a_request_of_n_choices_streams_each_to_its_end_then_closes(tiny_llama):
+    """One stream carries every choice's tokens (TokenEvent.choice), each choice's texts
+    adding up to its generated_text; it ends when the last choice has."""
+    core = make_core(tiny_llama)
+    engine = EngineLoop(core, build_tokenizer(VOCAB_SIZE), frozenset())
+    engine.start(timeout=30)
+    sampled = EngineRequest(
+        request_id="n",
+        prompt_ids=tuple(range(3, 30)),
+        sampling=SamplingParams(do_sample=True, temperature=5.0, seed=1),
+        stopping=StoppingParams(max_new_tokens=6, ignore_eos=True),
+        n=3,
+    )
+
+    async def collect() -> dict[int, list]:
+        runs: dict[int, list] = {}
+        async for event in engine.generate(sampled):
+            runs.setdefault(event.choice, []).append(event)
+        return runs
+
+    async def leave_early() -> None:
+        async for _ in engine.generate(sampled):
+            break  # the other choices too are aborted: nothing stays in the engine
+
+    try:
+        runs = asyncio.run(collect())
+        asyncio.run(leave_early())
+        for _ in range(100):  # the abort reaches the engine thread within a step
+            if core.stats().running == 0 and core.stats().waiting == 0:
+                break
+            asyncio.run(asyncio.sleep(0.01))
+        stats = core.stats()
+    finally:
+        engine.shutdown()
+    assert sorted(runs) == [0, 1, 2]
+    for choice, events in runs.items():
+        assert [e.index for e in events] == list(range(1, 7))
+        finish = events[-1].finish
+        assert finish is not None and all(e.finish is None for e in events[:-1])
+        assert "".join(e.text for e in events) == finish.generated_text
+        assert finish.seed == 1 + choice
+    assert (stats.running, stats.waiting, stats.kv_blocks_used) == (0, 0, 0)

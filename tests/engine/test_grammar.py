@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -146,6 +147,26 @@ def test_neighbours_of_a_constrained_sequence_decode_unchanged(model, tokenizer,
         return [s.output_ids for s in free]
 
     assert run(constrained=True) == run(constrained=False)
+
+
+def test_each_choice_of_a_request_follows_the_grammar_from_its_own_state(
+    model, tokenizer, compiler
+):
+    """n choices share the prompt's prefill; each fork gets its own copy of the grammar's
+    state before the first token, so every choice parses, whatever the others drew."""
+    core = core_for(model, compiler)
+    pattern = "[0-9]{3}-(yes|no)"
+    hot = SamplingParams(do_sample=True, temperature=3.0, seed=4)
+    first = seq(tokenizer, "hello", "r", grammar=compiler.regex(pattern), sampling=hot)
+    request = replace(first.request, n=4)
+    seqs = [Sequence(r, first.eos_token_ids, choice=i) for i, r in enumerate(request.choices())]
+    seqs[0].forks = seqs[1:]
+    core.add(seqs[0])
+    run_to_completion(core)
+    texts = [text(tokenizer, s) for s in seqs]
+    assert all(re.fullmatch(pattern, t) for t in texts), texts
+    assert len(set(texts)) > 1
+    assert_idle(core)
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,13 @@ def test_stream_deltas_equal_the_completion(client, tiny_server):
         len(finals) == 1
         and finals[0]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
     )
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+    # the same prompt again: the prefix cache serves its full blocks
+    cached = {
+        **full["usage"],
+        "prompt_tokens_details": chunks[-1]["usage"]["prompt_tokens_details"],
+    }
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == cached
+    assert cached["prompt_tokens_details"]["cached_tokens"] > 0
     tok = tiny_server.replica.loaded.tokenizer
     prompt = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert full["usage"]["prompt_tokens"] == len(tok(prompt)["input_ids"])
@@ -76,7 +82,8 @@ def test_list_of_parts_content_and_logprobs(client):
         {"messages": "hello"},
         {"messages": [{"role": "wizard", "content": "hi"}]},
         {"messages": MESSAGES, "max_tokens": "many"},
-        {"messages": MESSAGES, "n": 2},
+        {"messages": MESSAGES, "n": 0},
+        {"messages": MESSAGES, "top_p": 1.5},
         {"messages": MESSAGES, "max_tokens": 100000},
     ],
 )

@@ -366,7 +366,11 @@ PROBES = {
         "messages": differs(
             "/v1/chat/completions", chat(), chat(messages=[{"role": "user", "content": "Hi"}])
         ),
-        "n": refused("/v1/chat/completions", chat(n=2)),
+        "n": checks(
+            "/v1/chat/completions",
+            chat(n=2),
+            lambda o: [c["index"] for c in o["choices"]] == [0, 1],
+        ),
         "parallel_tool_calls": refused(
             "/v1/chat/completions", chat(tools=[TOOL], parallel_tool_calls="yes")
         ),
@@ -478,7 +482,11 @@ PROBES = {
         "truncation": refused(RESPONSES, response(truncation="auto")),
     },
     "CompletionRequest": {
-        "best_of": refused("/v1/completions", completion(best_of=2)),
+        "best_of": checks(  # three sampled, the likeliest answered
+            "/v1/completions",
+            completion(**HOT, best_of=3, ignore_eos=True),
+            lambda o: len(o["choices"]) == 1 and o["usage"]["completion_tokens"] == 3 * 8,
+        ),
         "echo": checks(
             "/v1/completions",
             completion(echo=True),
@@ -501,7 +509,11 @@ PROBES = {
             completion(ignore_eos=True, max_tokens=3),
             lambda o: o["usage"]["completion_tokens"] == 3,
         ),
-        "n": refused("/v1/completions", completion(n=2)),
+        "n": checks(
+            "/v1/completions",
+            completion(n=2),
+            lambda o: [c["index"] for c in o["choices"]] == [0, 1],
+        ),
         "priority": counted_by_priority("/v1/completions", completion),
         "presence_penalty": differs(
             "/v1/completions",

@@ -107,6 +107,7 @@ def test_metrics_move_by_exactly_what_happened(traced_server):
         "tgi_batch_current_size",
         "textgen_prefix_cache_hit_ratio",
         "textgen_preemptions",
+        "textgen_prefill_tokens",
     ):
         assert name in after
 

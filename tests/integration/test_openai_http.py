@@ -130,7 +130,7 @@ def test_openai_sdk_raises_on_bad_request(client):
             messages=MESSAGES,
             max_completion_tokens=100000,
             logprobs=True,
-            top_logprobs=9,
+            top_logprobs=21,
         )
     assert info.value.body["param"] == "top_logprobs"
 

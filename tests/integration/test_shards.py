@@ -86,6 +86,16 @@ def test_two_shards_equal_one(llama_pair):
     before = metric(two, "textgen_preemptions")
     assert greedy(two) == greedy(one)
     assert metric(two, "textgen_preemptions") > before, "the load preempted nothing"
+    # best_of's choices fork the prompt's blocks (a shared partial block copied on first
+    # write): the copy reaches every shard's pool
+    best = []
+    for target in (one, two):
+        with Client(target, timeout=120) as client:
+            out = client.generate(
+                PROMPTS[1], max_new_tokens=20, best_of=2, do_sample=True, seed=7, details=True
+            )
+        best.append([t.id for t in out.details.tokens])
+    assert best[0] == best[1]
 
 
 def test_prefix_hits_grammar_and_an_abort(llama_pair):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -61,14 +62,16 @@ class FakeEngine:
         self.requests: list[EngineRequest] = []
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
-        self.requests.append(request)
-        for item in self.script(request):
-            if isinstance(item, BaseException):
-                raise item
-            if isinstance(item, asyncio.Event):
-                await item.wait()
-                continue
-            yield item
+        """The script of each of the request's choices, one after the other."""
+        for choice, choice_request in enumerate(request.choices()):
+            self.requests.append(choice_request)
+            for item in self.script(choice_request):
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, asyncio.Event):
+                    await item.wait()
+                    continue
+                yield replace(item, choice=choice)
 
 
 @pytest.fixture

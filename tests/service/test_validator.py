@@ -4,9 +4,13 @@ tests/integration/test_validation.py checks the same rules end to end over gRPC.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+from textgen.service.engine.block_manager import num_blocks_for_choices
 from textgen.service.grammar_compiler import GrammarCompiler
 from textgen.service.openai.chat import parse_chat_request
+from textgen.service.openai.common import OpenAIRequestError
 from textgen.service.openai.completions import parse_completion_request
 from textgen.service.request import GenerateParameters, GenerateRequest, Grammar
 from textgen.service.validation import ValidationError, Validator
@@ -112,16 +116,94 @@ def test_openai_requests_name_openai_fields(validator, tokenizer):
         tokenizer,
     )
     assert refused(validator, chat.generate).param == "max_completion_tokens"
+    # OpenAI's bound on top_logprobs, 20, not the server's --max-top-n-tokens (5 here)
     chat = parse_chat_request(
         b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 9}',
         tokenizer,
     )
-    error = refused(validator, chat.generate)
-    assert (error.param, error.message) == (
+    assert validator.validate(chat.generate, stream=False).engine_request.sampling.top_n_tokens == 9
+    with pytest.raises(OpenAIRequestError) as info:
+        parse_chat_request(
+            b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true,'
+            b' "top_logprobs": 21}',
+            tokenizer,
+        )
+    assert (info.value.param, info.value.message) == (
         "top_logprobs",
-        "`top_logprobs` must be >= 0 and <= 5. Given: 9",
+        "`top_logprobs` must be >= 0 and <= 20. Given: 21",
     )
     completion = parse_completion_request(b'{"prompt": "hi", "logprobs": 7}', 4)
     assert refused(validator, completion.generates[0]).param == "logprobs"
     completion = parse_completion_request(b'{"prompt": "hi", "temperature": 0.00001}', 4)
     assert refused(validator, completion.generates[0]).param == "temperature"
+
+
+# n choices ---------------------------------------------------------------------------
+
+CHAT = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8'
+
+
+def chat_body(extra: str = "") -> bytes:
+    return CHAT + extra.encode() + b"}"
+
+
+def test_n_is_bounded_by_max_n_and_sampled_by_the_engine(tokenizer):
+    validator = Validator(tokenizer, replace(LIMITS, max_n=4))
+    chat = parse_chat_request(chat_body(', "n": 3'), tokenizer)
+    assert chat.generate.parameters.n == 3
+    assert validator.validate(chat.generate, stream=True).engine_request.n == 3
+    error = refused(validator, parse_chat_request(chat_body(', "n": 5'), tokenizer).generate)
+    assert (error.param, error.message) == ("n", "`n` must be >= 1 and <= 4. Given: 5")
+    with pytest.raises(OpenAIRequestError) as info:
+        parse_chat_request(chat_body(', "n": 0'), tokenizer)
+    assert info.value.param == "n"
+    # TGI's best_of is the engine's n as well
+    assert validator.validate(tgi(best_of=2, do_sample=True), stream=False).engine_request.n == 2
+
+
+def test_choices_that_cant_fit_the_kv_cache_at_once_are_refused(tokenizer):
+    ok = parse_chat_request(chat_body(', "n": 4'), tokenizer)
+    unbounded = Validator(tokenizer, replace(LIMITS, max_n=8))
+    prompt = len(unbounded.validate(ok.generate, stream=False).engine_request.prompt_ids)
+    # a pool that holds 4 choices of this prompt + 8 new tokens at once, not 5
+    blocks = num_blocks_for_choices(prompt, 8, 4, 16)
+    assert num_blocks_for_choices(prompt, 8, 5, 16) > blocks
+    validator = Validator(tokenizer, replace(LIMITS, max_n=8, kv_cache_blocks=blocks))
+    assert validator.validate(ok.generate, stream=False).engine_request.n == 4
+    error = refused(validator, parse_chat_request(chat_body(', "n": 5'), tokenizer).generate)
+    assert error.param == "n" and "5 choices (`n`)" in error.message
+    assert f"holds {blocks * 16}" in error.message and "`max_tokens`" in error.message
+    # completions: best_of samples (and is named), n answers
+    completion = parse_completion_request(b'{"prompt": "hi", "n": 2, "best_of": 6}', 4)
+    assert (completion.n, completion.best_of) == (2, 6)
+    error = refused(validator, completion.generates[0])
+    assert error.param == "best_of" and "6 choices (`best_of`)" in error.message
+
+
+def test_completions_best_of_follows_openai_rules():
+    with pytest.raises(OpenAIRequestError) as info:
+        parse_completion_request(b'{"prompt": "hi", "n": 3, "best_of": 2}', 4)
+    assert info.value.param == "best_of" and "`best_of` must be >= `n`" in info.value.message
+    with pytest.raises(OpenAIRequestError) as info:
+        parse_completion_request(b'{"prompt": "hi", "best_of": 2, "stream": true}', 4)
+    assert info.value.param == "best_of"
+    streamed = parse_completion_request(
+        b'{"prompt": "hi", "n": 2, "best_of": 2, "stream": true}', 4
+    )
+    assert (streamed.n, streamed.best_of) == (2, 2)
+
+
+@pytest.mark.parametrize("top_p", ["0", "-0.5", "1.5", "1.0000001"])
+def test_openai_top_p_is_within_zero_and_one(tokenizer, top_p):
+    for parse in (
+        lambda body: parse_chat_request(body, tokenizer),
+        lambda body: parse_completion_request(
+            body.replace(b'"messages": [{"role": "user", "content": "hi"}]', b'"prompt": "hi"'), 4
+        ),
+    ):
+        with pytest.raises(OpenAIRequestError) as info:
+            parse(chat_body(f', "top_p": {top_p}'))
+        assert info.value.param == "top_p"
+    assert (
+        parse_chat_request(chat_body(', "top_p": 1'), tokenizer).generate.parameters.top_p is None
+    )

@@ -143,6 +143,11 @@ class Details(betterproto2.Message):
     Where the time went.
     """
 
+    cached_tokens: "int" = betterproto2.field(10, betterproto2.TYPE_UINT32)
+    """
+    Prompt tokens served from the prefix cache (not computed for this request).
+    """
+
 
 default_message_pool.register_message("textgen.v1", "Details", Details)
 
@@ -782,6 +787,11 @@ class StreamDetails(betterproto2.Message):
     timings: "Timings | None" = betterproto2.field(5, betterproto2.TYPE_MESSAGE, optional=True)
     """
     Where the time went.
+    """
+
+    cached_tokens: "int" = betterproto2.field(6, betterproto2.TYPE_UINT32)
+    """
+    Prompt tokens served from the prefix cache (see Details.cached_tokens).
     """
 
 
