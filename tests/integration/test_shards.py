@@ -86,16 +86,14 @@ def test_two_shards_equal_one(llama_pair):
     before = metric(two, "textgen_preemptions")
     assert greedy(two) == greedy(one)
     assert metric(two, "textgen_preemptions") > before, "the load preempted nothing"
-    # best_of's choices fork the prompt's blocks (a shared partial block copied on first
-    # write): the copy reaches every shard's pool
-    best = []
+    # n choices fork the prompt's blocks (a shared partial block copied on first write):
+    # the copy reaches every shard's pool
+    body = {"prompt": PROMPTS[1], "n": 3, "seed": 7, "max_tokens": 20, "temperature": 1.0}
+    choices = []
     for target in (one, two):
         with Client(target, timeout=120) as client:
-            out = client.generate(
-                PROMPTS[1], max_new_tokens=20, best_of=2, do_sample=True, seed=7, details=True
-            )
-        best.append([t.id for t in out.details.tokens])
-    assert best[0] == best[1]
+            choices.append([c["text"] for c in client.completions(body)["choices"]])
+    assert choices[0] == choices[1] and len(set(choices[1])) > 1, choices
 
 
 def test_prefix_hits_grammar_and_an_abort(llama_pair):
