@@ -24,6 +24,7 @@ __all__ = [
     "DeadlineExceededError",
     "GenerationError",
     "IncompleteGenerationError",
+    "NotFoundError",
     "OverloadedError",
     "TextGenError",
     "UnauthenticatedError",
@@ -108,6 +109,13 @@ class UnavailableError(TextGenError):
     default_code = grpc.StatusCode.UNAVAILABLE
 
 
+class NotFoundError(TextGenError):
+    """No such thing: a response id the replica does not keep (HTTP 404)."""
+
+    default_error_type = "not_found"
+    default_code = grpc.StatusCode.NOT_FOUND
+
+
 class DeadlineExceededError(TextGenError):
     """The call's timeout ran out before the server answered."""
 
@@ -127,6 +135,7 @@ _CLASS_BY_REASON: dict[str, type[TextGenError]] = {
     "unauthenticated": UnauthenticatedError,
     "healthcheck": UnavailableError,
     "unavailable": UnavailableError,
+    "not_found": NotFoundError,
     "deadline_exceeded": DeadlineExceededError,
 }
 
