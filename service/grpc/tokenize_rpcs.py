@@ -42,7 +42,7 @@ class TokenizeRpcs:
     async def TokenizeBody(self, request, context):
         try:
             data = json.loads(request.data or b"null")
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
             data = None  # TGI's parser below says what is wrong
         if not is_vllm_tokenize(data):
             return _json(tgi_tokens_json((await self._tgi_request(request.data, context)).tokens))
@@ -68,8 +68,10 @@ class TokenizeRpcs:
         request = svc_pb.TokenizeRequest()
         try:
             json_format.Parse(body or b"{}", request, ignore_unknown_fields=True)
-        except json_format.ParseError as exc:
-            await abort(context, str(exc), ErrorType.VALIDATION)
+        except (json_format.ParseError, ValueError, RecursionError) as exc:
+            await abort(
+                context, f"the body is not TGI's tokenize request: {exc}", ErrorType.VALIDATION
+            )
         return await self.Tokenize(request, context)
 
     def _tgi_tokens(self, inputs: str, truncate: int | None) -> list[svc_pb.SimpleToken]:
