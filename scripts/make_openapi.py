@@ -1808,11 +1808,7 @@ def paths(tgi_paths: dict) -> dict:
                 request="TokenizeRequest",
                 ok=ok(
                     "TGI's body: the tokens, as a bare array; vLLM's: vLLM's answer",
-                    {
-                        json_: {
-                            "anyOf": [ref("TokenizeResponse"), ref("VllmTokenizeResponse")]
-                        }
-                    },
+                    {json_: {"anyOf": [ref("TokenizeResponse"), ref("VllmTokenizeResponse")]}},
                 ),
                 errors=BODY_ERRORS,
             )
