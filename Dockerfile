@@ -1,4 +1,5 @@
-# textgen on CUDA. Build: docker build -t textgen .
+# textgen on CUDA. Build: docker build --build-arg TEXTGEN_COMMIT=$(git rev-parse HEAD) -t textgen .
+# (the commit GET /version and /info report; the image has no .git to ask)
 # Run:   docker run --gpus all -p 8080:8080 -p 50051:50051 -v textgen-data:/data textgen
 # Linted in `make test` (hadolint, .hadolint.yaml).
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
@@ -14,6 +15,9 @@ ENV DEBIAN_FRONTEND=noninteractive \
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
  && rm -rf /var/lib/apt/lists/*
+
+ARG TEXTGEN_COMMIT=""
+ENV TEXTGEN_COMMIT=$TEXTGEN_COMMIT
 
 WORKDIR /opt/textgen
 COPY pyproject.toml setup.py README.md ./

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from textgen.sdk.keepalive import Keepalive
 
-from .affinity import use_consistent_hashing
+from .affinity import replica_filters, use_consistent_hashing
 from .limits import MAX_CONNECTIONS
 
 CLUSTER = "textgen_grpc"
@@ -269,6 +269,11 @@ def front_cluster(upstreams: Sequence[Upstream], keepalive: Keepalive) -> dict:
     cluster["common_lb_config"]["update_merge_window"] = "0s"
     cluster["outlier_detection"] = _outlier_detection()
     use_consistent_hashing(cluster)  # prefix affinity: affinity.py
+    # each replica learns the address it is reached at (stored responses' ids: affinity.py)
+    protocol = cluster["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]
+    protocol["http_filters"] = replica_filters()
     return cluster
 
 

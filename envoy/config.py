@@ -16,8 +16,7 @@ Traps, measured on Envoy 1.40 (shared/envoy-facts.md) and commented where they b
 - route-level `response_headers_to_remove` runs in the router, *before* the
   transcoder reads grpc-status: leaked grpc-* headers are removed by the Lua filter;
 - Envoy refuses the whole descriptor set if an HttpRule has `response_body` on a
-  non-HttpBody message ("not supported yet"): contract.py strips it and the Lua
-  filter unwraps the field instead, so the contract's annotation still holds.
+  non-HttpBody message ("not supported yet"): contract.py refuses one at render time.
 
 `render(..., front=True)` is the front proxy of several replicas (DESIGN.md §8,
 `textgen proxy`): on top of the above, prefix affinity (a routing key hashed onto a
@@ -25,7 +24,10 @@ ring of replicas with a bounded load: affinity.py), a retry before the first res
 byte onto another replica, faster health checks, outlier detection and a retry budget.
 The traps of retrying through a transcoder are commented at `clusters.retry_policy`.
 
-Modules: routes.py (the routes, their timeouts), clusters.py (the replicas' cluster;
+The OpenAPI document (/api-doc/openapi.json) and Swagger UI (/docs) are Envoy's own
+direct responses (docs.py).
+
+Modules: routes.py (the routes, their timeouts), docs.py, clusters.py (the replicas' cluster;
 the front proxy's retries, outlier detection, circuit breakers), errors.py (the Lua
 filter's status tables, Envoy's local replies), limits.py (body and connection
 bounds), lua.py, contract.py; cli.py prints a bootstrap.
@@ -43,6 +45,7 @@ from textgen.sdk.keepalive import DEFAULT_KEEPALIVE, Keepalive
 from .affinity import affinity_filter
 from .clusters import Upstream, front_cluster, replica_cluster, socket_address
 from .contract import DESCRIPTOR, Contract, contract
+from .docs import SwaggerUI
 from .errors import (
     FACE_HEADER,
     FALLBACK_BY_GRPC_CODE,
@@ -80,6 +83,7 @@ def render(
     descriptor: Path | str | None = None,
     front: bool = False,
     keepalive: Keepalive = DEFAULT_KEEPALIVE,
+    swagger_ui: SwaggerUI | None = None,
 ) -> dict:
     """The Envoy bootstrap serving `upstreams` on `listen_host:listen_port`.
 
@@ -96,6 +100,8 @@ def render(
             one replica (`textgen serve`), which has no other replica to retry on.
         keepalive: how Envoy pings the replicas on connections without data (the
             replicas must accept it: textgen.sdk.keepalive).
+        swagger_ui: Swagger UI's files for /docs (docs.installed_swagger_ui(); None:
+            no /docs). /api-doc/openapi.json is always served.
     """
     if not upstreams:
         raise ValueError("at least one upstream is needed")
@@ -104,7 +110,13 @@ def render(
         "admin": {"address": socket_address("127.0.0.1", admin_port)},
         "static_resources": {
             "listeners": [
-                _listener(listen_host, listen_port, contract(descriptor or DESCRIPTOR), front)
+                _listener(
+                    listen_host,
+                    listen_port,
+                    contract(descriptor or DESCRIPTOR),
+                    front,
+                    swagger_ui,
+                )
             ],
             "clusters": [
                 front_cluster(upstreams, keepalive)
@@ -142,18 +154,22 @@ def write(config: dict, path: Path | str) -> Path:
 # listener ---------------------------------------------------------------------------
 
 
-def _listener(host: str, port: int, api: Contract, front: bool = False) -> dict:
+def _listener(
+    host: str, port: int, api: Contract, front: bool = False, swagger_ui: SwaggerUI | None = None
+) -> dict:
     return {
         "name": "textgen_http",
         "address": socket_address(host, port),
         # Also the router's retry buffer: a request body is kept for a retry only up
         # to this (see clusters.retry_policy).
         "per_connection_buffer_limit_bytes": STREAM_BUFFER_LIMIT,
-        "filter_chains": [{"filters": [_http_connection_manager(api, front)]}],
+        "filter_chains": [{"filters": [_http_connection_manager(api, front, swagger_ui)]}],
     }
 
 
-def _http_connection_manager(api: Contract, front: bool = False) -> dict:
+def _http_connection_manager(
+    api: Contract, front: bool = False, swagger_ui: SwaggerUI | None = None
+) -> dict:
     return {
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": {
@@ -162,7 +178,7 @@ def _http_connection_manager(api: Contract, front: bool = False) -> dict:
             "stat_prefix": "textgen_http",
             # AUTO: HTTP/1.1 (transcoded JSON, SSE) and h2 (native gRPC) on one port.
             "codec_type": "AUTO",
-            "route_config": route_config(front),
+            "route_config": route_config(front, swagger_ui),
             "local_reply_config": local_reply_config(),
             # Order matters: decoding runs top-down, encoding bottom-up, so the Lua
             # filter sees requests before the transcoder and responses after it,
@@ -189,7 +205,6 @@ def _lua_filter(api: Contract) -> dict:
                     HTTP_STATUS_BY_ERROR_TYPE,
                     FALLBACK_BY_GRPC_CODE,
                     FALLBACK_ERROR,
-                    api.unwrap,
                     FACE_HEADER,
                 )
             },
@@ -219,7 +234,7 @@ def _transcoder(api: Contract) -> dict:
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http."
             "grpc_json_transcoder.v3.GrpcJsonTranscoder",
-            # inline: the file is self-contained, and carries the stripped rules
+            # inline: the file is self-contained
             "proto_descriptor_bin": base64.b64encode(api.descriptor_set).decode(),
             "services": [SERVICE],
             "print_options": {

@@ -10,9 +10,9 @@ are transcoded and responses after. It never touches native gRPC
 - A gRPC error (the transcoder's 4xx/5xx with grpc-status) becomes TGI's
   `{"error", "error_type"}` body, or OpenAI's `{"error": {...}}` under /v1/, with
   TGI's status for the server's `x-textgen-error-type` trailer.
-- An answer whose HttpRule names a `response_body` field (Envoy 1.40 can't) is cut
-  down to that field: /tokenize answers TGI's bare array.
 - grpc-* headers that leak into transcoded responses are removed.
+- `include[]=` in the query of /v1/responses/... (OpenAI's SDK writes arrays so)
+  becomes `include=`, which the transcoder binds to the request's `include` field.
 
 Envoy's Lua has no JSON library: the body is scanned by hand (lua_json.py).
 """
@@ -26,7 +26,6 @@ LUA_TEMPLATE = r"""
 local STATUS_BY_ERROR_TYPE = {__STATUS_BY_ERROR_TYPE__}
 local FALLBACK_BY_GRPC_CODE = {__FALLBACK_BY_GRPC_CODE__}
 local FALLBACK_STATUS, FALLBACK_TYPE = __FALLBACK__
-local UNWRAP = {__UNWRAP__}
 local FACE_HEADER = "__FACE_HEADER__"
 local LEAKED = {"grpc-status", "grpc-message", "grpc-accept-encoding",
                 "grpc-status-details-bin", "x-textgen-error-type", "x-textgen-error-param"}
@@ -63,14 +62,6 @@ local function error_body(face, message, error_type, param)
   return '{"error":' .. json_string(message) .. ',"error_type":' .. json_string(error_type) .. '}'
 end
 
--- `{"field":X}` -> `X`: the transcoder prints the one-field message compactly.
-local function unwrap(body, field)
-  if body == nil then return end
-  local pattern = '^%s*{%s*"' .. field .. '"%s*:%s*(.-)%s*}%s*$'
-  local inner = body:getBytes(0, body:length()):match(pattern)
-  if inner ~= nil then body:setBytes(inner) end
-end
-
 -- TGI's compat route: the transcoder cannot switch on a body field, so peek at
 -- `stream` and pick the route. Returns the face of the answer.
 local function route_compat(request_handle, path)
@@ -98,12 +89,17 @@ function envoy_on_request(request_handle)
   elseif bare == "/health" then
     face = "health"
   end
+  -- OpenAI's SDK writes a query's arrays as `include[]=`; the transcoder binds `include=`
+  if bare:sub(1, 14) == "/v1/responses/" and #path > #bare then
+    local fixed = path:gsub("([?&])include%%5[Bb]%%5[Dd]=", "%1include=")
+      :gsub("([?&])include%[%]=", "%1include=")
+    if fixed ~= path then headers:replace(":path", fixed) end
+  end
   -- For local_reply_config, whose mappers can't use :path or content-type: the
   -- transcoder has rewritten both when it rejects a body. Set before body(): a
   -- body over the buffer limit is rejected while this filter waits for it.
   headers:replace(FACE_HEADER, face)
   local meta = request_handle:streamInfo():dynamicMetadata()
-  if UNWRAP[bare] ~= nil then meta:set(META, "unwrap", UNWRAP[bare]) end
   if bare == "/" and headers:get(":method") == "POST" then
     face = route_compat(request_handle, path)
     meta = request_handle:streamInfo():dynamicMetadata()  -- the old one died in body()
@@ -130,8 +126,6 @@ function envoy_on_response(response_handle)
       if body ~= nil then
         body:setBytes("[" .. body:getBytes(0, body:length()) .. "]")
       end
-    elseif meta["unwrap"] ~= nil then
-      unwrap(response_handle:body(), meta["unwrap"])
     end
     return
   end
@@ -170,7 +164,6 @@ def lua_source(
     status_by_error_type: dict[str, int],
     fallback_by_grpc_code: dict[int, tuple[int, str]],
     fallback: tuple[int, str],
-    unwrap: dict[str, str],
     face_header: str,
 ) -> str:
     """The filter's Lua source with the given tables (see errors.py, config.py)."""
@@ -178,7 +171,6 @@ def lua_source(
         LUA_TEMPLATE.replace("__STATUS_BY_ERROR_TYPE__", _lua_table(status_by_error_type))
         .replace("__FALLBACK_BY_GRPC_CODE__", _lua_table(fallback_by_grpc_code))
         .replace("__FALLBACK__", ", ".join(_lua_value(v) for v in fallback))
-        .replace("__UNWRAP__", _lua_table(unwrap))
         .replace("__FACE_HEADER__", face_header)
         .replace("__TOP_LEVEL_VALUE__", TOP_LEVEL_VALUE.strip())
     )

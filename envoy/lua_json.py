@@ -32,11 +32,14 @@ local function top_level_value(s, key)
       end
       i = j + 1
     elseif c == ':' then
-      if depth == 1 and last == key then
-        local literal = s:match('^%s*([%w%.%-%+]+)', i + 1)
-        if literal ~= nil then return literal, false end
+      local literal = s:match('^%s*([%w%.%-%+]+)', i + 1)
+      if literal ~= nil then
+        if depth == 1 and last == key then return literal, false end
+        -- the value was a literal: the next string is a key again
+        last, after_colon = nil, false
+      else
+        after_colon = true
       end
-      after_colon = true
       i = i + 1
     else
       if c == '{' or c == '[' then depth = depth + 1 else depth = depth - 1 end

@@ -1,11 +1,14 @@
-"""The HTTP routes of the TGI/OpenAI faces and native gRPC, with their timeouts."""
+"""The HTTP routes of the TGI/OpenAI faces and native gRPC, with their timeouts, and
+the documents Envoy serves itself (docs.py)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from .affinity import hash_policy
+from .affinity import REPLICA_HEADER, hash_policy
 from .clusters import CLUSTER, resend_policy, retry_policy
+from .docs import DIRECT_RESPONSE_LIMIT, SwaggerUI, doc_routes
 
 # A generation route may be silent this long: the whole of a non-streamed answer,
 # or the queue and prefill before a stream's first token. Streams reset it per token.
@@ -19,9 +22,17 @@ class Route:
     """One HTTP route of the TGI/OpenAI faces."""
 
     method: str
-    path: str
+    path: str  # as the contract's HttpRule and envoy/openapi.json write it: {param} a segment
     generation: bool = False  # long-running: no whole-request timeout
     streaming: bool = False  # SSE: tell buffering proxies and caches to stay away
+
+    @property
+    def path_match(self) -> dict:
+        """Envoy's route match of the path: exact, or a regex for a templated one."""
+        if "{" not in self.path:
+            return {"path": self.path}
+        pattern = re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(self.path))
+        return {"safe_regex": {"regex": pattern}}
 
 
 # Every HTTP path the faces serve. `POST /` is TGI's compat route: the Lua filter
@@ -32,6 +43,8 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/", generation=True),
     Route("GET", "/info"),
     Route("POST", "/tokenize"),
+    Route("POST", "/detokenize"),
+    Route("GET", "/version"),
     Route("GET", "/health"),
     Route("GET", "/metrics"),
     Route("GET", "/v1/models"),
@@ -39,21 +52,39 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/chat/completions", generation=True, streaming=True),
     Route("POST", "/v1/completions", generation=True, streaming=True),
     Route("POST", "/v1/responses", generation=True, streaming=True),
+    # the store of the replica that made the response (the front proxy routes there by
+    # the id: affinity.py)
+    Route("GET", "/v1/responses/{response_id}"),
+    Route("DELETE", "/v1/responses/{response_id}"),
+    Route("GET", "/v1/responses/{response_id}/input_items"),
 )
 
 
-def route_config(front: bool = False) -> dict:
+def route_config(front: bool = False, swagger_ui: SwaggerUI | None = None) -> dict:
+    """The routes; `swagger_ui`: the Swagger UI assets /docs serves (None: no /docs)."""
     routes = [_grpc_route(front), *(_http_route(r, front) for r in ROUTES)]
+    routes += doc_routes(swagger_ui)
     # A known path with the wrong method: 405 (a local reply, typed in errors.py), not 404.
     routes += [
-        {"match": {"path": path}, "direct_response": {"status": 405}}
-        for path in dict.fromkeys(r.path for r in ROUTES)
+        {"match": r.path_match, "direct_response": {"status": 405}}
+        for r in {r.path: r for r in ROUTES}.values()
     ]
-    virtual_host: dict = {"name": "textgen", "domains": ["*"], "routes": routes}
+    virtual_host: dict = {
+        "name": "textgen",
+        "domains": ["*"],
+        "routes": routes,
+        # only the front proxy names the replica it reached (clusters.py), never a client
+        "request_headers_to_remove": [REPLICA_HEADER],
+    }
     if front:
         # `x-envoy-attempt-count: 2` on an answer says it was retried (tests, operators).
         virtual_host["include_attempt_count_in_response"] = True
-    return {"name": "textgen", "virtual_hosts": [virtual_host]}
+    return {
+        "name": "textgen",
+        "virtual_hosts": [virtual_host],
+        # the OpenAPI document and Swagger UI's script are direct responses (docs.py)
+        "max_direct_response_body_size_bytes": DIRECT_RESPONSE_LIMIT,
+    }
 
 
 def _grpc_route(front: bool = False) -> dict:
@@ -96,7 +127,7 @@ def _http_route(route: Route, front: bool = False) -> dict:
         action["hash_policy"] = hash_policy()
     out = {
         "match": {
-            "path": route.path,
+            **route.path_match,
             "headers": [{"name": ":method", "string_match": {"exact": route.method}}],
         },
         "route": action,

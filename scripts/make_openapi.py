@@ -14,7 +14,10 @@ match), with TGI's request and response schemas kept and adjusted where textgen 
   (`stop` a string or a list, `logit_bias` a map, content a string or text parts);
   OpenAI's response and chunk shapes; OpenAI's error object. /v1/responses (OpenAI's
   Responses API, responses_schemas()): its request, the response object, and each of
-  its stream's named events (`event: response.created` ..., no `[DONE]`).
+  its stream's named events (`event: response.created` ..., no `[DONE]`); the stored
+  responses' routes (retrieve, delete, input items: stored_response_schemas()).
+- /tokenize also takes vLLM's body and answers vLLM's shape; /detokenize and /version
+  (tokenizer_schemas()).
 - Errors: every non-2xx answer is typed, `{"error", "error_type"}` on TGI routes and
   `{"error": {"message", "type", "param", "code"}}` under /v1/, with the statuses of
   textgen.envoy.config.HTTP_STATUS_BY_ERROR_TYPE.
@@ -1451,12 +1454,265 @@ def responses_schemas() -> dict:
     return s
 
 
+# stored responses, the tokenizer routes, /version --------------------------------------
+
+
+def stored_response_schemas() -> dict:
+    """GET/DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items."""
+    s: dict = {}
+    s["ResponseInputMessageItem"] = {
+        "type": "object",
+        "required": ["type", "id", "role", "content", "status"],
+        "description": "A message given as input (OpenAI's input message item).",
+        "properties": {
+            "type": {"type": "string", "enum": ["message"]},
+            "id": {"type": "string"},
+            "role": {"type": "string", "enum": ["user", "system", "developer"]},
+            "content": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["type"],
+                    "properties": {
+                        "type": {"type": "string", "enum": ["input_text", "refusal"]},
+                        "text": {"type": "string"},
+                        "refusal": {"type": "string"},
+                    },
+                },
+            },
+            "status": {"type": "string", "enum": ["completed"]},
+        },
+    }
+    s["ResponseFunctionCallOutputItem"] = {
+        "type": "object",
+        "required": ["type", "id", "call_id", "output", "status"],
+        "properties": {
+            "type": {"type": "string", "enum": ["function_call_output"]},
+            "id": {"type": "string"},
+            "call_id": {"type": "string"},
+            "output": {"type": "string"},
+            "status": {"type": "string", "enum": ["completed"]},
+        },
+    }
+    s["ResponseItem"] = {
+        "description": "An item a response was made from: an input message, an earlier"
+        " answer (an output message or function call), or a function call's result.",
+        "anyOf": [
+            ref("ResponseInputMessageItem"),
+            ref("ResponseOutputMessage"),
+            ref("ResponseFunctionCall"),
+            ref("ResponseFunctionCallOutputItem"),
+        ],
+    }
+    s["ResponseItemList"] = {
+        "type": "object",
+        "required": ["object", "data", "first_id", "last_id", "has_more"],
+        "properties": {
+            "object": {"type": "string", "enum": ["list"]},
+            "data": {"type": "array", "items": ref("ResponseItem")},
+            "first_id": {"type": "string", "nullable": True},
+            "last_id": {"type": "string", "nullable": True},
+            "has_more": {"type": "boolean"},
+        },
+    }
+    s["DeletedResponse"] = {
+        "type": "object",
+        "required": ["id", "object", "deleted"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": ["response"]},
+            "deleted": {"type": "boolean", "enum": [True]},
+        },
+    }
+    return s
+
+
+def tokenizer_schemas() -> dict:
+    """POST /tokenize (TGI's body or vLLM's), POST /detokenize, GET /version."""
+    s: dict = {}
+    flag = {"type": "boolean", "nullable": True}
+    strs = {
+        **flag,
+        "description": "Also answer each token's text (`token_strs`); default false.",
+    }
+    model = {"type": "string", "nullable": True, "description": COMPATIBILITY_ONLY}
+    s["VllmTokenizeRequest"] = {
+        "type": "object",
+        "required": ["prompt"],
+        "additionalProperties": False,
+        "description": "vLLM's /tokenize body for a prompt.",
+        "properties": {
+            "model": model,
+            "prompt": {"type": "string"},
+            "add_special_tokens": {
+                **flag,
+                "description": "Add the tokenizer's special tokens (BOS); default true.",
+            },
+            "return_token_strs": strs,
+        },
+    }
+    s["VllmTokenizeChatRequest"] = {
+        "type": "object",
+        "required": ["messages"],
+        "additionalProperties": False,
+        "description": "vLLM's /tokenize body for a conversation, through the model's chat"
+        " template (and its tool descriptions), as /v1/chat/completions prompts it.",
+        "properties": {
+            "model": model,
+            "messages": {"type": "array", "minItems": 1, "items": ref("ChatMessage")},
+            "add_generation_prompt": {
+                **flag,
+                "description": "Open the assistant's turn; default true.",
+            },
+            "continue_final_message": {
+                **flag,
+                "description": "Leave the last message open, to be continued; default false"
+                " (needs add_generation_prompt false).",
+            },
+            "add_special_tokens": {
+                **flag,
+                "description": "Add special tokens beside the template's own; default false.",
+            },
+            "return_token_strs": strs,
+            "tools": {"type": "array", "items": ref("Tool"), "nullable": True},
+        },
+    }
+    s["TokenizeRequest"] = {
+        "description": "TGI's body (`inputs`; only `parameters.truncate` is read), or vLLM's"
+        " (`prompt`, or `messages`).",
+        "anyOf": [
+            ref("GenerateRequest"),
+            ref("VllmTokenizeRequest"),
+            ref("VllmTokenizeChatRequest"),
+        ],
+    }
+    s["VllmTokenizeResponse"] = {
+        "type": "object",
+        "required": ["count", "max_model_len", "tokens", "token_strs"],
+        "properties": {
+            "count": {"type": "integer", "minimum": 0},
+            "max_model_len": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "The longest prompt plus generation (max_total_tokens).",
+            },
+            "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+            "token_strs": {"type": "array", "items": {"type": "string"}, "nullable": True},
+        },
+    }
+    s["DetokenizeRequest"] = {
+        "type": "object",
+        "required": ["tokens"],
+        "properties": {
+            "model": model,
+            "tokens": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
+                "description": "Token ids of the model's vocabulary (others are refused).",
+            },
+        },
+    }
+    s["DetokenizeResponse"] = {
+        "type": "object",
+        "required": ["prompt"],
+        "properties": {"prompt": {"type": "string", "description": "Special tokens included."}},
+    }
+    s["Version"] = {
+        "type": "object",
+        "required": ["version"],
+        "properties": {
+            "version": {"type": "string"},
+            "commit": {
+                "type": "string",
+                "description": "The git commit served; absent when the build did not record it.",
+            },
+        },
+    }
+    return s
+
+
+RESPONSE_ID = {
+    "name": "response_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string"},
+    "description": "A response id, as POST /v1/responses answered it.",
+}
+INPUT_ITEMS_QUERY = [
+    {
+        "name": "limit",
+        "in": "query",
+        "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
+    },
+    {
+        "name": "order",
+        "in": "query",
+        "schema": {"type": "string", "enum": ["asc", "desc"], "default": "desc"},
+    },
+    {
+        "name": "after",
+        "in": "query",
+        "schema": {"type": "string"},
+        "description": "An item id: the items after it.",
+    },
+    {
+        "name": "before",
+        "in": "query",
+        "schema": {"type": "string"},
+        "description": "An item id: the items before it.",
+    },
+]
+
+
+def stored_response_paths(tgi_paths: dict, ok) -> dict:
+    json_ = "application/json"
+    where = (
+        " From the store of the replica that made it (behind `textgen proxy`, the id routes"
+        " there); `not_found` when it is not kept (never stored, expired, evicted, deleted,"
+        " or its replica is gone)."
+    )
+    retrieve = operation(
+        tgi_paths,
+        "/v1/responses/{response_id}",
+        "get",
+        summary="A stored response object, as it completed." + where,
+        ok=ok("The response object", {json_: ref("Response")}),
+        errors=STORE_ERRORS,
+    )
+    delete = operation(
+        tgi_paths,
+        "/v1/responses/{response_id}",
+        "delete",
+        summary="Forget a stored response." + where,
+        ok=ok("Deleted", {json_: ref("DeletedResponse")}),
+        errors=STORE_ERRORS,
+    )
+    items = operation(
+        tgi_paths,
+        "/v1/responses/{response_id}/input_items",
+        "get",
+        summary="The items a stored response was made from (the previous response's items"
+        " and output first, when it continued one), a page at a time." + where,
+        ok=ok("A page of items", {json_: ref("ResponseItemList")}),
+        errors=STORE_ERRORS,
+    )
+    retrieve["operationId"], delete["operationId"] = "retrieve_response", "delete_response"
+    items["operationId"] = "list_response_input_items"
+    retrieve["parameters"] = delete["parameters"] = [RESPONSE_ID]
+    items["parameters"] = [RESPONSE_ID, *INPUT_ITEMS_QUERY]
+    return {
+        "/v1/responses/{response_id}": {"get": retrieve, "delete": delete},
+        "/v1/responses/{response_id}/input_items": {"get": items},
+    }
+
+
 # paths ------------------------------------------------------------------------------
 
 # (status, error_type, description) of the errors each kind of route can answer.
 ERRORS = {
     401: (E.UNAUTHENTICATED, "A valid API key is required (servers started with --api-key)"),
     413: (E.VALIDATION, "Payload too large: the request body is limited to 2 MB"),
+    404: (E.NOT_FOUND, "No response with that id is kept by its replica"),
     422: (E.VALIDATION, "Input validation error (also malformed JSON or a wrong field type)"),
     424: (E.GENERATION, "Generation error"),
     429: (E.OVERLOADED, "Model is overloaded"),
@@ -1469,6 +1725,7 @@ assert all(t.http_status == s for s, (t, _) in ERRORS.items() if s != 413)
 GENERATION_ERRORS = (401, 413, 422, 424, 429, 500, 503)
 BODY_ERRORS = (401, 413, 422, 503, 504)
 QUICK_ERRORS = (401, 503, 504)
+STORE_ERRORS = (401, 404, 422, 503, 504)
 
 
 def error_responses(statuses, openai: bool) -> dict:
@@ -1595,10 +1852,35 @@ def paths(tgi_paths: dict) -> dict:
                 tgi_paths,
                 "/tokenize",
                 "post",
-                summary="Tokenize inputs (only `inputs` and `parameters.truncate` are read)",
-                request="GenerateRequest",
-                ok=ok("The tokens, as a bare array", {json_: ref("TokenizeResponse")}),
+                summary="Tokenize TGI's `inputs` (only `parameters.truncate` is read), or"
+                " vLLM's `prompt` or `messages` (through the chat template)",
+                request="TokenizeRequest",
+                ok=ok(
+                    "TGI's body: the tokens, as a bare array; vLLM's: vLLM's answer",
+                    {json_: {"anyOf": [ref("TokenizeResponse"), ref("VllmTokenizeResponse")]}},
+                ),
                 errors=BODY_ERRORS,
+            )
+        },
+        "/detokenize": {
+            "post": operation(
+                tgi_paths,
+                "/detokenize",
+                "post",
+                summary="Token ids back to text (vLLM's /detokenize)",
+                request="DetokenizeRequest",
+                ok=ok("The text", {json_: ref("DetokenizeResponse")}),
+                errors=BODY_ERRORS,
+            )
+        },
+        "/version": {
+            "get": operation(
+                tgi_paths,
+                "/version",
+                "get",
+                summary="textgen's version and the git commit it was built from",
+                ok=ok("The version", {json_: ref("Version")}),
+                errors=QUICK_ERRORS,
             )
         },
         "/v1/chat/completions": {
@@ -1658,6 +1940,7 @@ def paths(tgi_paths: dict) -> dict:
                 errors=QUICK_ERRORS,
             )
         },
+        **stored_response_paths(tgi_paths, ok),
     }
 
 
@@ -1672,6 +1955,8 @@ def build(tgi_spec: Path = TGI_SPEC) -> dict:
         **tgi_schemas(tgi_components),
         **openai_schemas(tgi_components),
         **responses_schemas(),
+        **stored_response_schemas(),
+        **tokenizer_schemas(),
     }
     return {
         "openapi": "3.1.0",

@@ -27,6 +27,7 @@ __all__ = [
     "DeadlineExceededError",
     "GenerationError",
     "IncompleteGenerationError",
+    "NotFoundError",
     "OverloadedError",
     "TextGenError",
     "UnauthenticatedError",
@@ -120,6 +121,13 @@ class UnavailableError(TextGenError):
     default_code = grpc.StatusCode.UNAVAILABLE
 
 
+class NotFoundError(TextGenError):
+    """No such thing: a response id the replica does not keep (HTTP 404)."""
+
+    default_error_type = "not_found"
+    default_code = grpc.StatusCode.NOT_FOUND
+
+
 class DeadlineExceededError(TextGenError):
     """The call's timeout ran out before the server answered."""
 
@@ -139,6 +147,7 @@ _CLASS_BY_REASON: dict[str, type[TextGenError]] = {
     "unauthenticated": UnauthenticatedError,
     "healthcheck": UnavailableError,
     "unavailable": UnavailableError,
+    "not_found": NotFoundError,
     "deadline_exceeded": DeadlineExceededError,
 }
 

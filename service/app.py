@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from . import __version__
 from .admission import Admission
+from .build_info import source_commit
 from .config import SettingError, Settings
 from .cpus import default_torch_threads
 from .engine.block_manager import num_blocks_for_tokens
@@ -276,6 +277,9 @@ def served_model(
     )
     if loaded.resolved.sha:
         info.model_sha = loaded.resolved.sha
+    commit = source_commit()
+    if commit:
+        info.sha = commit
     if loaded.quantize:
         info.quantize = loaded.quantize
     return ServedModel(info=info, created=int(time.time()))

@@ -16,7 +16,7 @@ import grpc
 
 
 class ErrorType(str, enum.Enum):
-    """TGI's error types (the first seven are the server's), and Envoy's own."""
+    """TGI's error types (the first eight are the server's), and Envoy's own."""
 
     http_status: int
     grpc_code: grpc.StatusCode
@@ -37,8 +37,9 @@ class ErrorType(str, enum.Enum):
     UNAUTHENTICATED = "unauthenticated", 401, grpc.StatusCode.UNAUTHENTICATED
     HEALTHCHECK = "healthcheck", 503, grpc.StatusCode.UNAVAILABLE  # the Health RPC's "no"
     UNAVAILABLE = "unavailable", 503, grpc.StatusCode.UNAVAILABLE  # draining, engine down
-    # Envoy's own answers (local replies, or an upstream failure without our trailer)
+    # no such thing: a stored response the replica doesn't keep (and Envoy's unknown route)
     NOT_FOUND = "not_found", 404, grpc.StatusCode.NOT_FOUND
+    # Envoy's own answers (local replies, or an upstream failure without our trailer)
     METHOD_NOT_ALLOWED = "method_not_allowed", 405, grpc.StatusCode.UNIMPLEMENTED
     TIMEOUT = "timeout", 504, grpc.StatusCode.DEADLINE_EXCEEDED
     UNIMPLEMENTED = "unimplemented", 501, grpc.StatusCode.UNIMPLEMENTED
@@ -71,7 +72,7 @@ TYPE_BY_GRPC_CODE: dict[grpc.StatusCode, ErrorType] = {
 FALLBACK_ERROR_TYPE = ErrorType.INTERNAL
 
 # The types the server itself answers with (the rest are Envoy's).
-SERVER_ERROR_TYPES = tuple(ErrorType)[:7]
+SERVER_ERROR_TYPES = tuple(ErrorType)[:8]
 
 
 def incomplete(error_type: ErrorType) -> ErrorType:

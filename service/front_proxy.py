@@ -18,6 +18,7 @@ import os
 import signal
 
 from textgen.envoy import config as envoy_config
+from textgen.envoy.docs import installed_swagger_ui
 from textgen.sdk.keepalive import DEFAULT_KEEPALIVE, Keepalive
 
 from .config import ENV_PREFIX
@@ -98,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
             admin_port=args.admin_port,
             front=True,
             keepalive=Keepalive(interval=args.keepalive_interval),
+            swagger_ui=installed_swagger_ui(),
         )
         print(json.dumps(bootstrap, indent=1))
         return 0

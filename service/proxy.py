@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from textgen.envoy import config as envoy_config
+from textgen.envoy.docs import installed_swagger_ui
 from textgen.sdk.keepalive import DEFAULT_KEEPALIVE, Keepalive
 
 from .child_process import die_with_parent
@@ -226,6 +227,7 @@ async def start_envoy(
         listen_host=listen_ip,
         listen_port=listen_port,
         keepalive=keepalive,
+        swagger_ui=installed_swagger_ui(),
     )
     return await _launch(bootstrap, listen_ip, listen_port, log_level, ready_timeout)
 
@@ -251,6 +253,7 @@ async def start_front_proxy(
         admin_port=admin_port,
         front=True,
         keepalive=keepalive,
+        swagger_ui=installed_swagger_ui(),
     )
     return await _launch(bootstrap, listen_ip, listen_port, log_level, ready_timeout)
 

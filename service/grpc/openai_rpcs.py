@@ -1,17 +1,21 @@
 """OpenAI's RPCs (HttpBody in, HttpBody out): parse with service.openai, validate and
-generate exactly as the TGI RPCs do, write OpenAI's bytes."""
+generate exactly as the TGI RPCs do, write OpenAI's bytes; and the Responses API's
+stored responses (retrieve, delete, input items)."""
 
 from __future__ import annotations
 
 import asyncio
 
 from google.api import httpbody_pb2
+from textgen.envoy.affinity import REPLICA_HEADER
 
 from ..engine.types import EngineError
 from ..errors import ErrorType, incomplete
+from ..openai import stored_responses
 from ..openai.chat import ChatRenderer, ChatStream, parse_chat_request
 from ..openai.common import DONE, StopHoldback, finish_reason, sse_error
 from ..openai.completions import CompletionRenderer, parse_completion_request
+from ..openai.response_store import new_response_id
 from ..openai.responses import parse_responses_request
 from ..openai.responses_output import ResponseRenderer, ResponseStream
 from ..validation import ValidationError
@@ -144,7 +148,9 @@ class OpenAIRpcs:
             except ValidationError as exc:  # OpenAIRequestError included
                 await abort(context, exc.message, ErrorType.VALIDATION, exc.param)
             record.validated(valid)
-            renderer = ResponseRenderer(self.served.info.model_id, req)
+            renderer = ResponseRenderer(
+                self.served.info.model_id, req, id=new_response_id(_replica(context))
+            )
             async with self.admitted(context, valid):
                 if req.stream:
                     async for body in self._responses_stream(renderer, valid, context, record):
@@ -156,8 +162,8 @@ class OpenAIRpcs:
                         await abort(context, exc.message, exc.error_type)
                     record.finished(events[-1].finish)
                     yield httpbody_pb2.HttpBody(content_type=JSON, data=renderer.response(events))
-            if req.store:
-                self.responses_store.put(renderer.id, req.conversation_with(renderer.output))
+            if req.store and renderer.completed is not None:
+                self.responses_store.put(renderer.id, req.stored(renderer.completed))
 
     async def _responses_stream(self, renderer: ResponseRenderer, valid, context, record):
         stream = ResponseStream(renderer)
@@ -173,6 +179,53 @@ class OpenAIRpcs:
             error_type = incomplete(exc.error_type)  # response.created was sent
             yield _body(stream.error(exc.message, error_type))
             await abort(context, exc.message, error_type)
+
+    # stored responses ------------------------------------------------------------------
+
+    async def GetResponse(self, request, context):
+        return await self._stored(
+            context,
+            stored_responses.retrieve,
+            request.response_id,
+            include=tuple(request.include),
+            stream=request.stream,
+            starting_after=_optional(request, "starting_after"),
+        )
+
+    async def DeleteResponse(self, request, context):
+        return await self._stored(context, stored_responses.delete, request.response_id)
+
+    async def ListResponseInputItems(self, request, context):
+        query = stored_responses.ItemsQuery(
+            limit=_optional(request, "limit"),
+            order=_optional(request, "order"),
+            after=_optional(request, "after"),
+            before=_optional(request, "before"),
+            include=tuple(request.include),
+        )
+        return await self._stored(context, stored_responses.input_items, request.response_id, query)
+
+    async def _stored(self, context, call, response_id: str, *args, **kwargs):
+        """`call` on this replica's store, its answer as JSON, or the RPC's typed error."""
+        try:
+            data = call(self.responses_store, response_id, _replica(context), *args, **kwargs)
+        except stored_responses.ResponseNotFound as exc:
+            await abort(context, exc.message, ErrorType.NOT_FOUND, "response_id")
+        except ValidationError as exc:  # OpenAIRequestError included
+            await abort(context, exc.message, ErrorType.VALIDATION, exc.param)
+        return httpbody_pb2.HttpBody(content_type=JSON, data=data)
+
+
+def _replica(context) -> str | None:
+    """The address the front proxy reached this replica at (its REPLICA_HEADER), if any."""
+    for key, value in context.invocation_metadata() or ():
+        if key == REPLICA_HEADER:
+            return value.decode(errors="replace") if isinstance(value, bytes) else value
+    return None
+
+
+def _optional(message, field: str):
+    return getattr(message, field) if message.HasField(field) else None
 
 
 async def _merged(streams):

@@ -26,6 +26,7 @@ from . import convert
 from .errors import abort, in_band_error
 from .metrics_rpc import MetricsRpc
 from .openai_rpcs import OpenAIRpcs
+from .tokenize_rpcs import TokenizeRpcs
 
 log = logging.getLogger("textgen.grpc")
 
@@ -41,7 +42,9 @@ class ServedModel:
     created: int  # unix time the model was loaded
 
 
-class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServiceServicer):
+class TextGenerationServicer(
+    OpenAIRpcs, TokenizeRpcs, MetricsRpc, svc_grpc.TextGenerationServiceServicer
+):
     def __init__(
         self,
         engine: EngineLoop,
@@ -204,22 +207,11 @@ class TextGenerationServicer(OpenAIRpcs, MetricsRpc, svc_grpc.TextGenerationServ
         info.CopyFrom(self.served.info)
         return info
 
-    async def Tokenize(self, request, context):
-        if not request.inputs:
-            await abort(context, "`inputs` cannot be empty", ErrorType.VALIDATION, "inputs")
-        enc = self.validator.tokenizer(
-            request.inputs, add_special_tokens=True, return_offsets_mapping=True
-        )
-        ids, offsets = enc["input_ids"], enc["offset_mapping"]
-        truncate = request.parameters.truncate if request.parameters.HasField("truncate") else None
-        if truncate is not None and truncate > 0:
-            ids, offsets = ids[-truncate:], offsets[-truncate:]
-        return svc_pb.TokenizeResponse(
-            tokens=[
-                svc_pb.SimpleToken(id=i, text=request.inputs[a:b], start=a, stop=b)
-                for i, (a, b) in zip(ids, offsets)
-            ]
-        )
+    async def Version(self, request, context):
+        response = svc_pb.VersionResponse(version=self.served.info.version)
+        if self.served.info.HasField("sha"):
+            response.commit = self.served.info.sha
+        return response
 
     async def Health(self, request, context):
         if not self.engine.healthy or self.draining:

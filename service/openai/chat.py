@@ -105,17 +105,20 @@ def render_prompt(
     plan: ToolPlan | None,
     tool_prompt: str | None = None,
     param: str = "messages",
+    **template_options,
 ) -> str:
     """The conversation (chat messages, checked) through the model's chat template, with
     the tools natively or described in the system message; `param` is blamed when the
-    template refuses it."""
+    template refuses it. `template_options` (vLLM's /tokenize: add_generation_prompt,
+    continue_final_message) go to the template; by default the answer's turn is opened."""
     native = template_knows_tools(tokenizer)
     extra = {"tools": [t.openai_dict() for t in plan.tools]} if native and plan is not None else {}
+    options = {"add_generation_prompt": True, **template_options}
     try:
         return tokenizer.apply_chat_template(
             prepare_messages(messages, plan, native, tool_prompt),
             tokenize=False,
-            add_generation_prompt=True,
+            **options,
             **extra,
         )
     except Exception as exc:
@@ -134,6 +137,11 @@ def _names(data: dict, plan: ToolPlan | None) -> dict[str, str]:
         "top_n_tokens": "top_logprobs",
         "grammar": "tools" if plan is not None else "response_format",
     }
+
+
+def chat_messages(raw: list) -> list[dict]:
+    """`messages`, each checked, as the chat template takes them (vLLM's /tokenize)."""
+    return [_message(m, i) for i, m in enumerate(raw)]
 
 
 def _message(m, index: int) -> dict:

@@ -4,7 +4,8 @@
 and `function_call_output`; they become chat messages and go through the same chat
 template, tool grammar (tools.py) and output formats (formats.py) as chat does.
 `previous_response_id` continues a conversation kept in this replica's ResponseStore
-(response_store.py). What it cannot honour (images, files, audio, built-in tools,
+(response_store.py), which also keeps the input items (with ids, as OpenAI lists them)
+and the response object. What it cannot honour (images, files, audio, built-in tools,
 reasoning, background runs, ...) is refused by name, never ignored.
 """
 
@@ -24,7 +25,7 @@ from .common import (
     sampling_parameters,
 )
 from .formats import lark_answer, text_format
-from .response_store import ResponseStore
+from .response_store import ResponseStore, StoredResponse, new_id
 from .tools import Tool, ToolPlan, checked_tool, no_tools, tool_plan
 
 # What parse_responses_request reads; anything else is refused (refuse_unknown_fields).
@@ -53,6 +54,7 @@ class ResponsesRequest:
     stream: bool
     store: bool  # keep the conversation for a later previous_response_id
     conversation: tuple[dict, ...]  # chat messages: the previous one's, then `input`
+    items: tuple[dict, ...]  # the same as OpenAI's input items, with ids
     tools: ToolPlan | None  # tools the model may call
     logprobs: bool  # include: ["message.output_text.logprobs"]
     echo: dict  # the request's settings as the response object reports them
@@ -61,12 +63,20 @@ class ResponsesRequest:
         """The conversation this response ends: what it was given, then its output items."""
         return [*self.conversation, *items_to_messages(output, "output")]
 
+    def stored(self, response: dict) -> StoredResponse:
+        """What the store keeps of this request's completed `response` object."""
+        return StoredResponse(
+            response, self.items, tuple(self.conversation_with(response["output"]))
+        )
+
 
 def parse_responses_request(body: bytes, tokenizer, store: ResponseStore) -> ResponsesRequest:
     data = json_object(body)
     refuse_unknown_fields(data, RESPONSES_FIELDS)
     _check_truncation(data)
-    conversation = _previous(data, store) + _input(data.get("input"))
+    previous = _previous(data, store)
+    conversation = [*(previous.conversation if previous else ()), *_input(data.get("input"))]
+    items = [*_previous_items(previous), *input_items(data.get("input"))]
     if not conversation:
         raise OpenAIRequestError("`input` must not be empty", "input")
     instructions = optional_field(data, "instructions", str)
@@ -98,6 +108,7 @@ def parse_responses_request(body: bytes, tokenizer, store: ResponseStore) -> Res
         stream=bool(optional_field(data, "stream", bool)),
         store=_store(data, store),
         conversation=tuple(conversation),
+        items=tuple(items),
         tools=plan,
         logprobs=logprobs,
         echo={
@@ -123,26 +134,34 @@ def _default(value, default):
 # the conversation -------------------------------------------------------------------
 
 
-def _previous(data: dict, store: ResponseStore) -> list[dict]:
-    """The conversation a previous response ended, from the store."""
+def _previous(data: dict, store: ResponseStore) -> StoredResponse | None:
+    """The previous response, from the store."""
     previous = optional_field(data, "previous_response_id", str)
     if previous is None:
-        return []
+        return None
     if not store.enabled:
         raise OpenAIRequestError(
             "`previous_response_id`: responses are not kept on this server"
             " (--responses-store-mb 0); send the whole conversation in `input`",
             "previous_response_id",
         )
-    conversation = store.get(previous)
-    if conversation is None:
+    stored = store.get(previous)
+    if stored is None:
         raise OpenAIRequestError(
             f"`previous_response_id`: response {previous!r} is not kept on this replica: it"
             f" was made with `store: false`, expired (responses are kept {store.ttl:g} s), was"
-            " evicted, or was made by another replica; send the whole conversation in `input`",
+            " evicted or deleted, or its replica is gone; send the whole conversation in"
+            " `input`",
             "previous_response_id",
         )
-    return conversation
+    return stored
+
+
+def _previous_items(previous: StoredResponse | None) -> list[dict]:
+    """The items the previous response was made from, then its output."""
+    if previous is None:
+        return []
+    return [*previous.items, *previous.response["output"]]
 
 
 def _input(value) -> list[dict]:
@@ -238,6 +257,53 @@ def _function_call_output(item: dict, at: str) -> dict:
             f"`{at}.output` must be a string or an array of text parts", "input"
         )
     return {"role": "tool", "content": output, "tool_call_id": call_id}
+
+
+def input_items(value) -> list[dict]:
+    """`input` as OpenAI lists a response's input items: each with an id (the client's,
+    else a new one) and a status; text parts as input_text (output_text for assistant
+    messages). `value` has been checked by items_to_messages."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    return [_input_item(item) for item in value]
+
+
+def _input_item(item: dict) -> dict:
+    kind = item.get("type", "message")
+    given = item.get("id") if isinstance(item.get("id"), str) and item.get("id") else None
+    if kind == "function_call":
+        fields = {k: item[k] for k in ("call_id", "name", "arguments")}
+        return {"id": given or new_id("fc"), "type": kind, **fields, "status": "completed"}
+    if kind == "function_call_output":
+        output = item["output"]
+        if isinstance(output, list):
+            output = "".join(_text_part(part, "output") for part in output)
+        return {
+            "id": given or new_id("fco"),
+            "type": kind,
+            "call_id": item["call_id"],
+            "output": output,
+            "status": "completed",
+        }
+    role, content = item["role"], item["content"]
+    parts = [{"type": "input_text", "text": content}] if isinstance(content, str) else content
+    return {
+        "id": given or new_id("msg"),
+        "type": "message",
+        "role": role,
+        "content": [_item_part(part, role) for part in parts],
+        "status": "completed",
+    }
+
+
+def _item_part(part: dict, role: str) -> dict:
+    if part.get("type") == "refusal":
+        return {"type": "refusal", "refusal": part["refusal"]}
+    if role == "assistant":
+        return {"type": "output_text", "text": part["text"], "annotations": [], "logprobs": []}
+    return {"type": "input_text", "text": part["text"]}
 
 
 # tools and formats --------------------------------------------------------------------

@@ -17,18 +17,14 @@ The shapes are those of the `openai` SDK's types (openai.types.responses).
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from ..engine.types import FinishInfo, TokenEvent
 from .chat import logprob_entry
 from .common import finish_reason, json_bytes
+from .response_store import new_id, new_response_id
 from .responses import ResponsesRequest
 from .tools import ToolCallParser, parse_output
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def is_cut(finish: FinishInfo) -> bool:
@@ -84,13 +80,15 @@ def delta_logprob(event: TokenEvent) -> dict:
 @dataclass
 class ResponseRenderer:
     """One request's response object; its id and time are fixed at creation, its output
-    once generation ends (the conversation kept for previous_response_id ends with it)."""
+    once generation ends (the conversation kept for previous_response_id ends with it).
+    Behind the front proxy the id names this replica (response_store.new_response_id)."""
 
     model: str
     request: ResponsesRequest
-    id: str = field(default_factory=lambda: new_id("resp"))
+    id: str = field(default_factory=new_response_id)
     created: int = field(default_factory=lambda: int(time.time()))
     output: list[dict] = field(default_factory=list)
+    completed: dict | None = None  # the final response object, once generation ended
 
     def response(self, events: list[TokenEvent]) -> bytes:
         """The whole answer (stream: false)."""
@@ -98,7 +96,8 @@ class ResponseRenderer:
         return json_bytes(self.final(events[-1].finish))
 
     def final(self, finish: FinishInfo) -> dict:
-        return self.snapshot("incomplete" if is_cut(finish) else "completed", finish)
+        self.completed = self.snapshot("incomplete" if is_cut(finish) else "completed", finish)
+        return self.completed
 
     def snapshot(self, status: str, finish: FinishInfo | None = None) -> dict:
         echo = self.request.echo

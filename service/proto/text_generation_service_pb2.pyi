@@ -137,3 +137,65 @@ class ListModelsResponse(_message.Message):
     object: str
     data: _containers.RepeatedCompositeFieldContainer[Model]
     def __init__(self, object: _Optional[str] = ..., data: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("tokens", "model")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    model: str
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("prompt",)
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    def __init__(self, prompt: _Optional[str] = ...) -> None: ...
+
+class VersionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VersionResponse(_message.Message):
+    __slots__ = ("version", "commit")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    commit: str
+    def __init__(self, version: _Optional[str] = ..., commit: _Optional[str] = ...) -> None: ...
+
+class GetResponseRequest(_message.Message):
+    __slots__ = ("response_id", "include", "stream", "starting_after", "include_obfuscation")
+    RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    STARTING_AFTER_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_OBFUSCATION_FIELD_NUMBER: _ClassVar[int]
+    response_id: str
+    include: _containers.RepeatedScalarFieldContainer[str]
+    stream: bool
+    starting_after: int
+    include_obfuscation: bool
+    def __init__(self, response_id: _Optional[str] = ..., include: _Optional[_Iterable[str]] = ..., stream: _Optional[bool] = ..., starting_after: _Optional[int] = ..., include_obfuscation: _Optional[bool] = ...) -> None: ...
+
+class DeleteResponseRequest(_message.Message):
+    __slots__ = ("response_id",)
+    RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    response_id: str
+    def __init__(self, response_id: _Optional[str] = ...) -> None: ...
+
+class ListResponseInputItemsRequest(_message.Message):
+    __slots__ = ("response_id", "limit", "order", "after", "before", "include")
+    RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_FIELD_NUMBER: _ClassVar[int]
+    response_id: str
+    limit: int
+    order: str
+    after: str
+    before: str
+    include: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, response_id: _Optional[str] = ..., limit: _Optional[int] = ..., order: _Optional[str] = ..., after: _Optional[str] = ..., before: _Optional[str] = ..., include: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -60,6 +60,21 @@ class TextGenerationServiceStub:
                 request_serializer=textgen_dot_v1_dot_text__generation__service__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=textgen_dot_v1_dot_text__generation__service__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.TokenizeBody = channel.unary_unary(
+                '/textgen.v1.TextGenerationService/TokenizeBody',
+                request_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/textgen.v1.TextGenerationService/Detokenize',
+                request_serializer=textgen_dot_v1_dot_text__generation__service__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_text__generation__service__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
+        self.Version = channel.unary_unary(
+                '/textgen.v1.TextGenerationService/Version',
+                request_serializer=textgen_dot_v1_dot_text__generation__service__pb2.VersionRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_text__generation__service__pb2.VersionResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/textgen.v1.TextGenerationService/Health',
                 request_serializer=textgen_dot_v1_dot_text__generation__service__pb2.HealthRequest.SerializeToString,
@@ -88,6 +103,21 @@ class TextGenerationServiceStub:
         self.Responses = channel.unary_stream(
                 '/textgen.v1.TextGenerationService/Responses',
                 request_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.GetResponse = channel.unary_unary(
+                '/textgen.v1.TextGenerationService/GetResponse',
+                request_serializer=textgen_dot_v1_dot_text__generation__service__pb2.GetResponseRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.DeleteResponse = channel.unary_unary(
+                '/textgen.v1.TextGenerationService/DeleteResponse',
+                request_serializer=textgen_dot_v1_dot_text__generation__service__pb2.DeleteResponseRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.ListResponseInputItems = channel.unary_unary(
+                '/textgen.v1.TextGenerationService/ListResponseInputItems',
+                request_serializer=textgen_dot_v1_dot_text__generation__service__pb2.ListResponseInputItemsRequest.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
 
@@ -123,7 +153,36 @@ class TextGenerationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Tokenize a prompt (TGI's /tokenize answers a bare JSON array).
+        """Tokenize a prompt, TGI's way: each token with its span (native gRPC; over HTTP,
+        POST /tokenize is TokenizeBody, which answers TGI's body with these tokens).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TokenizeBody(self, request, context):
+        """POST /tokenize with TGI's body (`inputs`, `parameters.truncate`) or vLLM's
+        (`prompt`, or `messages` through the chat template; `add_special_tokens`, ...).
+        One route takes both shapes, so the body passes through as bytes: TGI's answers
+        TGI's bare array of tokens (the bytes Envoy printed when the route was Tokenize's),
+        vLLM's answers vLLM's `{"count", "max_model_len", "tokens", "token_strs"}`.
+        buf:lint:ignore RPC_REQUEST_STANDARD_NAME
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids back to text (vLLM's /detokenize).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Version(self, request, context):
+        """textgen's version and the source commit it was built from (GET /version).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -189,6 +248,36 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetResponse(self, request, context):
+        """A stored response object (OpenAI's GET /v1/responses/{id}), as it completed, from
+        the store of the replica that made it: `not_found` when it is not kept there.
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteResponse(self, request, context):
+        """Forget a stored response (OpenAI's DELETE /v1/responses/{id}); retrieving it, or
+        continuing it with previous_response_id, is `not_found` / refused afterwards.
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListResponseInputItems(self, request, context):
+        """The items a stored response was generated from (OpenAI's
+        GET /v1/responses/{id}/input_items), a page of OpenAI's cursor-paged list.
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -211,6 +300,21 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=textgen_dot_v1_dot_text__generation__service__pb2.TokenizeRequest.FromString,
                     response_serializer=textgen_dot_v1_dot_text__generation__service__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'TokenizeBody': grpc.unary_unary_rpc_method_handler(
+                    servicer.TokenizeBody,
+                    request_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=textgen_dot_v1_dot_text__generation__service__pb2.DetokenizeRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_text__generation__service__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'Version': grpc.unary_unary_rpc_method_handler(
+                    servicer.Version,
+                    request_deserializer=textgen_dot_v1_dot_text__generation__service__pb2.VersionRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_text__generation__service__pb2.VersionResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -240,6 +344,21 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
             'Responses': grpc.unary_stream_rpc_method_handler(
                     servicer.Responses,
                     request_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'GetResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetResponse,
+                    request_deserializer=textgen_dot_v1_dot_text__generation__service__pb2.GetResponseRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'DeleteResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteResponse,
+                    request_deserializer=textgen_dot_v1_dot_text__generation__service__pb2.DeleteResponseRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'ListResponseInputItems': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListResponseInputItems,
+                    request_deserializer=textgen_dot_v1_dot_text__generation__service__pb2.ListResponseInputItemsRequest.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
     }
@@ -354,6 +473,87 @@ class TextGenerationService:
             '/textgen.v1.TextGenerationService/Tokenize',
             textgen_dot_v1_dot_text__generation__service__pb2.TokenizeRequest.SerializeToString,
             textgen_dot_v1_dot_text__generation__service__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenizeBody(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGenerationService/TokenizeBody',
+            google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGenerationService/Detokenize',
+            textgen_dot_v1_dot_text__generation__service__pb2.DetokenizeRequest.SerializeToString,
+            textgen_dot_v1_dot_text__generation__service__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Version(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGenerationService/Version',
+            textgen_dot_v1_dot_text__generation__service__pb2.VersionRequest.SerializeToString,
+            textgen_dot_v1_dot_text__generation__service__pb2.VersionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -515,6 +715,87 @@ class TextGenerationService:
             target,
             '/textgen.v1.TextGenerationService/Responses',
             google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGenerationService/GetResponse',
+            textgen_dot_v1_dot_text__generation__service__pb2.GetResponseRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGenerationService/DeleteResponse',
+            textgen_dot_v1_dot_text__generation__service__pb2.DeleteResponseRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListResponseInputItems(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGenerationService/ListResponseInputItems',
+            textgen_dot_v1_dot_text__generation__service__pb2.ListResponseInputItemsRequest.SerializeToString,
             google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
             options,
             channel_credentials,

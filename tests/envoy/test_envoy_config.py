@@ -26,6 +26,7 @@ TGI_STATUS = {
     "unauthenticated": 401,
     "healthcheck": 503,
     "unavailable": 503,
+    "not_found": 404,  # a stored response (OpenAI's Responses API) the replica doesn't keep
 }
 
 
@@ -89,29 +90,35 @@ def test_lua_filter_carries_the_tables():
     code = source["default_source_code"]["inline_string"]
     for error_type, status in TGI_STATUS.items():
         assert f'["{error_type}"] = {status}' in code
-    assert '["/tokenize"] = "tokens"' in code
     assert "__" not in code  # every placeholder was filled
 
 
-def test_contract_strips_response_body_envoy_rejects():
-    """Envoy 1.40 refuses `response_body` on a non-HttpBody message; the renderer
-    strips it and the Lua filter unwraps /tokenize's array instead."""
+def test_contract_refuses_response_body_envoy_rejects(tmp_path):
+    """Envoy 1.40 refuses the whole descriptor set for one `response_body` on a
+    non-HttpBody message: none of ours has one, and rendering refuses one by name."""
     api = contract.contract()
-    assert api.unwrap == {"/tokenize": "tokens"}
     files = descriptor_pb2.FileDescriptorSet.FromString(api.descriptor_set)
-    rules = [
-        m.options.Extensions[annotations_pb2.http]
+    rules = {
+        m.name: m.options.Extensions[annotations_pb2.http]
         for f in files.file
         for s in f.service
         for m in s.method
-    ]
-    assert rules and not any(r.response_body for r in rules)
-    assert {r.post or r.get for r in rules} >= {
+    }
+    assert not any(r.response_body for r in rules.values())
+    assert {r.post or r.get for r in rules.values()} >= {
         "/generate",
         "/generate_stream",
         "/tokenize",
         "/info",
     }
+    for f in files.file:
+        for s in f.service:
+            for m in s.method:
+                if m.name == "Info":
+                    m.options.Extensions[annotations_pb2.http].response_body = "model_id"
+    (tmp_path / "bad.binpb").write_bytes(files.SerializeToString())
+    with pytest.raises(ValueError, match="Info"):
+        contract.contract(tmp_path / "bad.binpb")
 
 
 def test_streaming_routes_disable_the_route_timeout():
@@ -131,6 +138,11 @@ def test_streaming_routes_disable_the_route_timeout():
 
 
 # the front proxy of several replicas (textgen proxy) ----------------------------------
+
+
+def _path(match: dict) -> str:
+    """A route's path, its regex for a templated one, "grpc" for native gRPC's."""
+    return match.get("path") or match.get("safe_regex", {}).get("regex") or "grpc"
 
 
 def _routes(bootstrap: dict) -> list[dict]:
@@ -176,11 +188,12 @@ def test_front_proxy_hashes_generations_on_the_routing_key():
     from textgen.envoy.affinity import AFFINITY_HEADER
 
     front = config.render([config.Upstream("127.0.0.1", 1)], front=True)
-    hashed = {r["match"].get("path", "grpc"): r["route"].get("hash_policy") for r in _routes(front)}
+    hashed = {_path(r["match"]): r["route"].get("hash_policy") for r in _routes(front)}
     expected = [{"header": {"header_name": AFFINITY_HEADER}}]
     assert hashed["grpc"] == expected
     for route in config.ROUTES:
-        assert hashed[route.path] == (expected if route.generation else None), route.path
+        path = _path(route.path_match)
+        assert hashed[path] == (expected if route.generation else None), route.path
     manager = front["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     names = [f["name"] for f in manager["typed_config"]["http_filters"]]
     transcoder = names.index("envoy.filters.http.grpc_json_transcoder")

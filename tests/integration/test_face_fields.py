@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 from conftest import ServerThread, tiny_settings
+from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -271,6 +272,48 @@ def store(server):
     assert status == 200 and out["store"] is False, out
     status, refusal = post(server, RESPONSES, response(previous_response_id=out["id"]))
     assert status == 422 and refusal["error"]["param"] == "previous_response_id", refusal
+
+
+# vLLM's /tokenize and /detokenize
+
+
+def vllm_prompt(**fields) -> dict:
+    return {"prompt": PROMPT, **fields}
+
+
+def vllm_chat(**fields) -> dict:
+    return {"messages": MESSAGES, **fields}
+
+
+def special_tokens_as_the_tokenizer_adds_them(make, default: bool):
+    """The ids are the model tokenizer's with and without its special tokens (the tiny
+    tokenizer adds none, so an answer can't differ; it must still be the tokenizer's)."""
+
+    def probe(server):
+        tokenizer = AutoTokenizer.from_pretrained(server.settings.model_id)
+        for flag in (True, False):
+            status, out = post(server, "/tokenize", make(add_special_tokens=flag))
+            assert status == 200, out
+            text = (
+                PROMPT
+                if "prompt" in make()
+                else tokenizer.apply_chat_template(
+                    MESSAGES, tokenize=False, add_generation_prompt=True
+                )
+            )
+            assert out["tokens"] == tokenizer(text, add_special_tokens=flag)["input_ids"]
+        assert (
+            post(server, "/tokenize", make())[1]
+            == post(server, "/tokenize", make(add_special_tokens=default))[1]
+        )
+
+    return probe
+
+
+def token_strs(make):
+    return checks(
+        "/tokenize", make(return_token_strs=True), lambda o: len(o["token_strs"]) == o["count"]
+    )
 
 
 PROBES = {
@@ -538,6 +581,34 @@ PROBES = {
         "temperature": differs("/v1/completions", completion(), completion(**HOT)),
         "top_k": differs("/v1/completions", completion(**HOT), completion(**HOT, top_k=1)),
         "top_p": differs("/v1/completions", completion(**HOT), completion(**HOT, top_p=0.01)),
+    },
+    "VllmTokenizeRequest": {
+        "prompt": differs("/tokenize", vllm_prompt(), vllm_prompt(prompt="Hello")),
+        "add_special_tokens": special_tokens_as_the_tokenizer_adds_them(vllm_prompt, True),
+        "return_token_strs": token_strs(vllm_prompt),
+    },
+    "VllmTokenizeChatRequest": {
+        "messages": differs(
+            "/tokenize", vllm_chat(), vllm_chat(messages=[{"role": "user", "content": "Hi"}])
+        ),
+        "add_generation_prompt": differs(
+            "/tokenize", vllm_chat(), vllm_chat(add_generation_prompt=False)
+        ),
+        "continue_final_message": differs(
+            "/tokenize",
+            vllm_chat(add_generation_prompt=False),
+            vllm_chat(add_generation_prompt=False, continue_final_message=True),
+        ),
+        "add_special_tokens": special_tokens_as_the_tokenizer_adds_them(vllm_chat, False),
+        "return_token_strs": token_strs(vllm_chat),
+        "tools": differs(
+            "/tokenize",
+            vllm_chat(),
+            vllm_chat(tools=[{"type": "function", "function": {"name": "get_time"}}]),
+        ),
+    },
+    "DetokenizeRequest": {
+        "tokens": differs("/detokenize", {"tokens": [70, 71]}, {"tokens": [72]}),
     },
 }
 

@@ -2,7 +2,9 @@
 `openai` SDK, on the tiny model: answers agree with TGI's /generate and with chat on the
 same conversation, streams come in OpenAI's documented order and add up to the answer,
 function tools round-trip (by items and by previous_response_id), and what can't be
-honoured is a typed 422 naming the field. The same RPC over native gRPC, via the SDK."""
+honoured is a typed 422 naming the field. The same RPC over native gRPC, via the SDK.
+Stored responses as the SDK reads them: retrieve, input_items (paged), delete, and a
+typed 404 for one not kept."""
 
 from __future__ import annotations
 
@@ -388,3 +390,91 @@ def test_native_grpc_sdk_agrees_with_http(client, server):
     )
     deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
     assert "".join(deltas) == http.output_text
+
+
+# the store, as OpenAI's API shows it (retrieve, input items, delete) --------------------
+
+
+def test_a_stored_response_is_retrieved_listed_and_deleted(client):
+    first = client.responses.create(input=QUESTION, max_output_tokens=4, **GREEDY)
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    items = client.responses.input_items.list(first.id)
+    (item,) = items.data
+    assert (item.type, item.role, item.content[0].text) == ("message", "user", QUESTION)
+    assert (items.first_id, items.last_id, items.has_more) == (item.id, item.id, False)
+    # a continuation lists what it was made from: the first one's items and output, then its own
+    second = client.responses.create(
+        previous_response_id=first.id, input="And Italy?", max_output_tokens=4, **GREEDY
+    )
+    asc = client.responses.input_items.list(second.id, order="asc")
+    assert [(i.role, i.content[0].text) for i in asc.data] == [
+        ("user", QUESTION),
+        ("assistant", first.output_text),
+        ("user", "And Italy?"),
+    ]
+    assert asc.data[0].id == item.id and asc.data[1].id == first.output[0].id
+    # the default order is the newest first; the SDK pages on with `after`
+    paged = list(client.responses.input_items.list(second.id, limit=1))
+    assert [i.id for i in paged] == [i.id for i in reversed(asc.data)]
+    assert client.responses.delete(first.id) is None
+    for call in (
+        lambda: client.responses.retrieve(first.id),
+        lambda: client.responses.input_items.list(first.id),
+        lambda: client.responses.delete(first.id),
+    ):
+        with pytest.raises(openai.NotFoundError) as info:
+            call()
+        assert info.value.body["type"] == "not_found" and "deleted" in info.value.body["message"]
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.responses.create(previous_response_id=first.id, input="more", **GREEDY)
+    assert info.value.body["param"] == "previous_response_id"
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+
+
+def test_streamed_and_tool_responses_are_stored_as_they_completed(client, server):
+    _, last_event = raw_stream(server, {"input": QUESTION, "max_output_tokens": 6, **GREEDY})[-1]
+    final = last_event["response"]
+    stored = requests.get(f"{server.http_url}/v1/responses/{final['id']}", timeout=30)
+    assert stored.status_code == 200 and stored.json() == final
+    first, conversation = tool_round_trip(client)
+    assert client.responses.retrieve(first.id).output[0].type == "function_call"
+    last = client.responses.create(
+        input=conversation, tools=[WEATHER], tool_choice="none", max_output_tokens=4, **GREEDY
+    )
+    kinds = [i.type for i in client.responses.input_items.list(last.id, order="asc")]
+    assert kinds == ["message", "function_call", "function_call_output"]
+    listed = client.responses.input_items.list(last.id, order="asc").data
+    assert listed[1].call_id == first.output[0].call_id and listed[2].output == '{"sky": "sunny"}'
+
+
+def test_a_response_not_kept_is_a_typed_404(client):
+    unkept = client.responses.create(input=QUESTION, max_output_tokens=2, store=False, **GREEDY)
+    for rid in (unkept.id, "resp_unknown"):
+        with pytest.raises(openai.NotFoundError) as info:
+            client.responses.retrieve(rid)
+        error = info.value.body
+        assert (error["type"], error["param"]) == ("not_found", "response_id")
+        assert "store: false" in error["message"]
+
+
+def test_what_the_store_routes_cannot_honour_is_a_typed_422(client, server):
+    stored = client.responses.create(input=QUESTION, max_output_tokens=2, **GREEDY)
+    refusals = [
+        (lambda: client.responses.retrieve(stored.id, stream=True), "stream"),
+        # the SDK writes `include[]=...`; Envoy's Lua filter makes it the `include` field
+        (lambda: client.responses.retrieve(stored.id, include=["reasoning.encrypted_content"]),
+         "include"),
+        (lambda: client.responses.input_items.list(stored.id, include=["file_search_call.results"]),
+         "include"),
+        (lambda: client.responses.input_items.list(stored.id, limit=0), "limit"),
+        (lambda: client.responses.input_items.list(stored.id, after="msg_unknown"), "after"),
+    ]  # fmt: skip
+    for call, param in refusals:
+        with pytest.raises(openai.UnprocessableEntityError) as info:
+            call()
+        assert (info.value.body["type"], info.value.body["param"]) == ("validation", param)
+    url = f"{server.http_url}/v1/responses/{stored.id}/input_items"
+    resp = requests.get(url, params={"order": "sideways"}, timeout=30)
+    assert resp.status_code == 422 and resp.json()["error"]["param"] == "order"
+    resp = requests.post(f"{server.http_url}/v1/responses/{stored.id}", json={}, timeout=30)
+    assert resp.status_code == 405

@@ -1,8 +1,9 @@
 """Several replicas behind `textgen proxy` (a real Envoy, rendered front=True), all
 real processes on this machine with the tiny model: load balancing, the retry of a
 refused request onto another replica before its first byte (HTTP and native gRPC),
-a replica killed under load, a replica draining on SIGTERM, and a replica killed under
-the SDK's streams (their typed end: docs/failures.md).
+a replica killed under load, a replica draining on SIGTERM, a replica killed under the
+SDK's streams (their typed end: docs/failures.md), and stored responses (OpenAI's
+Responses API) reached on the replica that made them.
 
 One `stable` replica and the proxy live for the module; each test gets a `victim`
 replica on one fixed port (the proxy knows both addresses from the start, as it
@@ -23,12 +24,15 @@ import time
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 from grpc_health.v1 import health_pb2
 from replica_processes import Proc, Proxy, Replica, free_port, wait_until
 from textgen.envoy.clusters import NUM_RETRIES
 from textgen.sdk import Client, IncompleteGenerationError, TextGenError, http_streams
+from textgen.service.openai.response_store import replica_of
 from textgen.service.proto import generate_pb2 as pb
+from textgen.service.proto import text_generation_service_pb2 as svc_pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
 
 pytestmark = pytest.mark.timeout(60)
@@ -472,3 +476,51 @@ def test_killed_replica_ends_its_streams_typed(stable, victim, proxy):
     # the status as the transport made it up: INTERNAL through Envoy (RST_STREAM)
     assert grpc_error.code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE)
     print(f"killed mid-stream: {[repr(s.error) for s in on_victim]}")
+
+
+@pytest.mark.timeout(120)  # alone, it also starts the replicas and the proxy
+def test_stored_responses_are_reached_on_the_replica_that_made_them(stable, victim, proxy):
+    """A replica keeps the responses it made; their ids name it (the address the proxy
+    reached it at), and the proxy sends a retrieval, an input-item listing, a deletion or
+    a previous_response_id there, whatever the ring would pick (HTTP and native gRPC).
+    Once that replica is gone, the other answers a typed 404 that names it."""
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{proxy.http_port}/v1", api_key="-", max_retries=0, timeout=30
+    )
+    short = {"model": "tgi", "max_output_tokens": 2, "temperature": 0}
+    replicas = {f"127.0.0.1:{r.port}": r for r in (stable, victim)}
+    made = {}
+    for i in range(40):  # cache keys spread over the ring: until each replica made one
+        out = client.responses.create(
+            input=f"Question {i}", extra_body={"prompt_cache_key": f"key-{i}"}, **short
+        )
+        made.setdefault(replica_of(out.id), out)
+        if set(made) == set(replicas):
+            break
+    assert set(made) == set(replicas), set(made)
+    for address, out in made.items():
+        other = next(r for a, r in replicas.items() if a != address)
+        with pytest.raises(grpc.RpcError) as elsewhere:  # kept by its replica only
+            other.stub.GetResponse(svc_pb.GetResponseRequest(response_id=out.id), timeout=10)
+        assert elsewhere.value.code() == grpc.StatusCode.NOT_FOUND
+        for _ in range(4):  # the ring alone would send about half of these to the other
+            assert client.responses.retrieve(out.id).id == out.id
+        with grpc.insecure_channel(f"127.0.0.1:{proxy.http_port}") as channel:
+            body = svc_grpc.TextGenerationServiceStub(channel).GetResponse(
+                svc_pb.GetResponseRequest(response_id=out.id), timeout=10
+            )
+        assert json.loads(body.data)["id"] == out.id
+        after = client.responses.create(previous_response_id=out.id, input="More?", **short)
+        assert replica_of(after.id) == address  # continued where the conversation is kept
+        texts = [i.content[0].text for i in client.responses.input_items.list(after.id)]
+        assert texts[-1] == out.output_text or texts[-1].startswith("Question")
+        assert client.responses.delete(after.id) is None
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(after.id)
+    # the victim leaves, and its responses with it: the answer says where they were
+    gone = made[f"127.0.0.1:{victim.port}"]
+    victim.stop()
+    assert wait_until(lambda: proxy.health_flags(victim.port) != "healthy", 20)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.retrieve(gone.id)
+    assert f"stored by replica 127.0.0.1:{victim.port}" in info.value.body["message"]

@@ -37,6 +37,7 @@ from textgen.sdk import (
     GenerationError,
     IncompleteGenerationError,
     InfoResponse,
+    NotFoundError,
     OverloadedError,
     SimpleToken,
     TextGenError,
@@ -458,7 +459,8 @@ async def test_async_error_reason_maps_to_class(
         (grpc.StatusCode.INVALID_ARGUMENT, ValidationError, "validation"),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, OverloadedError, "overloaded"),
         (grpc.StatusCode.UNAVAILABLE, UnavailableError, "unavailable"),
-        (grpc.StatusCode.NOT_FOUND, UnknownError, "unknown"),
+        (grpc.StatusCode.NOT_FOUND, NotFoundError, "not_found"),
+        (grpc.StatusCode.DATA_LOSS, UnknownError, "unknown"),
     ],
 )
 def test_status_code_without_error_info_maps_to_class(

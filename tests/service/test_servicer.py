@@ -224,10 +224,10 @@ async def test_responses_are_kept_for_previous_response_id(served):
     (body,) = [b async for b in stub.Responses(responses_body())]
     first = json.loads(body.data)
     assert first["output"][0]["content"][0]["text"] == "Hello world"
-    assert servicer.responses_store.get(first["id"])[-1] == {
-        "role": "assistant",
-        "content": "Hello world",
-    }
+    stored = servicer.responses_store.get(first["id"])
+    assert stored.conversation[-1] == {"role": "assistant", "content": "Hello world"}
+    assert stored.response == first  # kept as answered (GET /v1/responses/{id})
+    assert [i["role"] for i in stored.items] == ["user"]
     [b async for b in stub.Responses(responses_body(previous_response_id=first["id"]))]
     prompt_ids = engine.requests[-1].prompt_ids
     assert len(prompt_ids) > len(engine.requests[0].prompt_ids)  # the first turn, then this

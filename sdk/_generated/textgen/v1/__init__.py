@@ -5,11 +5,15 @@
 
 __all__ = (
     "BestOfSequence",
+    "DeleteResponseRequest",
     "Details",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
     "GenerateParameters",
     "GenerateRequest",
     "GenerateResponse",
     "GenerateStreamResponse",
+    "GetResponseRequest",
     "Grammar",
     "HealthRequest",
     "HealthResponse",
@@ -17,6 +21,7 @@ __all__ = (
     "InfoResponse",
     "ListModelsRequest",
     "ListModelsResponse",
+    "ListResponseInputItemsRequest",
     "MetricsRequest",
     "Model",
     "PrefillToken",
@@ -26,6 +31,8 @@ __all__ = (
     "Token",
     "TokenizeRequest",
     "TokenizeResponse",
+    "VersionRequest",
+    "VersionResponse",
 )
 
 from dataclasses import dataclass
@@ -83,6 +90,21 @@ class BestOfSequence(betterproto2.Message):
 
 
 default_message_pool.register_message("textgen.v1", "BestOfSequence", BestOfSequence)
+
+
+@dataclass(eq=False, repr=False)
+class DeleteResponseRequest(betterproto2.Message):
+    """
+    OpenAI's DELETE /v1/responses/{response_id}.
+    """
+
+    response_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The response's id.
+    """
+
+
+default_message_pool.register_message("textgen.v1", "DeleteResponseRequest", DeleteResponseRequest)
 
 
 @dataclass(eq=False, repr=False)
@@ -150,6 +172,42 @@ class Details(betterproto2.Message):
 
 
 default_message_pool.register_message("textgen.v1", "Details", Details)
+
+
+@dataclass(eq=False, repr=False)
+class DetokenizeRequest(betterproto2.Message):
+    """
+    vLLM's /detokenize body.
+    """
+
+    tokens: "list[int]" = betterproto2.field(1, betterproto2.TYPE_INT64, repeated=True)
+    """
+    Token ids of the served model's vocabulary (int64, so that a negative or huge id
+    reaches validation and gets a 422 naming it).
+    """
+
+    model: "str | None" = betterproto2.field(2, betterproto2.TYPE_STRING, optional=True)
+    """
+    Accepted for compatibility (one model is served); another model's name is refused.
+    """
+
+
+default_message_pool.register_message("textgen.v1", "DetokenizeRequest", DetokenizeRequest)
+
+
+@dataclass(eq=False, repr=False)
+class DetokenizeResponse(betterproto2.Message):
+    """
+    The text of the tokens, special tokens included (as vLLM decodes them).
+    """
+
+    prompt: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The decoded text.
+    """
+
+
+default_message_pool.register_message("textgen.v1", "DetokenizeResponse", DetokenizeResponse)
 
 
 @dataclass(eq=False, repr=False)
@@ -312,6 +370,7 @@ class GenerateRequest(betterproto2.Message):
       unauthenticated       UNAUTHENTICATED     HTTP 401
       healthcheck           UNAVAILABLE         HTTP 503
       unavailable           UNAVAILABLE         HTTP 503 (draining, not ready)
+      not_found             NOT_FOUND           HTTP 404 (a response id not stored)
 
     A request to generate text from `inputs`.
     """
@@ -401,6 +460,44 @@ class GenerateStreamResponse(betterproto2.Message):
 default_message_pool.register_message(
     "textgen.v1", "GenerateStreamResponse", GenerateStreamResponse
 )
+
+
+@dataclass(eq=False, repr=False)
+class GetResponseRequest(betterproto2.Message):
+    """
+    OpenAI's GET /v1/responses/{response_id} (its query parameters, bound by name).
+    """
+
+    response_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The response's id, as /v1/responses answered it.
+    """
+
+    include: "list[str]" = betterproto2.field(2, betterproto2.TYPE_STRING, repeated=True)
+    """
+    OpenAI's `include`: not supported here (the stored object is returned as it was
+    made; ask for logprobs when creating it): any value is refused.
+    """
+
+    stream: "bool | None" = betterproto2.field(3, betterproto2.TYPE_BOOL, optional=True)
+    """
+    OpenAI replays a response's events when true: refused (the events are not kept).
+    """
+
+    starting_after: "int | None" = betterproto2.field(4, betterproto2.TYPE_INT32, optional=True)
+    """
+    With `stream`: refused as well.
+    """
+
+    include_obfuscation: "bool | None" = betterproto2.field(
+        5, betterproto2.TYPE_BOOL, optional=True
+    )
+    """
+    With `stream` only; accepted and without effect on a JSON answer.
+    """
+
+
+default_message_pool.register_message("textgen.v1", "GetResponseRequest", GetResponseRequest)
 
 
 @dataclass(eq=False, repr=False)
@@ -659,6 +756,49 @@ default_message_pool.register_message("textgen.v1", "ListModelsResponse", ListMo
 
 
 @dataclass(eq=False, repr=False)
+class ListResponseInputItemsRequest(betterproto2.Message):
+    """
+    OpenAI's GET /v1/responses/{response_id}/input_items (query parameters bound by name).
+    """
+
+    response_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The response's id.
+    """
+
+    limit: "int | None" = betterproto2.field(2, betterproto2.TYPE_INT32, optional=True)
+    """
+    Items per page, 1 to 100 (default 20).
+    """
+
+    order: "str | None" = betterproto2.field(3, betterproto2.TYPE_STRING, optional=True)
+    """
+    "desc" (the default: the last item first) or "asc".
+    """
+
+    after: "str | None" = betterproto2.field(4, betterproto2.TYPE_STRING, optional=True)
+    """
+    An item id: list the items after it (in `order`).
+    """
+
+    before: "str | None" = betterproto2.field(5, betterproto2.TYPE_STRING, optional=True)
+    """
+    An item id: list the items before it (in `order`).
+    """
+
+    include: "list[str]" = betterproto2.field(6, betterproto2.TYPE_STRING, repeated=True)
+    """
+    OpenAI's `include`: not supported here (input items carry text only): any value is
+    refused.
+    """
+
+
+default_message_pool.register_message(
+    "textgen.v1", "ListResponseInputItemsRequest", ListResponseInputItemsRequest
+)
+
+
+@dataclass(eq=False, repr=False)
 class MetricsRequest(betterproto2.Message):
     """
     Metrics takes no parameters.
@@ -888,7 +1028,7 @@ default_message_pool.register_message("textgen.v1", "TokenizeRequest", TokenizeR
 @dataclass(eq=False, repr=False)
 class TokenizeResponse(betterproto2.Message):
     """
-    The tokens of a text. HTTP prints the bare array.
+    The tokens of a text (POST /tokenize prints TGI's bare array of them).
     """
 
     tokens: "list[SimpleToken]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
@@ -898,6 +1038,39 @@ class TokenizeResponse(betterproto2.Message):
 
 
 default_message_pool.register_message("textgen.v1", "TokenizeResponse", TokenizeResponse)
+
+
+@dataclass(eq=False, repr=False)
+class VersionRequest(betterproto2.Message):
+    """
+    Version takes no parameters.
+    """
+
+    pass
+
+
+default_message_pool.register_message("textgen.v1", "VersionRequest", VersionRequest)
+
+
+@dataclass(eq=False, repr=False)
+class VersionResponse(betterproto2.Message):
+    """
+    What is serving.
+    """
+
+    version: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    textgen's version (the package's).
+    """
+
+    commit: "str | None" = betterproto2.field(2, betterproto2.TYPE_STRING, optional=True)
+    """
+    The git commit it was built from: TEXTGEN_COMMIT (the Docker image's build arg), or
+    the source checkout's HEAD; absent when neither is known.
+    """
+
+
+default_message_pool.register_message("textgen.v1", "VersionResponse", VersionResponse)
 
 
 from ...google import protobuf as __google__protobuf__
