@@ -33,6 +33,7 @@ from .grpc.interceptors import ApiKeyInterceptor, DecodingInterceptor
 from .grpc.server import SERVICE_NAME, build_server, set_serving
 from .grpc.servicer import ServedModel, TextGenerationServicer
 from .models import LoadedModel, load_model
+from .models.compile_cache import compile_cache_dir
 from .models.loader import ModelShard
 from .observability.metrics import Metrics
 from .observability.requests import RequestRecorder
@@ -175,11 +176,19 @@ def cuda_graph_settings(
 
 
 def compile_settings(settings: Settings, loaded: LoadedModel) -> CompileSettings | None:
-    """--compile (off by default): CPU only, and not with --deterministic."""
+    """--compile (off by default): CPU only, and not with --deterministic. Its artifacts
+    live in the textgen cache (models/compile_cache.py), whatever TORCHINDUCTOR_CACHE_DIR
+    says (torch sets it to its temp-dir default on import, and children inherit that);
+    if that cache can't be written, in torch's default."""
     if not settings.compile:
         return None
     check_strategies(settings, loaded.device.type)
-    return CompileSettings.for_engine(settings.max_batch_size, progress=True)
+    try:
+        cache_dir = compile_cache_dir(loaded)
+    except OSError as exc:
+        log.warning("compile cache unavailable (%s): compiling under the temp dir", exc)
+        cache_dir = None
+    return CompileSettings.for_engine(settings.max_batch_size, progress=True, cache_dir=cache_dir)
 
 
 def build_core(

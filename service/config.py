@@ -328,8 +328,10 @@ class Settings:
     compile: bool = switch(
         False,
         "run decode steps of up to 32 sequences through torch.compile'd graphs, one per batch "
-        "bucket, compiled at startup (CPU only, off by default; ~10-15%% faster steps here, "
-        "minutes of startup with a cold compile cache: docs/performance.md)",
+        "bucket, compiled at startup (CPU only, off by default; ~10-15%% faster steps here; "
+        "the first start per model compiles for minutes, later ones, new containers with the "
+        "same cache volume included, load it from the textgen cache in under a minute: "
+        "docs/performance.md)",
         negatable=True,
     )
     api_key: str | None = option(

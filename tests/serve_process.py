@@ -31,14 +31,15 @@ class ServeProcess:
 
 
 @contextlib.contextmanager
-def textgen_serve(*args: str, until: str = "textgen ready"):
-    """Start `textgen serve ARGS`, read its log until `until` (or its exit), yield it;
-    on the way out kill whatever is still running, server and Envoy, by PID."""
+def textgen_serve(*args: str, until: str = "textgen ready", env: dict | None = None):
+    """Start `textgen serve ARGS` (with `env` added to the environment), read its log until
+    `until` (or its exit), yield it; on the way out kill whatever is still running, server
+    and Envoy, by PID."""
     proc = subprocess.Popen(
         [TEXTGEN, "serve", *args],
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     served = ServeProcess(proc, "")
     try:

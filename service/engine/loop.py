@@ -218,6 +218,9 @@ class EngineLoop:
                 if self.metrics is not None and outputs:
                     self._observe_step(outputs, time.perf_counter() - started)
                 self._process(outputs)
+                # not kept while the engine idles: the last step's finished sequences
+                # (their token ids, grammar matchers) would live until the next request
+                del outputs
         except Exception as exc:
             log.exception("engine step failed; the engine stops")
             self.last_error = exc

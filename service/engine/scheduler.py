@@ -2,7 +2,9 @@
 computes. Pure Python: it sees sequences and the block manager, never a tensor.
 
 Policy, in order, every step. "First" means by rank: the request's priority (lower is
-sooner, vLLM's convention), then arrival order.
+sooner, vLLM's convention), then arrival order: the order `add` received the requests,
+after validation, not the time their RPCs arrived (a request validated slowly ranks behind
+one of its priority already running, so it can't preempt it).
 1. Decodes. Every running sequence with one token left to compute gets it, first first. If
    the KV pool can't hold it, the last-ranked running sequence (the lowest priority, the
    youngest among those) is preempted (recompute) until it can.

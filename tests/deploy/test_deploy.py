@@ -298,3 +298,19 @@ def test_readme_commands_are_real():
     assert any(c.startswith("textgen proxy") for c in commands)
     for command in commands:
         parse(shlex.split(command)[1:])
+
+
+def test_the_textgen_cache_is_on_the_volume_every_manifest_mounts():
+    """The model and --compile's artifacts live in TEXTGEN_CACHE: on the image's volume,
+    which compose and Kubernetes mount, so a new container finds them."""
+    text = (ROOT / "Dockerfile").read_text()
+    cache = Path(re.search(r"\bTEXTGEN_CACHE=(\S+)", text).group(1))
+    (volume,) = re.findall(r"^VOLUME (\S+)$", text, re.MULTILINE)
+    assert cache.is_relative_to(volume)
+    compose = load_all(DEPLOY / "compose.yaml")[0]
+    for name, service in compose["services"].items():
+        if name.startswith("textgen-"):
+            assert any(v.endswith(f":{volume}") for v in service["volumes"]), name
+    pod = k8s_objects()[("Deployment", "textgen")]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert volume in {m["mountPath"] for m in container["volumeMounts"]}

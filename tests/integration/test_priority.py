@@ -5,6 +5,7 @@ the lowest priority first; the metrics count requests by priority."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 import time
@@ -19,6 +20,8 @@ from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
 pytestmark = pytest.mark.timeout(120)
 
 STEP_DELAY = 0.01  # seconds added to each engine step
+# seconds each background stream's validation takes: the first sent reaches the engine last
+VALIDATION_DELAY = {f"bg{i}": 0.05 * (6 - i) for i in range(6)}
 
 
 def slowed(server: ServerThread) -> ServerThread:
@@ -38,6 +41,11 @@ def request(tokens: int, priority: int | None = None) -> pb.GenerateRequest:
     if priority is not None:
         params.priority = priority
     return pb.GenerateRequest(inputs="The quick brown fox", parameters=params)
+
+
+def named(name: str, req: pb.GenerateRequest) -> pb.GenerateRequest:
+    req.inputs = f"{name}: {req.inputs}"
+    return req
 
 
 def stream(stub, req, first_token_at: dict, name: str, metadata=()) -> None:
@@ -121,3 +129,62 @@ def test_a_bad_priority_header_is_a_typed_error(saturable):
             stub.Generate(request(2), timeout=30, metadata=(("x-textgen-priority", "urgent"),))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "`x-textgen-priority` must be an integer" in info.value.details()
+
+
+def test_equal_priorities_keep_the_engines_order_and_never_preempt(saturable, monkeypatch):
+    """Six equal-priority streams sent together reach the engine in the reverse order (the
+    first sent is validated last), then an urgent one: the six start in the order the
+    engine received them, two at a time, each runs to its end unpreempted, and the urgent
+    one goes ahead of those still waiting."""
+    servicer, core = saturable.replica.servicer, saturable.engine.core
+    validate = servicer.validate
+    names: dict[str, str] = {}  # engine request id -> name
+    received: list[str] = []  # names in the order the engine took them
+
+    async def slow_validate(req, **kwargs):
+        name = req.inputs.split(":")[0]
+        await asyncio.sleep(VALIDATION_DELAY.get(name, 0.0))
+        valid = await validate(req, **kwargs)
+        names[valid.engine_request.request_id] = name
+        return valid
+
+    add = core.add
+
+    def recording_add(seq):
+        received.append(names[seq.request.request_id])
+        add(seq)
+
+    monkeypatch.setattr(servicer, "validate", slow_validate)
+    monkeypatch.setattr(core, "add", recording_add)
+    preemptions = core.stats().preemptions
+    first_token_at: dict[str, float] = {}
+    ended_at: dict[str, float] = {}
+
+    def run(name: str, req) -> None:
+        stream(stub, req, first_token_at, name)
+        ended_at[name] = time.monotonic()
+
+    background = [f"bg{i}" for i in range(6)]
+    with grpc.insecure_channel(saturable.target) as channel:
+        stub = svc_grpc.TextGenerationServiceStub(channel)
+        threads = [
+            threading.Thread(target=run, args=(name, named(name, request(48, 0))))
+            for name in background
+        ]
+        for thread in threads:
+            thread.start()
+        while len(received) < 6 or len(first_token_at) < 2:  # two stream, four wait
+            time.sleep(0.005)
+        urgent = threading.Thread(target=run, args=("urgent", named("urgent", request(5, -1))))
+        urgent.start()
+        for thread in [*threads, urgent]:
+            thread.join(60)
+    assert received[:6] == background[::-1]  # the validation delays' doing
+    assert core.stats().preemptions == preemptions
+    started = sorted(background, key=first_token_at.__getitem__)
+    # the engine's order; two that start in the same step reach their clients in either order
+    assert [set(started[:2]), *started[2:]] == [set(received[:2]), *received[2:6]], started
+    for i, name in enumerate(received[2:6]):  # each waits for a slot: one of the earlier ends
+        assert first_token_at[name] > sorted(ended_at[n] for n in received[: i + 2])[i]
+    waiting = [n for n in background if first_token_at[n] > first_token_at["urgent"]]
+    assert waiting and all(n in received[2:6] for n in waiting)

@@ -1,0 +1,53 @@
+"""Where `--compile` keeps torch's compile artifacts: in the textgen cache, one folder per
+model and build, so a new container with the same cache volume reuses them.
+
+    <cache root>/compile/<model>-<key>/   (torch's inductor cache dir: FX graphs,
+                                            AOTAutograd entries, the compiled kernels)
+    <cache root>/compile/<model>-<key>/key.json   (what the key hashes, for an operator)
+
+torch's own cache keys already cover the graph, the config and the compiler, so a stale
+artifact is never used; the folder key splits the cache by what makes artifacts useless
+to each other (model, revision, dtype, quantization, shard count, torch version, the CPU's
+vector ISA), so one model's folder can be deleted on its own and never holds another's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from .embedded import default_cache_root
+from .loader import LoadedModel
+
+
+def compile_key(loaded: LoadedModel) -> dict[str, str]:
+    """What invalidates the compiled decode step, as strings."""
+    resolved = loaded.resolved
+    return {
+        "model_id": resolved.model_id,
+        # a Hub snapshot by its revision; a local folder (or the converted embedded
+        # model, whose folder name hashes its GGUF) by its path
+        "revision": resolved.sha or str(resolved.path.resolve()),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "quantize": loaded.quantize or "none",
+        # every rank of a sharded model shares the folder: their graphs differ only where
+        # their slices' shapes do, which torch's own keys tell apart
+        "num_shard": str(loaded.shard.world_size if loaded.shard else 1),
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def compile_cache_dir(loaded: LoadedModel, root: Path | None = None) -> Path:
+    """The folder for this model's compile artifacts (created, with its key.json)."""
+    key = compile_key(loaded)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", key["model_id"].rsplit("/", 1)[-1])[:48]
+    folder = (root or default_cache_root()) / "compile" / f"{slug}-{digest}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "key.json").write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
+    return folder
