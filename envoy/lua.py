@@ -28,7 +28,8 @@ local FALLBACK_BY_GRPC_CODE = {__FALLBACK_BY_GRPC_CODE__}
 local FALLBACK_STATUS, FALLBACK_TYPE = __FALLBACK__
 local FACE_HEADER = "__FACE_HEADER__"
 local LEAKED = {"grpc-status", "grpc-message", "grpc-accept-encoding",
-                "grpc-status-details-bin", "x-textgen-error-type", "x-textgen-error-param"}
+                "grpc-status-details-bin", "x-textgen-error-type", "x-textgen-error-param",
+                "grpc-retry-pushback-ms"}
 local META = "textgen"
 
 local function is_grpc(content_type)
@@ -117,7 +118,10 @@ function envoy_on_response(response_handle)
   local message = headers:get("grpc-message")
   local param = headers:get("x-textgen-error-param")  -- the refused field (OpenAI's param)
   if param ~= nil then param = percent_decode(param) end  -- percent-encoded, as grpc-message
+  -- an overloaded server's pushback (ms) is HTTP's Retry-After (whole seconds, at least 1)
+  local pushback = tonumber(headers:get("grpc-retry-pushback-ms") or "")
   for _, name in ipairs(LEAKED) do headers:remove(name) end
+  if pushback ~= nil then headers:replace("retry-after", tostring(math.ceil(pushback / 1000))) end
 
   if error_type == nil and (grpc_status == nil or grpc_status == "0") then
     if headers:get(":status") ~= "200" then return end

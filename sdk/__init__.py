@@ -43,6 +43,7 @@ from .errors import (
     ValidationError,
 )
 from .parameters import GenerateOptions, generate_parameters
+from .retry import RetryPolicy
 
 __all__ = [
     "AsyncClient",
@@ -63,6 +64,7 @@ __all__ = [
     "NotFoundError",
     "OverloadedError",
     "PrefillToken",
+    "RetryPolicy",
     "SimpleToken",
     "StreamDetails",
     "TextGenError",

@@ -66,6 +66,7 @@ from .errors import (
 )
 from .keepalive import DEFAULT_KEEPALIVE
 from .parameters import GenerateOptions, build_generate_request
+from .retry import DEFAULT_RETRY, RetryPolicy, retry_policy
 from .sse import EventStream
 
 __all__ = ["DEFAULT_TARGET", "AsyncClient", "Client"]
@@ -104,11 +105,15 @@ class _Stubs:
         self.responses = stream("Responses", HttpBody)
 
 
-def _channel_options(options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+def _channel_options(
+    options: Sequence[tuple[str, Any]], retries: RetryPolicy
+) -> list[tuple[str, Any]]:
     """The caller's channel options, over the keepalive policy the server expects
-    (textgen.sdk.keepalive): a long unary call or an idle channel finds a dead server."""
+    (textgen.sdk.keepalive: a long unary call or an idle channel finds a dead server)
+    and the retry policy (textgen.sdk.retry: a refused call is sent again)."""
     given = {key for key, _ in options}
-    return [o for o in DEFAULT_KEEPALIVE.channel_options() if o[0] not in given] + list(options)
+    defaults = [*DEFAULT_KEEPALIVE.channel_options(), *retries.channel_options()]
+    return [o for o in defaults if o[0] not in given] + list(options)
 
 
 def _json_body(body: Mapping[str, Any], *, stream: bool) -> HttpBody:
@@ -223,17 +228,20 @@ class _BaseClient:
         metadata: Metadata = (),
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        retries: int | RetryPolicy = DEFAULT_RETRY,
     ) -> None:
+        """`retries`: how often a call the server refused before answering (overloaded,
+        draining) is sent again, by grpc after the server's pushback or a jittered
+        exponential backoff (textgen.sdk.retry); 0: never, the error is raised at once."""
         self._timeout = timeout
+        options = _channel_options(options, retry_policy(retries))
         self._metadata: tuple[tuple[str, str | bytes], ...] = tuple(metadata)
         if api_key is not None:
             self._metadata += (("authorization", f"Bearer {api_key}"),)
         if credentials is None:
-            self._channel = self._grpc.insecure_channel(target, options=_channel_options(options))
+            self._channel = self._grpc.insecure_channel(target, options=options)
         else:
-            self._channel = self._grpc.secure_channel(
-                target, credentials, options=_channel_options(options)
-            )
+            self._channel = self._grpc.secure_channel(target, credentials, options=options)
         self._stubs = _Stubs(self._channel)
 
     def generate(

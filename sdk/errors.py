@@ -87,7 +87,11 @@ class ValidationError(TextGenError):
 
 
 class OverloadedError(TextGenError):
-    """The server is at its concurrency limit; retry later (HTTP 429)."""
+    """The server is at its concurrency limit; retry later (HTTP 429). The Client already
+    retried it (textgen.sdk.retry) unless told not to; `retry_after` is the server's
+    estimate, in seconds, of when a permit frees up (None when it gave none)."""
+
+    retry_after: float | None = None
 
     default_error_type = "overloaded"
     default_code = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -185,10 +189,18 @@ def _error_info(status: status_pb2.Status) -> error_details_pb2.ErrorInfo | None
     return None
 
 
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+
+
 def from_rpc_error(error: grpc.RpcError) -> TextGenError:
-    """The typed exception for a failed call (`grpc.RpcError` or `grpc.aio.AioRpcError`)."""
+    """The typed exception for a failed call (`grpc.RpcError` or `grpc.aio.AioRpcError`);
+    an overloaded server's pushback becomes the error's `retry_after` (seconds)."""
     code, message, reason = _failure(error)
-    return _class_for(reason, code)(message, error_type=reason, code=code)
+    exception = _class_for(reason, code)(message, error_type=reason, code=code)
+    for key, value in _call_attribute(error, "trailing_metadata") or ():
+        if key == RETRY_PUSHBACK_KEY and str(value).isdigit():
+            exception.retry_after = int(value) / 1000
+    return exception
 
 
 def from_broken_stream(error: grpc.RpcError, tokens_received: int) -> TextGenError:

@@ -7,6 +7,12 @@ prompt tokens those hold): such requests wait by priority (lower is sooner), the
 first come first served, and only a full queue answers `overloaded`, to the lowest
 priority first: a request that outranks the last waiter takes its place. A permit
 lives as long as its stream.
+
+A refusal says when to come back (`retry_after`, sent as gRPC's `grpc-retry-pushback-ms`
+and HTTP's Retry-After): a permit frees every `hold / limit` seconds on average (`hold`,
+how long recent requests held theirs), and the requests refused meanwhile are told to come
+back one such interval apart, in the order they were refused, so that their retries don't
+all meet the same full server again.
 """
 
 from __future__ import annotations
@@ -15,11 +21,22 @@ import asyncio
 import bisect
 import contextlib
 import itertools
+import time
 from dataclasses import dataclass, field
+
+# the estimate of how long a request holds its permit until one has finished
+INITIAL_HOLD_S = 1.0
+HOLD_SMOOTHING = 0.2  # weight of the latest request in the running estimate
+# retries are spaced a little more than the estimate apart: a request that takes longer
+# than the mean would otherwise meet the next one, which then has to wait a whole turn
+RETRY_MARGIN = 1.25
+MAX_RETRY_AFTER_S = 60.0
 
 
 class Overloaded(Exception):
-    pass
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after  # seconds until a permit is likely free
 
 
 @dataclass
@@ -40,6 +57,25 @@ class Admission:
         self._arrivals = itertools.count()
         self._idle = asyncio.Event()
         self._idle.set()
+        self.hold = INITIAL_HOLD_S  # running estimate of a permit's lifetime, seconds
+        self._held_any = False
+        self._told: list[float] = []  # monotonic times refused requests were told to return
+
+    def retry_after(self) -> float:
+        """When a request refused now should come back: after the ones refused before it
+        still waiting for their turn, one permit interval apart (module docstring)."""
+        now = time.monotonic()
+        self._told = [t for t in self._told if t > now]
+        interval = RETRY_MARGIN * self.hold / self.limit
+        delay = min(interval * (len(self._told) + 1), MAX_RETRY_AFTER_S)
+        self._told.append(now + delay)
+        return delay
+
+    def observe_hold(self, seconds: float) -> None:
+        """A permit was held this long: the estimate behind retry_after()."""
+        if not self._held_any:  # the first one replaces the guess
+            self.hold, self._held_any = seconds, True
+        self.hold += HOLD_SMOOTHING * (seconds - self.hold)
 
     @property
     def queued(self) -> int:
@@ -87,12 +123,12 @@ class Admission:
             victims.append(last)
             count, tokens = count - 1, tokens - last.tokens
         if self._full(count, tokens + waiter.tokens):
-            raise Overloaded("Model is overloaded")
+            raise Overloaded("Model is overloaded", self.retry_after())
         for victim in victims:
             self._queue.remove(victim)
             self._queued_tokens -= victim.tokens
             if not victim.future.done():
-                victim.future.set_exception(Overloaded("Model is overloaded"))
+                victim.future.set_exception(Overloaded("Model is overloaded", self.retry_after()))
 
     def _full(self, count: int, tokens: int) -> bool:
         """Whether `count` waiters holding `tokens` prompt tokens exceed a bound."""

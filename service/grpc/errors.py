@@ -22,6 +22,9 @@ ERROR_TYPE_KEY = "x-textgen-error-type"
 # The trailer is percent-encoded (as grpc-message is): a metadata value holds printable
 # ASCII only, and a refused field's name is the client's own text.
 ERROR_PARAM_KEY = "x-textgen-error-param"
+# gRPC's retry pushback (its client retries after this many ms; Envoy's Lua filter turns
+# it into HTTP's Retry-After)
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 # The gRPC code of each error type the server sends (from the vocabulary).
 STATUS_BY_ERROR_TYPE: dict[str, grpc.StatusCode] = {
@@ -29,9 +32,16 @@ STATUS_BY_ERROR_TYPE: dict[str, grpc.StatusCode] = {
 }
 
 
-def to_status(message: str, error_type: ErrorType, param: str | None = None) -> grpc.Status:
+def to_status(
+    message: str,
+    error_type: ErrorType,
+    param: str | None = None,
+    retry_after: float | None = None,
+) -> grpc.Status:
     info = error_details_pb2.ErrorInfo(reason=error_type.value, domain=DOMAIN)
     trailers = [(ERROR_TYPE_KEY, error_type.value)]
+    if retry_after is not None:
+        trailers.append((RETRY_PUSHBACK_KEY, str(max(1, round(retry_after * 1000)))))
     if param:
         info.metadata["param"] = param
         trailers.append((ERROR_PARAM_KEY, quote(param, safe="")))
@@ -53,10 +63,12 @@ async def abort(
     message: str,
     error_type: ErrorType,
     param: str | None = None,
+    retry_after: float | None = None,
 ):
-    """End the RPC with the typed status (raises)."""
+    """End the RPC with the typed status (raises); `retry_after` (seconds): when to come
+    back, for gRPC's retry pushback and HTTP's Retry-After."""
     current_error_type.set(error_type)  # for the request's metrics and log line
-    await context.abort_with_status(to_status(message, error_type, param))
+    await context.abort_with_status(to_status(message, error_type, param, retry_after))
 
 
 def in_band_error(message: str, error_type: ErrorType) -> generate_pb2.GenerateStreamResponse:

@@ -82,10 +82,12 @@ class TextGenerationServicer(
         try:
             await self.admission.acquire(tokens, priority=valid[0].engine_request.priority)
         except Overloaded as exc:
-            await abort(context, str(exc), ErrorType.OVERLOADED)
+            await abort(context, str(exc), ErrorType.OVERLOADED, retry_after=exc.retry_after)
+        started = time.monotonic()
         try:
             yield
         finally:
+            self.admission.observe_hold(time.monotonic() - started)
             self.admission.release()
 
     # generation -------------------------------------------------------------------
