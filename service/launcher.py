@@ -117,6 +117,7 @@ class Flag:
     switch: bool = False  # takes no value (its variable reads true/false)
     short: str | None = None
     tgi_default: str = "—"
+    default: str | None = None  # textgen's, when the setting's value says it badly
 
     @property
     def dest(self) -> str:
@@ -147,11 +148,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--validation-workers", Setting("validation_workers"), tgi_default="2"),
     Flag("--sharded", Setting("sharded")),
     Flag("--num-shard", Setting("num_shard"), tgi_default="all visible GPUs"),
-    Flag("--quantize", Setting("quantize", "int8 and int4 are textgen's own; TGI's "
-                                           "pre-quantized formats: see below")),
+    Flag("--quantize", Setting("quantize", "int8, int4, fp8 (quantized at load); TGI's "
+                                           "pre-quantized formats (gptq, awq, ...): not yet")),
     Flag("--speculate", Pending("speculate", "speculative decoding")),
     Flag("--dtype", Setting("dtype", "also auto and float32")),
-    Flag("--kv-cache-dtype", Pending("kv_cache_dtype", "an 8-bit KV cache")),
+    Flag("--kv-cache-dtype", Pending("kv_cache_dtype", "8-bit KV cache")),
     Flag("--trust-remote-code", Setting("trust_remote_code"), switch=True, tgi_default="off"),
     Flag("--max-concurrent-requests", Setting("max_concurrent_requests"), tgi_default="128"),
     Flag("--max-best-of", Setting("max_best_of"), tgi_default="2"),
@@ -161,9 +162,9 @@ FLAGS: tuple[Flag, ...] = (
          tgi_default="max-total-tokens - 1"),
     Flag("--max-input-length", Setting("max_input_tokens", "TGI's legacy name of "
                                                            "--max-input-tokens")),
-    Flag("--max-total-tokens", Setting("max_total_tokens", "default as TGI's: the model's "
-                                                           "context, at most the KV cache's"),
-         tgi_default="min(max_allocatable, max_position_embeddings)"),
+    Flag("--max-total-tokens", Setting("max_total_tokens"),
+         tgi_default="min(max_allocatable, max_position_embeddings)",
+         default="the same (--full-context)"),
     Flag("--waiting-served-ratio", Accepted(non_negative_float, _CHUNKED), tgi_default="0.3"),
     Flag("--max-batch-prefill-tokens", Setting("max_batch_prefill_tokens",
                                                "default 2048: prompts are chunked, so any "
@@ -175,7 +176,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-batch-size", Setting("max_batch_size", "default 256"), tgi_default="none"),
     Flag("--cuda-graphs", Setting("cuda_graph_sizes", "0: --no-cuda-graphs; a list: graphs "
                                                       "for those sizes (refused on CPU)"),
-         tgi_default="1,2,4,8,16,32"),
+         tgi_default="1,2,4,8,16,32", default="1,2,4,8, then every 16 (CUDA)"),
     Flag("--hostname", Setting("hostname", "a name that is not an IP address means 0.0.0.0, "
                                            "as TGI's router says"), tgi_default="0.0.0.0"),
     Flag("--port", Setting("port", "the image sets PORT=80"), short="-p", tgi_default="3000"),
@@ -438,11 +439,14 @@ def launcher_table() -> str:
     for flag in FLAGS:
         names = f"`{flag.short}`, `{flag.name}`" if flag.short else f"`{flag.name}`"
         env = f"`{flag.variable}`" if flag.variable else "—"
-        ours = "—"
-        if isinstance(flag.does, Setting):
+        ours = flag.default or "—"
+        if isinstance(flag.does, Setting) and flag.default is None:
             name = flag.does.name
             value = LAUNCHER_DEFAULTS.get(name, getattr(defaults, name))
-            ours = "—" if value in (None, ()) else f"`{format_value(value)}`"
+            if isinstance(value, bool):
+                ours = "on" if value else "off"
+            elif value not in (None, ()):
+                ours = f"`{format_value(value)}`"
         does = _does(flag).replace("|", "\\|")
         rows.append(f"| {names} | {env} | {flag.tgi_default} | {ours} | {does} |")
     return "\n".join(rows) + "\n"
