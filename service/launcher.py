@@ -136,6 +136,8 @@ def _usage_stats(text: str) -> str:
 
 
 _NO_TUNNEL = "textgen opens no ngrok tunnel; put your own tunnel or proxy before its port"
+# TGI 3's router, where the model chunks prefills: "Model supports prefill chunking.
+# `waiting_served_ratio` and `max_waiting_tokens` will be ignored." (backends/v3/src/backend.rs)
 _CHUNKED = (
     "textgen chunks prefills into the decodes' steps and admits waiting requests at every "
     "step, as TGI 3 does with chunked prefill (where it ignores this too)"
@@ -491,10 +493,13 @@ def _json_output(argv: list[str], environ: Mapping[str, str]) -> bool:
     """--json-output as early as the first log line (a bad value is refused later)."""
     if "--json-output" in argv:
         return True
-    try:
-        return parse_bool(environ.get("JSON_OUTPUT", "") or "false")
-    except ValueError:
-        return False
+    for variable in ("JSON_OUTPUT", "TEXTGEN_JSON_OUTPUT"):
+        try:
+            if parse_bool(environ.get(variable, "") or "false"):
+                return True
+        except ValueError:
+            pass
+    return False
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def configure_logging(level: str, json_output: bool = False) -> None:
     """The root logger on stderr, at `level`, plain or JSON."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if json_output else logging.Formatter(PLAIN_FORMAT))
-    logging.basicConfig(level=level, handlers=[handler], force=True)
+    logging.basicConfig(level=level, handlers=[handler])
     if json_output:
         json_stderr()
         logging.captureWarnings(True)
