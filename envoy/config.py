@@ -38,6 +38,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from textgen.sdk.keepalive import DEFAULT_KEEPALIVE, Keepalive
@@ -60,18 +61,35 @@ from .routes import QUICK_ROUTE_TIMEOUT, ROUTES, route_config
 # What other code imports from here (service/, deploy/, tests/); most are defined in
 # the modules named above.
 __all__ = [
+    "DEFAULT_HTTP",
     "FALLBACK_BY_GRPC_CODE",
     "FALLBACK_ERROR",
     "HTTP_STATUS_BY_ERROR_TYPE",
     "QUICK_ROUTE_TIMEOUT",
     "ROUTES",
     "SERVICE",
+    "HttpOptions",
     "Upstream",
     "render",
     "write",
 ]
 
 SERVICE = "textgen.v1.TextGenerationService"
+# What browsers may send cross-origin (TGI's CORS layer allows GET and POST with a
+# content-type; the API key's header and the stored responses' DELETE are textgen's).
+CORS_METHODS = "GET, POST, DELETE"
+CORS_HEADERS = "content-type, authorization"
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    """What an operator sets on the HTTP face (TGI's --payload-limit, --cors-allow-origin)."""
+
+    payload_limit: int = REQUEST_BODY_LIMIT  # bytes of request body; larger: 413
+    cors_allow_origin: tuple[str, ...] = ()  # origins answered with CORS headers; "*": any
+
+
+DEFAULT_HTTP = HttpOptions()  # TGI's defaults: a 2 MB body, no CORS
 
 
 def render(
@@ -84,6 +102,7 @@ def render(
     front: bool = False,
     keepalive: Keepalive = DEFAULT_KEEPALIVE,
     swagger_ui: SwaggerUI | None = None,
+    http: HttpOptions = HttpOptions(),
 ) -> dict:
     """The Envoy bootstrap serving `upstreams` on `listen_host:listen_port`.
 
@@ -102,6 +121,7 @@ def render(
             replicas must accept it: textgen.sdk.keepalive).
         swagger_ui: Swagger UI's files for /docs (docs.installed_swagger_ui(); None:
             no /docs). /api-doc/openapi.json is always served.
+        http: the payload limit and the CORS origins.
     """
     if not upstreams:
         raise ValueError("at least one upstream is needed")
@@ -116,6 +136,7 @@ def render(
                     contract(descriptor or DESCRIPTOR),
                     front,
                     swagger_ui,
+                    http,
                 )
             ],
             "clusters": [
@@ -155,7 +176,12 @@ def write(config: dict, path: Path | str) -> Path:
 
 
 def _listener(
-    host: str, port: int, api: Contract, front: bool = False, swagger_ui: SwaggerUI | None = None
+    host: str,
+    port: int,
+    api: Contract,
+    front: bool = False,
+    swagger_ui: SwaggerUI | None = None,
+    http: HttpOptions = HttpOptions(),
 ) -> dict:
     return {
         "name": "textgen_http",
@@ -163,13 +189,22 @@ def _listener(
         # Also the router's retry buffer: a request body is kept for a retry only up
         # to this (see clusters.retry_policy).
         "per_connection_buffer_limit_bytes": STREAM_BUFFER_LIMIT,
-        "filter_chains": [{"filters": [_http_connection_manager(api, front, swagger_ui)]}],
+        "filter_chains": [{"filters": [_http_connection_manager(api, front, swagger_ui, http)]}],
     }
 
 
 def _http_connection_manager(
-    api: Contract, front: bool = False, swagger_ui: SwaggerUI | None = None
+    api: Contract,
+    front: bool = False,
+    swagger_ui: SwaggerUI | None = None,
+    http: HttpOptions = HttpOptions(),
 ) -> dict:
+    origins = _origin_matchers(http.cors_allow_origin)
+    routes = route_config(front, swagger_ui, origins)
+    if origins:
+        routes["virtual_hosts"][0]["typed_per_filter_config"] = {
+            "envoy.filters.http.cors": _cors_policy(origins)
+        }
     return {
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": {
@@ -178,15 +213,17 @@ def _http_connection_manager(
             "stat_prefix": "textgen_http",
             # AUTO: HTTP/1.1 (transcoded JSON, SSE) and h2 (native gRPC) on one port.
             "codec_type": "AUTO",
-            "route_config": route_config(front, swagger_ui),
-            "local_reply_config": local_reply_config(),
+            "route_config": routes,
+            "local_reply_config": local_reply_config(http.payload_limit),
             # Order matters: decoding runs top-down, encoding bottom-up, so the Lua
             # filter sees requests before the transcoder and responses after it,
-            # and marks the request before the body limit can reject it.
+            # and marks the request before the body limit can reject it. CORS comes
+            # first: it answers a preflight itself and adds its headers to every answer.
             "http_filters": [
+                *([_cors_filter()] if http.cors_allow_origin else []),
                 _lua_filter(api),
-                _body_limit(),
-                _transcoder(api),
+                _body_limit(http.payload_limit),
+                _transcoder(api, http.payload_limit),
                 # the front's routing key, read from the transcoded (gRPC) request
                 *([affinity_filter()] if front else []),
                 _router(),
@@ -212,7 +249,31 @@ def _lua_filter(api: Contract) -> dict:
     }
 
 
-def _body_limit() -> dict:
+def _cors_filter() -> dict:
+    return {
+        "name": "envoy.filters.http.cors",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors"},
+    }
+
+
+def _origin_matchers(origins: Sequence[str]) -> list[dict]:
+    """TGI's CORS layer (--cors-allow-origin): the listed origins, or any for `*`."""
+    if "*" in origins:
+        return [{"safe_regex": {"regex": ".+"}}]
+    return [{"exact": origin} for origin in origins]
+
+
+def _cors_policy(matchers: list[dict]) -> dict:
+    return {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.cors.v3.CorsPolicy",
+        "allow_origin_string_match": matchers,
+        "allow_methods": CORS_METHODS,
+        "allow_headers": CORS_HEADERS,
+        "max_age": "3600",
+    }
+
+
+def _body_limit(payload_limit: int = REQUEST_BODY_LIMIT) -> dict:
     """TGI's payload limit on HTTP requests (off for native gRPC, see routes._grpc_route).
 
     TRAP: the transcoder's max_request_body_size alone does not bound a JSON body
@@ -223,12 +284,12 @@ def _body_limit() -> dict:
         "name": "envoy.filters.http.buffer",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
-            "max_request_bytes": REQUEST_BODY_LIMIT,
+            "max_request_bytes": payload_limit,
         },
     }
 
 
-def _transcoder(api: Contract) -> dict:
+def _transcoder(api: Contract, payload_limit: int = REQUEST_BODY_LIMIT) -> dict:
     return {
         "name": "envoy.filters.http.grpc_json_transcoder",
         "typed_config": {
@@ -248,7 +309,7 @@ def _transcoder(api: Contract) -> dict:
             # An unknown query parameter otherwise makes the transcoder pass the request
             # through untranscoded, and the client gets a 503.
             "ignore_unknown_query_parameters": True,
-            "max_request_body_size": REQUEST_BODY_LIMIT,
+            "max_request_body_size": payload_limit,
             "max_response_body_size": RESPONSE_BODY_LIMIT,
         },
     }

@@ -47,26 +47,27 @@ class LocalReply:
     status: int | None = None  # the status sent; None: the error type's
 
 
-_LOCAL_REPLIES: tuple[LocalReply, ...] = (
-    # the transcoder's JSON parse errors: malformed JSON, a wrong field type
-    LocalReply(400, ErrorType.VALIDATION),
-    LocalReply(404, ErrorType.NOT_FOUND, "Route not found: %REQ(:METHOD)% %REQ(:PATH)%"),
-    LocalReply(
-        405, ErrorType.METHOD_NOT_ALLOWED, "Method %REQ(:METHOD)% not allowed on %REQ(:PATH)%"
-    ),
-    # TGI answers a body over its payload limit 413, not validation's 422
-    LocalReply(
-        413,
-        ErrorType.VALIDATION,
-        f"Payload too large: the request body is limited to {REQUEST_BODY_LIMIT} bytes",
-        status=413,
-    ),
-    LocalReply(503, ErrorType.UNAVAILABLE),
-    LocalReply(504, ErrorType.TIMEOUT),
-)
+def _local_replies(payload_limit: int) -> tuple[LocalReply, ...]:
+    return (
+        # the transcoder's JSON parse errors: malformed JSON, a wrong field type
+        LocalReply(400, ErrorType.VALIDATION),
+        LocalReply(404, ErrorType.NOT_FOUND, "Route not found: %REQ(:METHOD)% %REQ(:PATH)%"),
+        LocalReply(
+            405, ErrorType.METHOD_NOT_ALLOWED, "Method %REQ(:METHOD)% not allowed on %REQ(:PATH)%"
+        ),
+        # TGI answers a body over its payload limit 413, not validation's 422
+        LocalReply(
+            413,
+            ErrorType.VALIDATION,
+            f"Payload too large: the request body is limited to {payload_limit} bytes",
+            status=413,
+        ),
+        LocalReply(503, ErrorType.UNAVAILABLE),
+        LocalReply(504, ErrorType.TIMEOUT),
+    )
 
 
-def local_reply_config() -> dict:
+def local_reply_config(payload_limit: int = REQUEST_BODY_LIMIT) -> dict:
     """Typed JSON bodies for Envoy's local replies: TGI's shape, OpenAI's under /v1/."""
     # No healthy replica: /health answers as TGI does when the model is down.
     mappers = [
@@ -75,7 +76,7 @@ def local_reply_config() -> dict:
             "body_format_override": _error_body("unhealthy", ErrorType.HEALTHCHECK, openai=False),
         }
     ]
-    for reply in _LOCAL_REPLIES:
+    for reply in _local_replies(payload_limit):
         status = reply.status or reply.error_type.http_status
         for openai in (True, False):  # the first mapper that matches wins
             mapper = {

@@ -4,6 +4,7 @@ the documents Envoy serves itself (docs.py)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .affinity import REPLICA_HEADER, hash_policy
@@ -60,9 +61,14 @@ ROUTES: tuple[Route, ...] = (
 )
 
 
-def route_config(front: bool = False, swagger_ui: SwaggerUI | None = None) -> dict:
-    """The routes; `swagger_ui`: the Swagger UI assets /docs serves (None: no /docs)."""
+def route_config(
+    front: bool = False, swagger_ui: SwaggerUI | None = None, cors_origins: Sequence[dict] = ()
+) -> dict:
+    """The routes; `swagger_ui`: the Swagger UI assets /docs serves (None: no /docs);
+    `cors_origins`: string matchers of the origins whose CORS preflights are answered
+    (by the CORS filter, config.py)."""
     routes = [_grpc_route(front), *(_http_route(r, front) for r in ROUTES)]
+    routes[1:1] = [_preflight_route(origin) for origin in cors_origins]
     routes += doc_routes(swagger_ui)
     # A known path with the wrong method: 405 (a local reply, typed in errors.py), not 404.
     routes += [
@@ -112,6 +118,25 @@ def _grpc_route(front: bool = False) -> dict:
     if front:
         out["route"]["hash_policy"] = hash_policy()
     return out
+
+
+def _preflight_route(origin: dict) -> dict:
+    """A browser's CORS preflight (OPTIONS with Access-Control-Request-Method) from an
+    allowed origin, on any path. TRAP: Envoy's CORS filter answers only on a route that
+    forwards: on a direct response (the 405 routes below) it lets the 405 through. The
+    filter answers these preflights itself (their origin is allowed), so none reaches the
+    cluster; other origins' get the 405, without CORS headers."""
+    return {
+        "match": {
+            "prefix": "/",
+            "headers": [
+                {"name": ":method", "string_match": {"exact": "OPTIONS"}},
+                {"name": "origin", "string_match": origin},
+                {"name": "access-control-request-method", "present_match": True},
+            ],
+        },
+        "route": {"cluster": CLUSTER, "timeout": QUICK_ROUTE_TIMEOUT},
+    }
 
 
 def _http_route(route: Route, front: bool = False) -> dict:

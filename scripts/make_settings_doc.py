@@ -1,5 +1,6 @@
 """Write docs/settings.md's table of `textgen serve` settings from service/config.py's
-Settings (the one table the flags, their environment forms and this page come from)."""
+Settings (the one table the flags, their environment forms and this page come from), and
+docs/launcher.md's table of TGI's launcher flags from service/launcher.py's FLAGS."""
 
 from __future__ import annotations
 
@@ -7,15 +8,22 @@ import re
 from pathlib import Path
 
 from textgen.service.config import settings_table
+from textgen.service.launcher import launcher_table
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
-BEGIN, END = "<!-- settings table: begin -->\n", "<!-- settings table: end -->\n"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+BEGIN, END = "<!-- {} table: begin -->\n", "<!-- {} table: end -->\n"
+
+
+def write(doc: Path, name: str, table: str) -> None:
+    begin, end = BEGIN.format(name), END.format(name)
+    text = doc.read_text()
+    block = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
+    doc.write_text(block.sub(lambda _: begin + table + end, text))
 
 
 def main() -> None:
-    text = DOC.read_text()
-    block = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.DOTALL)
-    DOC.write_text(block.sub(lambda _: BEGIN + settings_table() + END, text))
+    write(DOCS / "settings.md", "settings", settings_table())
+    write(DOCS / "launcher.md", "launcher", launcher_table())
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from . import __version__
 from .admission import Admission
 from .build_info import source_commit
-from .config import SettingError, Settings
+from .config import DEFAULT_MAX_TOTAL_TOKENS, SettingError, Settings
 from .cpus import default_torch_threads
 from .engine.block_manager import num_blocks_for_tokens
 from .engine.compiled_decode import CompileSettings
@@ -34,14 +34,20 @@ from .grpc.server import SERVICE_NAME, build_server, set_serving
 from .grpc.servicer import ServedModel, TextGenerationServicer
 from .models import LoadedModel, load_model
 from .models.compile_cache import compile_cache_dir
-from .models.loader import ModelShard
-from .observability.metrics import Metrics
+from .models.loader import LoadOptions, ModelShard
+from .observability.metrics import Metrics, MetricsListener
 from .observability.requests import RequestRecorder
 from .observability.tracing import otlp_tracer_provider, server_interceptors
 from .openai.response_store import ResponseStore
-from .preflight import check_kv_capacity, check_strategies, device_type, visible_gpus
+from .preflight import (
+    chat_template_of,
+    check_kv_capacity,
+    check_strategies,
+    device_type,
+    visible_gpus,
+)
 from .proto import text_generation_service_pb2 as svc_pb
-from .proxy import Envoy, start_envoy
+from .proxy import Envoy, HttpOptions, start_envoy
 from .shard_processes import (
     ShardError,
     ShardProcesses,
@@ -76,6 +82,7 @@ class Replica:
     health: object
     grpc_port: int
     shards: ShardProcesses | None = None  # the local ranks 1..N-1 of a sharded model
+    metrics_listener: MetricsListener | None = None  # --prometheus-port
 
     def failure(self) -> str | None:
         """Why this replica can't serve any more (a shard or the engine died), or None."""
@@ -104,6 +111,8 @@ class Replica:
         await asyncio.to_thread(self.engine.shutdown)  # tells the other shards to stop too
         if self.servicer.validation_workers is not None:
             self.servicer.validation_workers.shutdown(wait=False)
+        if self.metrics_listener is not None:
+            self.metrics_listener.stop()
         if self.shards is not None:
             await asyncio.to_thread(self.shards.stop)
             leave()
@@ -131,13 +140,29 @@ def kv_bytes_per_token(
     return cfg.num_hidden_layers * 2 * heads * head_dim * torch.finfo(dtype).bits // 8
 
 
-def free_memory_bytes(device: torch.device) -> int:
+def free_memory_bytes(device: torch.device, cuda_memory_fraction: float = 1.0) -> int:
+    """Memory still free for the KV cache; on CUDA within --cuda-memory-fraction of the
+    device's total, less what torch holds already (the weights)."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
+        free, total = torch.cuda.mem_get_info(device)
+        if cuda_memory_fraction < 1.0:
+            allowed = int(total * cuda_memory_fraction) - torch.cuda.memory_reserved(device)
+            free = max(0, min(free, allowed))
         return free
     with open("/proc/meminfo") as f:
         fields = dict(line.split(":", 1) for line in f)
     return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def kv_floor(settings: Settings, context: int) -> int:
+    """The fewest tokens the KV pool holds: one request of --max-total-tokens. With
+    --full-context, which the pool then bounds, one of serve's default length (or just
+    past --max-input-tokens), or --max-batch-total-tokens when that is given."""
+    if settings.max_total_tokens or not settings.full_context:
+        return settings.resolved_limits(context)[1]
+    if settings.max_batch_total_tokens:
+        return min(context, settings.max_batch_total_tokens)
+    return min(context, max(DEFAULT_MAX_TOTAL_TOKENS, (settings.max_input_tokens or 0) + 1))
 
 
 def kv_capacity_tokens(settings: Settings, loaded: LoadedModel, max_total_tokens: int) -> int:
@@ -152,15 +177,19 @@ def kv_capacity_tokens(settings: Settings, loaded: LoadedModel, max_total_tokens
         loaded.model, loaded.dtype, layout.kv_heads_per_rank if layout else None
     )
     fraction = KV_MEMORY_FRACTION.get(loaded.device.type, 0.1)
-    fits = int(free_memory_bytes(loaded.device) * fraction) // per_token
+    free = free_memory_bytes(loaded.device, settings.cuda_memory_fraction)
+    fits = int(free * fraction) // per_token
     return max(max_total_tokens, min(fits, 1 << 20))
 
 
 def cuda_graph_settings(
     settings: Settings, loaded: LoadedModel, max_total_tokens: int
 ) -> GraphSettings | None:
-    """--cuda-graphs as given (refused where graphs can't run), else on where they can."""
+    """--cuda-graphs as given (refused where graphs can't run), else on where they can;
+    captured for --cuda-graph-sizes, else for every bucket up to --max-batch-size."""
     reason = unavailable_reason(loaded.device)
+    if settings.disable_custom_kernels and reason is None:
+        reason = "CUDA graphs replay the Triton kernel that --disable-custom-kernels turns off"
     if settings.cuda_graphs and reason:
         raise SettingError("--cuda-graphs", None, f"{reason} (pass --no-cuda-graphs)")
     if settings.cuda_graphs is None:
@@ -170,9 +199,12 @@ def cuda_graph_settings(
             return None
     elif not settings.cuda_graphs:
         return None
-    return GraphSettings.for_engine(
-        settings.max_batch_size, max_total_tokens, KV_BLOCK_SIZE, progress=True
+    graphs = GraphSettings.for_engine(
+        settings.max_batch_size, max_total_tokens, KV_BLOCK_SIZE, progress=not settings.json_output
     )
+    if settings.cuda_graph_sizes:
+        graphs = replace(graphs, buckets=settings.cuda_graph_sizes)
+    return graphs
 
 
 def compile_settings(settings: Settings, loaded: LoadedModel) -> CompileSettings | None:
@@ -188,7 +220,9 @@ def compile_settings(settings: Settings, loaded: LoadedModel) -> CompileSettings
     except OSError as exc:
         log.warning("compile cache unavailable (%s): compiling under the temp dir", exc)
         cache_dir = None
-    return CompileSettings.for_engine(settings.max_batch_size, progress=True, cache_dir=cache_dir)
+    return CompileSettings.for_engine(
+        settings.max_batch_size, progress=not settings.json_output, cache_dir=cache_dir
+    )
 
 
 def build_core(
@@ -211,7 +245,29 @@ def build_core(
         cuda_graphs=graphs,
         compile=compiled,
         shards=shards,
+        custom_kernels=not settings.disable_custom_kernels,
     )
+
+
+def load_options(settings: Settings) -> LoadOptions:
+    """Where the model's files come from, and what changes in them as they load."""
+    template = settings.tokenizer_config_path
+    return LoadOptions(
+        hub_cache=settings.huggingface_hub_cache,
+        folder=settings.weights_cache_override,
+        trust_remote_code=settings.trust_remote_code,
+        rope=settings.rope,
+        chat_template=chat_template_of(template) if template is not None else None,
+    )
+
+
+def cap_cuda_memory(settings: Settings, device: str) -> None:
+    """--cuda-memory-fraction: torch's allocator may not take more of the device."""
+    if settings.cuda_memory_fraction < 1.0 and device.startswith("cuda"):
+        index = torch.device(device).index
+        torch.cuda.set_per_process_memory_fraction(
+            settings.cuda_memory_fraction, index if index is not None else 0
+        )
 
 
 # Methods that need no API key unless --auth-health-and-metrics.
@@ -305,18 +361,21 @@ async def start_replica(
     if world_size > 1:
         shards = ShardProcesses.start(settings, world_size)
         settings = replace(settings, master_port=shards.master_port)
+    device = "cuda:0" if world_size > 1 and device_type(settings) == "cuda" else settings.device
     try:
         if shards is not None:
             groups = await _join_watching(settings, world_size, shards)
+        cap_cuda_memory(settings, device if device != "auto" else device_type(settings))
         loaded = await in_own_thread(
             functools.partial(
                 load_model,
                 settings.model_id,
                 settings.revision,
                 settings.dtype,
-                "cuda:0" if world_size > 1 and device_type(settings) == "cuda" else settings.device,
+                device,
                 quantize=settings.quantize,
                 shard=ModelShard(0, world_size, groups.model) if groups else None,
+                options=load_options(settings),
             )
         )
         return await _start_loaded(settings, loaded, tracer_provider, shards, groups)
@@ -348,8 +407,8 @@ async def _start_loaded(
     shards: ShardProcesses | None,
     groups,
 ) -> Replica:
-    max_input, max_total = settings.resolved_limits(loaded.max_position_embeddings)
-    capacity = kv_capacity_tokens(settings, loaded, max_total)
+    context = loaded.max_position_embeddings
+    capacity = kv_capacity_tokens(settings, loaded, kv_floor(settings, context))
     shard_group = None
     if groups is not None:  # every rank's pool the same size: rank 0's
         capacity = await asyncio.to_thread(agree, capacity, groups.control)
@@ -362,6 +421,7 @@ async def _start_loaded(
             loaded.vocab.chunk,
             loaded.device,
         )
+    max_input, max_total = settings.resolved_limits(context, capacity)
     limits = Limits(
         max_input_tokens=max_input,
         max_total_tokens=max_total,
@@ -373,6 +433,7 @@ async def _start_loaded(
         max_n=min(settings.max_n, settings.max_batch_size),
         kv_cache_blocks=num_blocks_for_tokens(capacity, KV_BLOCK_SIZE),
         kv_block_size=KV_BLOCK_SIZE,
+        prefill_logprobs=settings.prefill_logprobs,
     )
     grammars = await asyncio.to_thread(
         GrammarCompiler, loaded.tokenizer, limits.vocab_size, loaded.eos_token_ids
@@ -401,11 +462,12 @@ async def _start_loaded(
     metrics.watch_engine(engine.stats, capacity, queued_fn=lambda: admission.queued)
     await asyncio.to_thread(engine.start)  # warms the core up on the engine's thread
     if tracer_provider is None and settings.otlp_endpoint:
-        tracer_provider = otlp_tracer_provider(settings.otlp_endpoint)
+        tracer_provider = otlp_tracer_provider(settings.otlp_endpoint, settings.otlp_service_name)
     tracer = tracer_provider.get_tracer("textgen") if tracer_provider else None
     servicer = TextGenerationServicer(
         engine,
-        Validator(loaded.tokenizer, limits, grammars),
+        # --disable-grammar-support: no compiler, so requests with a grammar are refused
+        Validator(loaded.tokenizer, limits, None if settings.disable_grammar_support else grammars),
         served_model(
             settings,
             loaded,
@@ -423,7 +485,7 @@ async def _start_loaded(
     )
     server, health, port = build_server(
         servicer,
-        f"{settings.hostname}:{settings.grpc_port}",
+        f"{settings.grpc_host}:{settings.grpc_port}",
         interceptors=[
             *server_interceptors(tracer_provider),
             *request_interceptors(settings, metrics),
@@ -431,8 +493,12 @@ async def _start_loaded(
         keepalive=settings.keepalive,
     )
     await server.start()
+    listener = None
+    if settings.prometheus_port is not None:
+        listener = MetricsListener.start(metrics, settings.hostname, settings.prometheus_port)
+        log.info("metrics on their own listener: %s", listener.url)
     await set_serving(health, True)
-    return Replica(settings, loaded, engine, servicer, server, health, port, shards)
+    return Replica(settings, loaded, engine, servicer, server, health, port, shards, listener)
 
 
 async def serve(settings: Settings) -> None:
@@ -443,11 +509,12 @@ async def serve(settings: Settings) -> None:
     if not settings.no_envoy:
         try:
             envoy = await start_envoy(
-                settings.hostname,
+                settings.grpc_host,
                 replica.grpc_port,
                 listen_host=settings.hostname,
                 listen_port=settings.port,
                 keepalive=settings.keepalive,
+                http=http_options(settings),
             )
         except BaseException:
             await replica.stop()
@@ -458,7 +525,7 @@ async def serve(settings: Settings) -> None:
         replica.servicer.served.info.model_dtype,
         f" quantize={replica.loaded.quantize}" if replica.loaded.quantize else "",
         replica.loaded.device,
-        settings.hostname,
+        settings.grpc_host,
         replica.grpc_port,
         f" http={envoy.http_url}" if envoy else "",
         time.monotonic() - started,
@@ -528,6 +595,13 @@ async def _first_failure(replica: Replica) -> str:
     while (reason := replica.failure()) is None:
         await asyncio.sleep(FAILURE_POLL_S)
     return reason
+
+
+def http_options(settings: Settings) -> HttpOptions:
+    """What Envoy's HTTP face takes from the settings."""
+    return HttpOptions(
+        payload_limit=settings.payload_limit, cors_allow_origin=settings.cors_allow_origin
+    )
 
 
 def curl_example(http_url: str) -> str:

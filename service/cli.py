@@ -8,7 +8,8 @@ import logging
 import os
 import sys
 
-from .config import SettingError, add_serve_arguments, settings_from_args
+from .config import SettingError, Settings, add_serve_arguments, settings_from_args
+from .observability.logs import configure_logging, fail_line
 
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 log = logging.getLogger("textgen.serve")
@@ -31,23 +32,29 @@ def add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
     )
 
 
-def _fail(prog: str, exc: BaseException, status: int, debug: bool) -> int:
-    """One line on stderr; the traceback too with --log-level debug."""
-    if debug:
-        log.debug("traceback", exc_info=exc)
-    print(f"{prog}: error: {exc}", file=sys.stderr)
-    return status
-
-
 def _serve(args: argparse.Namespace) -> int:
+    return serve_settings(
+        "textgen serve", settings_from_args(args), debug=args.log_level == "DEBUG"
+    )
+
+
+def serve_settings(prog: str, settings: Settings, debug: bool = False) -> int:
+    """Check the settings, then serve until a signal; the exit status (`textgen serve`,
+    and text-generation-launcher once it has translated TGI's flags)."""
     from .preflight import preflight
 
-    settings = settings_from_args(args)
-    debug = args.log_level == "DEBUG"
+    def _fail(exc: BaseException, status: int) -> int:
+        """One line on stderr (a JSON log line with --json-output); the traceback too
+        with --log-level debug."""
+        if debug:
+            log.debug("traceback", exc_info=exc)
+        print(fail_line(prog, str(exc), settings.json_output), file=sys.stderr)
+        return status
+
     try:
         checked = preflight(settings)  # before anything heavy: a bad setting costs a second
     except SettingError as exc:
-        return _fail("textgen serve", exc, 2, debug)
+        return _fail(exc, 2)
     log.info(
         "settings checked: model %s (context %d), max_input_tokens %d, max_total_tokens %d, "
         "device %s",
@@ -69,9 +76,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve(settings))
     except SettingError as exc:  # a rule only the loaded model could show
-        return _fail("textgen serve", exc, 2, debug)
+        return _fail(exc, 2)
     except (ModelError, EnvoyError, OSError) as exc:  # the model, Envoy or a port failed
-        return _fail("textgen serve", exc, 1, debug)
+        return _fail(exc, 1)
     return 0
 
 
@@ -223,11 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level, getattr(args, "json_output", False))
     return args.func(args)
 
 

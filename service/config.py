@@ -34,6 +34,7 @@ QUANTIZE_METHODS = ("int8", "int4", "fp8")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 MAX_PORT = 65535
+DEFAULT_MAX_TOTAL_TOKENS = 4096  # the default's cap, unless --full-context
 MAX_ARRIVAL_GAP_MS = 20.0  # the engine's wait for a burst is capped there (engine/loop.py)
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -157,6 +158,13 @@ def optional_text(text: str) -> str | None:
     return text.strip() or None
 
 
+def non_empty_text(text: str) -> str:
+    value = text.strip()
+    if not value:
+        raise ValueError("must not be empty")
+    return value
+
+
 def host_name(text: str) -> str:
     value = text.strip()
     if not value or any(c.isspace() for c in value):
@@ -191,6 +199,59 @@ def quantize_method(text: str) -> str | None:
     return value
 
 
+_ORIGIN = re.compile(r"^https?://[^\s/,]+$")
+
+
+def origins(text: str) -> tuple[str, ...]:
+    """Comma-separated CORS origins (`*`: any); empty: none."""
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    for value in values:
+        if value != "*" and not _ORIGIN.match(value):
+            raise ValueError(f"{value!r} is not an origin (scheme://host[:port], or *)")
+    return values
+
+
+def batch_sizes(text: str) -> tuple[int, ...] | None:
+    """Comma-separated batch sizes, e.g. 1,2,4,8 (empty: unset)."""
+    if not text.strip():
+        return None
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise ValueError("must be batch sizes separated by commas, e.g. 1,2,4,8") from None
+    if not values or values[0] <= 0:
+        raise ValueError("must be positive batch sizes, e.g. 1,2,4,8")
+    return tuple(values)
+
+
+ROPE_SCALINGS = ("linear", "dynamic")
+
+
+def rope_scaling_kind(text: str) -> str | None:
+    value = text.strip().lower()
+    if not value:
+        return None
+    if value not in ROPE_SCALINGS:
+        raise ValueError(f"use one of {', '.join(ROPE_SCALINGS)}")
+    return value
+
+
+def optional_positive_float(text: str) -> float | None:
+    return positive_float(text) if text.strip() else None
+
+
+def fraction(text: str) -> float:
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise ValueError("must be a fraction in (0, 1]")
+    return value
+
+
+def optional_port(text: str) -> int | None:
+    """A port, or empty for none."""
+    return port_number(text) if text.strip() else None
+
+
 def otlp_url(text: str) -> str | None:
     value = optional_text(text)
     if value is not None and not re.match(r"^(https?://)?[\w.\-\[\]:]+:\d+/?$", value):
@@ -211,6 +272,41 @@ class Settings:
     )
     revision: str | None = option(
         None, "Hub revision (branch, tag or commit)", optional_text, metavar="REV"
+    )
+    huggingface_hub_cache: str | None = option(
+        None,
+        "the Hugging Face Hub cache Hub ids are read from and downloaded to (default: "
+        "HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub)",
+        optional_text,
+        metavar="PATH",
+    )
+    weights_cache_override: str | None = option(
+        None,
+        "a folder holding the model's files (config.json, tokenizer, *.safetensors), loaded "
+        "from there without asking the Hub; --model-id still names the model (a mounted disk)",
+        optional_text,
+        metavar="PATH",
+    )
+    trust_remote_code: bool = switch(
+        False,
+        "run the modelling code a model ships (its config's auto_map); pin --revision with it",
+    )
+    rope_scaling: str | None = option(
+        None,
+        "rescale a RoPE model's positions for longer prompts: linear | dynamic (factor "
+        "--rope-factor, default 1)",
+        rope_scaling_kind,
+    )
+    rope_factor: float | None = option(
+        None,
+        "RoPE scaling factor; the served context is the model's times it (alone: linear)",
+        optional_positive_float,
+    )
+    tokenizer_config_path: str | None = option(
+        None,
+        "a tokenizer_config.json whose chat_template replaces the model's",
+        optional_text,
+        metavar="PATH",
     )
     dtype: str = option("auto", "auto | float32 | bfloat16 | float16", dtype_name)
     device: str = option("auto", "auto | cpu | cuda | cuda:N", device_name)
@@ -283,11 +379,30 @@ class Settings:
     max_client_batch_size: int = option(
         4, "most prompts in one /v1/completions request", positive_int
     )
+    disable_grammar_support: bool = switch(
+        False,
+        "refuse requests that constrain the output (TGI's grammar, response_format, tools) "
+        "with a 422",
+    )
+    prefill_logprobs: bool = switch(
+        True,
+        "answer decoder_input_details (the prompt's logprobs); --no-prefill-logprobs refuses "
+        "it with a 422 (TGI's launcher default)",
+        negatable=True,
+    )
     max_input_tokens: int | None = option(
         None, "longest prompt (default: max-total-tokens - 1)", positive_int
     )
     max_total_tokens: int | None = option(
-        None, "longest prompt + generation (default: min(model context, 4096))", positive_int
+        None,
+        "longest prompt + generation (default: min(model context, 4096); with --full-context "
+        "the model's context, at most what the KV cache holds)",
+        positive_int,
+    )
+    full_context: bool = switch(
+        False,
+        "default --max-total-tokens to the model's whole context, bounded by the KV cache's "
+        "capacity (TGI's launcher default) rather than min(context, 4096)",
     )
     max_batch_prefill_tokens: int = option(
         2048, "prefill tokens per engine step (prompts are chunked)", positive_int
@@ -297,7 +412,8 @@ class Settings:
     )
     max_batch_size: int = option(256, "most sequences per step", positive_int)
     # TGI's --waiting-served-ratio and --max-waiting-tokens have no counterpart: prefill
-    # chunks ride in the decodes' forward, so nothing needs rationing (engine/scheduler.py)
+    # chunks ride in the decodes' forward, so nothing needs rationing (engine/scheduler.py;
+    # text-generation-launcher accepts them as TGI 3 does with chunked prefill: launcher.py)
     validation_workers: int = option(
         2, "threads that validate long prompts and compile grammars (TGI's flag)", positive_int
     )
@@ -325,6 +441,24 @@ class Settings:
         "on when the model is on a CUDA device; refused on CPU)",
         negatable=True,
     )
+    cuda_graph_sizes: tuple[int, ...] | None = option(
+        None,
+        "the decode batch sizes CUDA graphs are captured for, e.g. 1,2,4,8; larger batches "
+        "decode eagerly (default: 1, 2, 4, 8, then every 16 up to --max-batch-size)",
+        batch_sizes,
+        metavar="SIZES",
+    )
+    cuda_memory_fraction: float = option(
+        1.0,
+        "share of each GPU's total memory this server may use (torch's allocator is capped "
+        "there, and the KV cache sized within it); CUDA only",
+        fraction,
+    )
+    disable_custom_kernels: bool = switch(
+        False,
+        "on CUDA, attend with flash-attn or torch SDPA instead of textgen's Triton "
+        "paged-attention kernel (CUDA graphs, which replay it, are then off)",
+    )
     compile: bool = switch(
         False,
         "run decode steps of up to 32 sequences through torch.compile'd graphs, one per batch "
@@ -343,8 +477,29 @@ class Settings:
     auth_health_and_metrics: bool = switch(False, "require the API key on health and metrics too")
     hostname: str = option("127.0.0.1", "address to listen on", host_name)
     port: int = option(8080, "HTTP port (Envoy)", port_number)
+    grpc_hostname: str | None = option(
+        None, "address the gRPC server listens on (default: --hostname)", host_name
+    )
     grpc_port: int = option(50051, "gRPC port", port_number)
     no_envoy: bool = switch(False, "serve gRPC only")
+    payload_limit: int = option(
+        2_000_000,
+        "largest HTTP request body, in bytes; a larger one is refused with a 413",
+        positive_int,
+    )
+    cors_allow_origin: tuple[str, ...] = option(
+        (),
+        "origins browsers may call the HTTP routes from, comma-separated (* for any), "
+        "answered by Envoy's CORS filter (default: no CORS headers)",
+        origins,
+        metavar="ORIGINS",
+    )
+    prometheus_port: int | None = option(
+        None,
+        "also serve the Prometheus metrics on this port of --hostname, on their own "
+        "listener (0: any free port)",
+        optional_port,
+    )
     keepalive_interval: float = option(
         30.0,
         "seconds between HTTP/2 keepalive pings on an idle gRPC connection: Envoy's to this "
@@ -357,6 +512,10 @@ class Settings:
         otlp_url,
         metavar="URL",
     )
+    otlp_service_name: str = option(
+        "textgen", "the service.name of the traces --otlp-endpoint receives", non_empty_text
+    )
+    json_output: bool = switch(False, "write the logs as JSON, one object per line")
     responses_store_mb: float = option(
         64.0,
         "memory (MB) for the conversations /v1/responses keeps for previous_response_id, per "
@@ -371,9 +530,33 @@ class Settings:
     def keepalive(self) -> Keepalive:
         return Keepalive(interval=self.keepalive_interval)
 
-    def resolved_limits(self, max_position_embeddings: int) -> tuple[int, int]:
-        """(max_input_tokens, max_total_tokens) for a model with this context length."""
-        total = self.max_total_tokens or min(max_position_embeddings, 4096)
+    @property
+    def grpc_host(self) -> str:
+        return self.grpc_hostname or self.hostname
+
+    @property
+    def rope(self) -> tuple[str, float] | None:
+        """(kind, factor) of the RoPE scaling asked for, as TGI pairs its two flags."""
+        if self.rope_scaling is None and self.rope_factor is None:
+            return None
+        return self.rope_scaling or "linear", self.rope_factor or 1.0
+
+    def context_length(self, model_context: int) -> int:
+        """The context served: the model's, stretched by --rope-factor."""
+        rope = self.rope
+        return int(model_context * rope[1]) if rope and rope[1] > 1 else model_context
+
+    def resolved_limits(
+        self, max_position_embeddings: int, kv_capacity: int | None = None
+    ) -> tuple[int, int]:
+        """(max_input_tokens, max_total_tokens) for a model with this context length (and,
+        once known, this many tokens of KV cache: --full-context's bound)."""
+        if self.max_total_tokens:
+            total = self.max_total_tokens
+        elif self.full_context:
+            total = min(max_position_embeddings, kv_capacity or max_position_embeddings)
+        else:
+            total = min(max_position_embeddings, DEFAULT_MAX_TOTAL_TOKENS)
         max_input = self.max_input_tokens or total - 1
         if max_input >= total:
             raise SettingError(
@@ -414,21 +597,32 @@ def _argparse_type(parse: Callable[[str], object]) -> Callable[[str], object]:
     return convert
 
 
+def env_value(name: str, environ=os.environ) -> tuple[str, object] | None:
+    """(variable, value) of setting `name` from TEXTGEN_<FLAG> (else its aliases), or None
+    when unset (an empty switch is unset); ValueError("VAR='text': rule") when bad."""
+    opt = Settings.__dataclass_fields__[name].metadata["option"]
+    for var in (env_name(name), *opt.env_aliases):
+        text = environ.get(var)
+        if text is None:
+            continue
+        if opt.switch and not text.strip():
+            return None
+        try:
+            return var, opt.parse(text)
+        except ValueError as exc:
+            raise ValueError(f"{var}={text!r}: {exc}") from None
+    return None
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The `textgen serve` flags; each default comes from TEXTGEN_<FLAG> when set. A bad
     environment value stops the parse as a bad flag does (parser.error: exit 2)."""
     for f, opt in options():
-        env = env_name(f.name)
-        default = f.default
-        text = os.environ.get(env)
-        for alias in opt.env_aliases:
-            if text is None and os.environ.get(alias) is not None:
-                env, text = alias, os.environ[alias]
-        if text is not None and (text.strip() or not opt.switch):
-            try:
-                default = opt.parse(text)
-            except ValueError as exc:
-                parser.error(f"{env}={text!r}: {exc}")
+        try:
+            found = env_value(f.name)
+        except ValueError as exc:
+            parser.error(str(exc))
+        default = found[1] if found is not None else f.default
         help = f"{opt.help} [env {' or '.join((env_name(f.name), *opt.env_aliases))}]"
         if opt.switch:
             action = argparse.BooleanOptionalAction if opt.negatable else "store_true"
@@ -459,8 +653,15 @@ def settings_argv(settings: Settings) -> list[str]:
         if opt.switch:
             argv.append(flag if value else f"--no-{flag[2:]}")
         elif value is not None:
-            argv += [flag, str(value)]
+            argv += [flag, format_value(value)]
     return argv
+
+
+def format_value(value: object) -> str:
+    """A setting's value as its flag reads it (lists comma-separated)."""
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)
 
 
 def settings_table() -> str:
@@ -470,7 +671,7 @@ def settings_table() -> str:
         flag = flag_name(f.name)
         if opt.negatable:
             flag += f" / --no-{flag[2:]}"
-        default = "—" if f.default is None else f"`{f.default}`"
+        default = "—" if f.default in (None, ()) else f"`{format_value(f.default)}`"
         meaning = opt.help.replace("%%", "%").replace("|", "\\|")
         envs = ", ".join(f"`{e}`" for e in (env_name(f.name), *opt.env_aliases))
         rows.append(f"| `{flag}` | {envs} | {default} | {meaning} |")

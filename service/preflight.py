@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import importlib.metadata
+import json
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +44,10 @@ def preflight(settings: Settings) -> Preflight:
     device = check_device(settings)
     check_strategies(settings, device)
     model, config = model_config(settings)
-    context = _context(model, config)
-    max_input, max_total = settings.resolved_limits(context)
+    check_remote_code(settings, model, config)
+    context = settings.context_length(_context(model, config))
+    # with --full-context the limits are bounded by the KV cache: here by the one given
+    max_input, max_total = settings.resolved_limits(context, settings.max_batch_total_tokens)
     check_kv_capacity(settings, max_total)
     shards = check_shards(settings, device, config)
     return Preflight(model, context, max_input, max_total, device, shards)
@@ -54,6 +57,48 @@ def preflight(settings: Settings) -> Preflight:
 
 
 def check_files(settings: Settings) -> None:
+    check_api_key_file(settings)
+    if settings.tokenizer_config_path is not None:
+        chat_template_of(settings.tokenizer_config_path)
+    if settings.weights_cache_override is not None:
+        _check_weights_folder(settings.weights_cache_override)
+    cache = settings.huggingface_hub_cache
+    if cache is not None and Path(cache).expanduser().is_file():
+        raise SettingError("--huggingface-hub-cache", cache, "is a file, not a folder")
+
+
+def chat_template_of(path_text: str) -> str | dict:
+    """The chat template a tokenizer_config.json holds (a string, or named templates),
+    or a SettingError naming --tokenizer-config-path."""
+    flag, path = "--tokenizer-config-path", Path(path_text).expanduser()
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SettingError(flag, path, f"cannot be read ({exc.strerror})") from None
+    except ValueError as exc:
+        raise SettingError(flag, path, f"is not JSON ({exc})") from None
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(template, list):  # [{"name": ..., "template": ...}], as the Hub writes it
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    if not template or not (isinstance(template, str) or all(template.values())):
+        raise SettingError(flag, path, "holds no chat_template (the one thing textgen reads)")
+    return template
+
+
+def _check_weights_folder(folder: str) -> None:
+    from .models.errors import ModelError
+    from .models.hub import check_model_folder
+
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise SettingError("--weights-cache-override", folder, "is not a folder")
+    try:
+        check_model_folder(path)
+    except ModelError as exc:
+        raise SettingError("--weights-cache-override", folder, str(exc)) from None
+
+
+def check_api_key_file(settings: Settings) -> None:
     if settings.api_key_file is None:
         return
     path = Path(settings.api_key_file).expanduser()
@@ -70,23 +115,38 @@ def check_files(settings: Settings) -> None:
 
 
 def check_ports(settings: Settings) -> None:
-    """Both listening ports must be free on --hostname (0: any free one)."""
-    wanted = [("--grpc-port", settings.grpc_port)]
+    """Every listening port must be free on its address (0: any free one): gRPC's on
+    --grpc-hostname, HTTP's and the metrics' on --hostname."""
+    grpc_host_flag = "--grpc-hostname" if settings.grpc_hostname else "--hostname"
+    wanted = [("--grpc-port", grpc_host_flag, settings.grpc_host, settings.grpc_port)]
     if not settings.no_envoy:
-        wanted.append(("--port", settings.port))
-        if settings.port and settings.port == settings.grpc_port:
-            raise SettingError("--port", settings.port, "is also --grpc-port; give them two ports")
-    try:
-        infos = socket.getaddrinfo(settings.hostname, None, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise SettingError("--hostname", settings.hostname, f"does not resolve ({exc.strerror})")
-    family, address = infos[0][0], infos[0][4][0]
-    for flag, port in wanted:
+        wanted.append(("--port", "--hostname", settings.hostname, settings.port))
+    if settings.prometheus_port is not None:
+        metrics_port = settings.prometheus_port
+        wanted.append(("--prometheus-port", "--hostname", settings.hostname, metrics_port))
+    if settings.prometheus_port is not None and settings.auth_health_and_metrics:
+        raise SettingError(
+            "--prometheus-port",
+            settings.prometheus_port,
+            "serves the metrics without an API key, and --auth-health-and-metrics asks for one",
+        )
+    taken: dict[int, str] = {}
+    for flag, _, _, port in wanted:
+        if port and port in taken:
+            raise SettingError(flag, port, f"is also {taken[port]}; give each its own port")
+        taken[port] = flag
+    for flag, host_flag, host, port in wanted:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise SettingError(host_flag, host, f"does not resolve ({exc.strerror})") from None
         if port:
-            _probe(flag, family, address, port, settings.hostname)
+            _probe(flag, infos[0][0], infos[0][4][0], port, host, host_flag)
 
 
-def _probe(flag: str, family: int, address: str, port: int, hostname: str) -> None:
+def _probe(
+    flag: str, family: int, address: str, port: int, hostname: str, host_flag: str = "--hostname"
+) -> None:
     # SO_REUSEADDR as the servers set it: a port left in TIME_WAIT by a previous run is
     # free to them, and must be to the probe too.
     with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -99,9 +159,8 @@ def _probe(flag: str, family: int, address: str, port: int, hostname: str) -> No
             elif exc.errno == errno.EACCES:
                 rule = f"may not be bound on {hostname} by this user (ports below 1024 need root)"
             elif exc.errno == errno.EADDRNOTAVAIL:
-                raise SettingError(
-                    "--hostname", hostname, "is not an address of this machine"
-                ) from None
+                rule = "is not an address of this machine"
+                raise SettingError(host_flag, hostname, rule) from None
             else:
                 rule = f"cannot be bound on {hostname} ({exc.strerror})"
             raise SettingError(flag, port, rule) from None
@@ -183,6 +242,7 @@ def check_strategies(settings: Settings, kind: str) -> None:
         raise SettingError(
             "--cuda-graphs", None, f"CUDA graphs need a CUDA device, and the model loads on {kind}"
         )
+    check_cuda_settings(settings, kind)
     if settings.compile and kind != "cpu":
         raise SettingError(
             "--compile",
@@ -201,6 +261,38 @@ def check_strategies(settings: Settings, kind: str) -> None:
         )
 
 
+def check_cuda_settings(settings: Settings, kind: str) -> None:
+    """The settings of the CUDA path against the device and each other."""
+    sizes = settings.cuda_graph_sizes
+    if sizes is not None:
+        if kind != "cuda":
+            raise SettingError(
+                "--cuda-graph-sizes",
+                ",".join(map(str, sizes)),
+                f"CUDA graphs need a CUDA device, and the model loads on {kind}",
+            )
+        if settings.cuda_graphs is False:
+            raise SettingError("--cuda-graph-sizes", None, "is given with --no-cuda-graphs")
+        if sizes[-1] > settings.max_batch_size:
+            raise SettingError(
+                "--cuda-graph-sizes",
+                sizes[-1],
+                f"is above --max-batch-size ({settings.max_batch_size}): no batch is that large",
+            )
+    if settings.disable_custom_kernels and settings.cuda_graphs:
+        raise SettingError(
+            "--cuda-graphs",
+            None,
+            "replays textgen's Triton attention kernel, which --disable-custom-kernels turns off",
+        )
+    if settings.cuda_memory_fraction != 1.0 and kind != "cuda":
+        raise SettingError(
+            "--cuda-memory-fraction",
+            settings.cuda_memory_fraction,
+            f"bounds GPU memory, and the model loads on {kind}",
+        )
+
+
 # the model's context -------------------------------------------------------------------
 
 
@@ -211,9 +303,27 @@ def model_config(settings: Settings) -> tuple[str, dict]:
     from .models.hub import config_json
 
     try:
-        return config_json(settings.model_id, settings.revision)
+        return config_json(
+            settings.model_id,
+            settings.revision,
+            hub_cache=settings.huggingface_hub_cache,
+            folder=settings.weights_cache_override,
+        )
     except ModelError as exc:
         raise SettingError("--model-id", settings.model_id or "(embedded)", str(exc)) from None
+
+
+def check_remote_code(settings: Settings, model: str, config: dict) -> None:
+    """A model whose type only its own code knows needs --trust-remote-code."""
+    from .models.hub import needs_remote_code
+
+    if needs_remote_code(config) and not settings.trust_remote_code:
+        raise SettingError(
+            "--model-id",
+            model,
+            f"is a {config.get('model_type')!r} model whose modelling code ships with it "
+            "(auto_map): pass --trust-remote-code to run that code",
+        )
 
 
 def _context(model: str, config: dict) -> int:

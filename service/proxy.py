@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from textgen.envoy import config as envoy_config
+from textgen.envoy.config import DEFAULT_HTTP, HttpOptions
 from textgen.envoy.docs import installed_swagger_ui
 from textgen.sdk.keepalive import DEFAULT_KEEPALIVE, Keepalive
 
@@ -217,10 +218,11 @@ async def start_envoy(
     log_level: str = "warning",
     ready_timeout: float = READY_TIMEOUT,
     keepalive: Keepalive = DEFAULT_KEEPALIVE,
+    http: HttpOptions = DEFAULT_HTTP,
 ) -> Envoy:
     """Start Envoy in front of the gRPC server at grpc_host:grpc_port; returns when
     it serves HTTP on listen_host:listen_port. It pings the server as `keepalive` says
-    (the server must accept that policy)."""
+    (the server must accept that policy); `http`: the payload limit and CORS origins."""
     listen_ip = ip_literal(listen_host)
     bootstrap = envoy_config.render(
         [envoy_config.Upstream(loopback_for(grpc_host), grpc_port)],
@@ -228,6 +230,7 @@ async def start_envoy(
         listen_port=listen_port,
         keepalive=keepalive,
         swagger_ui=installed_swagger_ui(),
+        http=http,
     )
     return await _launch(bootstrap, listen_ip, listen_port, log_level, ready_timeout)
 

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import logging
 
-from .app import KV_BLOCK_SIZE, compile_settings, cuda_graph_settings
+from .app import (
+    KV_BLOCK_SIZE,
+    cap_cuda_memory,
+    compile_settings,
+    cuda_graph_settings,
+    load_options,
+)
 from .config import Settings
 from .engine.block_manager import num_blocks_for_tokens
 from .engine.paged_core import build_runner
@@ -30,6 +36,7 @@ def run_shard(settings: Settings, rank: int, world_size: int, local_rank: int = 
     pin(place)
     groups = join(rank, world_size, settings.master_addr, settings.master_port, kind)
     try:
+        cap_cuda_memory(settings, str(place.device))
         loaded = load_model(
             settings.model_id,
             settings.revision,
@@ -37,15 +44,17 @@ def run_shard(settings: Settings, rank: int, world_size: int, local_rank: int = 
             place.device,
             quantize=settings.quantize,
             shard=ModelShard(rank, world_size, groups.model),
+            options=load_options(settings),
         )
-        _, max_total = settings.resolved_limits(loaded.max_position_embeddings)
         capacity = agree(0, groups.control)  # rank 0 sizes the pool; every rank the same
+        _, max_total = settings.resolved_limits(loaded.max_position_embeddings, capacity)
         runner = build_runner(
             loaded.model,
             num_blocks_for_tokens(capacity, KV_BLOCK_SIZE),
             KV_BLOCK_SIZE,
             cuda_graphs=cuda_graph_settings(settings, loaded, max_total),
             compile=compile_settings(settings, loaded),
+            custom_kernels=not settings.disable_custom_kernels,
         )
         group = ShardGroup(
             rank,

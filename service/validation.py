@@ -60,6 +60,8 @@ class Limits:
     # be held at once is refused (None: not checked)
     kv_cache_blocks: int | None = None
     kv_block_size: int = 16
+    # decoder_input_details (the prompt's logprobs) may be asked (--no-prefill-logprobs)
+    prefill_logprobs: bool = True
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,12 @@ class Validator:
         if stream and p.decoder_input_details:
             raise check.error(
                 "decoder_input_details", "== true is not supported when streaming tokens"
+            )
+        if p.decoder_input_details and not self.limits.prefill_logprobs:
+            raise check.error(
+                "decoder_input_details",
+                "== true is not supported: this server computes no prefill logprobs "
+                "(start it with --enable-prefill-logprobs)",
             )
         if p.max_time is not None and not p.max_time > 0:
             raise check.error("max_time", "must be strictly positive")

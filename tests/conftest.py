@@ -48,7 +48,7 @@ class ServerThread:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        from textgen.service.app import start_replica
+        from textgen.service.app import http_options, start_replica
         from textgen.service.proxy import start_envoy
 
         asyncio.set_event_loop(self.loop)
@@ -64,6 +64,7 @@ class ServerThread:
                         self.replica.grpc_port,
                         listen_port=0,
                         keepalive=self.settings.keepalive,
+                        http=http_options(self.settings),
                     )
                 )
         except BaseException as exc:  # noqa: BLE001 - reported to the test thread

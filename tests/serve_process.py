@@ -1,5 +1,5 @@
-"""`textgen serve` as a user runs it: a subprocess whose ready line the tests parse,
-stopped by PID (and its Envoy too) whatever happens."""
+"""`textgen serve` (or `text-generation-launcher`) as a user runs it: a subprocess whose
+ready line the tests parse, stopped by PID (and its Envoy too) whatever happens."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TEXTGEN = str(Path(sys.executable).with_name("textgen"))
+LAUNCHER = str(Path(sys.executable).with_name("text-generation-launcher"))
 
 
 @dataclass
@@ -31,15 +32,20 @@ class ServeProcess:
 
 
 @contextlib.contextmanager
-def textgen_serve(*args: str, until: str = "textgen ready", env: dict | None = None):
-    """Start `textgen serve ARGS` (with `env` added to the environment), read its log until
-    `until` (or its exit), yield it; on the way out kill whatever is still running, server
-    and Envoy, by PID."""
+def textgen_serve(
+    *args: str,
+    until: str = "textgen ready",
+    command: tuple[str, ...] = (TEXTGEN, "serve"),
+    env: dict[str, str] | None = None,
+):
+    """Start `textgen serve ARGS` (or `command ARGS`, with `env` as its environment),
+    read its log until `until` (or its exit), yield it; on the way out kill whatever is
+    still running, server and Envoy, by PID."""
     proc = subprocess.Popen(
-        [TEXTGEN, "serve", *args],
+        [*command, *args],
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
     )
     served = ServeProcess(proc, "")
     try:

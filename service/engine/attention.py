@@ -192,7 +192,9 @@ class BatchMetadata:
         block_tables: list[list[int]],
         device: torch.device,
         batch_invariant: bool = False,
+        custom_kernels: bool = True,
     ) -> BatchMetadata:
+        """custom_kernels=False: never textgen's Triton kernel (--disable-custom-kernels)."""
         slots = _slots(query_lens, context_lens, block_tables, pool.block_size)
         return cls(
             pool=pool,
@@ -202,7 +204,7 @@ class BatchMetadata:
             block_tables=block_tables,
             device=device,
             use_flash=_flash_available(device),
-            use_triton=triton_available(device),
+            use_triton=custom_kernels and triton_available(device),
             batch_invariant=batch_invariant,
         )
 

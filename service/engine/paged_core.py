@@ -43,6 +43,7 @@ class PagedCore:
         cuda_graphs: GraphSettings | None = None,
         compile: CompileSettings | None = None,
         shards: ShardGroup | None = None,
+        custom_kernels: bool = True,
     ) -> None:
         """
         Args:
@@ -61,6 +62,7 @@ class PagedCore:
                 by warm_up() (compiled_decode.py; CPU only, so never with cuda_graphs).
             shards: this is rank 0 of a sharded model (`model` is its slice): every step
                 runs on all ranks, which follow in engine/shards.py's follow_steps().
+            custom_kernels: False: attention never takes textgen's Triton kernel (runner.py).
         """
         if max_batch_total_tokens <= 0:
             raise ValueError(
@@ -74,7 +76,7 @@ class PagedCore:
             max_batch_size=max_batch_size,
         )
         self.runner: Runner = build_runner(
-            model, num_blocks, block_size, batch_invariant, cuda_graphs, compile
+            model, num_blocks, block_size, batch_invariant, cuda_graphs, compile, custom_kernels
         )
         self.shards = shards
         if shards is not None:
@@ -243,6 +245,7 @@ def build_runner(
     batch_invariant: bool = False,
     cuda_graphs: GraphSettings | None = None,
     compile: CompileSettings | None = None,
+    custom_kernels: bool = True,
 ) -> Runner:
     """The device side of a step (runner.py): the eager runner over a KV pool of
     `num_blocks`, wrapped in its decode strategy if any (every rank of a sharded model
@@ -252,7 +255,9 @@ def build_runner(
     # one scratch block for padding tokens (batch-invariant steps, graph buckets, compiled
     # buckets): they write and read only there
     pool = KVCachePool(num_blocks, block_size, scratch_blocks=1)
-    runner: Runner = ModelRunner(model, pool, batch_invariant=batch_invariant)
+    runner: Runner = ModelRunner(
+        model, pool, batch_invariant=batch_invariant, custom_kernels=custom_kernels
+    )
     if cuda_graphs is not None:
         return GraphedRunner(runner, cuda_graphs)
     if compile is not None:

@@ -144,10 +144,17 @@ class StepRunner:
 
 class ModelRunner(StepRunner):
     def __init__(
-        self, model: torch.nn.Module, pool: KVCachePool, *, batch_invariant: bool = False
+        self,
+        model: torch.nn.Module,
+        pool: KVCachePool,
+        *,
+        batch_invariant: bool = False,
+        custom_kernels: bool = True,
     ) -> None:
         """batch_invariant: each sequence's logits bit for bit the same whatever else the
-        step computes (CPU only; needs a pool with a scratch block for padding tokens)."""
+        step computes (CPU only; needs a pool with a scratch block for padding tokens).
+        custom_kernels=False: attention never takes textgen's Triton kernel (on CUDA,
+        flash-attn or SDPA instead; --disable-custom-kernels)."""
         check_model_supported(model)
         AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
         model.set_attn_implementation(ATTENTION_NAME)
@@ -162,6 +169,7 @@ class ModelRunner(StepRunner):
         if batch_invariant and pool.scratch_block is None:
             raise ValueError("batch-invariant execution needs a KV pool with a scratch block")
         self.batch_invariant = batch_invariant
+        self.custom_kernels = custom_kernels
         # batch-invariant matmuls: the model's Linear layers, over fixed blocks of rows
         self._linears = linear_modules(model) if batch_invariant else []
         self._min_rows = LINEAR_BLOCK_ROWS  # until warmup() probes this machine
@@ -172,7 +180,13 @@ class ModelRunner(StepRunner):
         (out-of-memory shows at once) and lazy init runs before the first request. Block 0
         is free: whatever lands there is overwritten before anything reads it."""
         meta = BatchMetadata.build(
-            self.pool, [1], [1], [[0]], self.device, batch_invariant=self.batch_invariant
+            self.pool,
+            [1],
+            [1],
+            [[0]],
+            self.device,
+            batch_invariant=self.batch_invariant,
+            custom_kernels=self.custom_kernels,
         )
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         self.forward(ids, ids, meta, torch.zeros(1, dtype=torch.long, device=self.device))
@@ -189,6 +203,7 @@ class ModelRunner(StepRunner):
             inputs.block_tables,
             self.device,
             batch_invariant=self.batch_invariant,
+            custom_kernels=self.custom_kernels,
         )
         return self.forward(
             self._tensor([inputs.token_ids]),

@@ -16,6 +16,7 @@ from .hub import ResolvedModel, hub_cache_dir, resolve_model
 
 _LAZY = {
     "LoadedModel": "loader",
+    "LoadOptions": "loader",
     "load_model": "loader",
     "select_device": "loader",
     "select_dtype": "loader",
@@ -32,6 +33,7 @@ def __getattr__(name: str):
 __all__ = [
     "DEFAULT_MODEL_ID",
     "EmbeddedModelError",
+    "LoadOptions",
     "LoadedModel",
     "ModelError",
     "ModelResolutionError",

@@ -11,7 +11,9 @@ Three sources, tried in this order:
 huggingface_hub 2.4 reads HF_HOME / HF_HUB_CACHE / HF_HUB_OFFLINE into module
 constants when it is first imported, so a change made later (by a test's monkeypatch,
 or by a caller setting os.environ before calling us) would be ignored. We read those
-variables ourselves at call time and pass `cache_dir` and `local_files_only` explicitly.
+variables ourselves at call time and pass `cache_dir` and `local_files_only` explicitly;
+`--huggingface-hub-cache` (the `hub_cache` arguments) wins over them. `--weights-cache-
+override` (`folder`) skips all three sources: the model's files are read from that folder.
 
 Only safetensors weights are accepted: pickled `.bin` checkpoints can run code on load.
 """
@@ -64,9 +66,12 @@ class ResolvedModel:
     sha: str | None  # Hub revision sha when known
 
 
-def hub_cache_dir() -> Path:
-    """The standard Hub cache, from the environment as it is now (same precedence as
-    huggingface_hub: HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE, HF_HOME/hub, XDG_CACHE_HOME)."""
+def hub_cache_dir(override: str | Path | None = None) -> Path:
+    """`override` (--huggingface-hub-cache), else the standard Hub cache from the
+    environment as it is now (same precedence as huggingface_hub: HF_HUB_CACHE,
+    HUGGINGFACE_HUB_CACHE, HF_HOME/hub, XDG_CACHE_HOME)."""
+    if override:
+        return Path(os.path.expandvars(str(override))).expanduser()
     env = os.environ
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if env.get(var):
@@ -90,14 +95,25 @@ def hub_offline() -> bool:
 
 
 def resolve_model(
-    model_id: str | None, revision: str | None = None, cache_dir: Path | None = None
+    model_id: str | None,
+    revision: str | None = None,
+    cache_dir: Path | None = None,
+    *,
+    hub_cache: str | Path | None = None,
+    folder: str | Path | None = None,
+    remote_code: bool = False,
 ) -> ResolvedModel:
     """Find (and if needed fetch or convert) the model and return its local folder.
 
     `cache_dir` is textgen's own cache root (for the embedded model's conversion),
-    default `$TEXTGEN_CACHE` or `~/.cache/textgen`. Hub downloads always go to the
-    standard Hub cache so they are shared with other tools.
+    default `$TEXTGEN_CACHE` or `~/.cache/textgen`. Hub downloads go to `hub_cache`, else
+    the standard Hub cache, so they are shared with other tools; `remote_code` fetches the
+    repo's Python files too. `folder` holds the model's files: nothing else is asked.
     """
+    if folder is not None:
+        path = Path(folder).expanduser().resolve()
+        check_model_folder(path)
+        return ResolvedModel(model_id=model_id or str(path), path=path, sha=None)
     if model_id is None or model_id in EMBEDDED_ALIASES:
         if revision is not None:
             logger.warning(
@@ -118,13 +134,23 @@ def resolve_model(
             f"--model-id {model_id!r} is neither a model folder (with config.json) "
             "nor a Hub repo id"
         )
-    return _resolve_hub(model_id, revision)
+    return _resolve_hub(model_id, revision, hub_cache_dir(hub_cache), remote_code)
 
 
-def config_json(model_id: str | None, revision: str | None = None) -> tuple[str, dict]:
+def config_json(
+    model_id: str | None,
+    revision: str | None = None,
+    *,
+    hub_cache: str | Path | None = None,
+    folder: str | Path | None = None,
+) -> tuple[str, dict]:
     """(the model's name, its config.json) without loading or converting anything but
-    that file: the embedded model's (from its converted folder, or the context its GGUF
-    states when not converted yet), a local folder's, or the Hub's config.json alone."""
+    that file: `folder`'s, the embedded model's (from its converted folder, or the context
+    its GGUF states when not converted yet), a local folder's, or the Hub's config.json
+    alone."""
+    if folder is not None:
+        path = Path(folder).expanduser()
+        return model_id or str(path), _read_config(path / "config.json")
     if model_id is None or model_id in EMBEDDED_ALIASES:
         folder = converted_embedded()
         if folder is None:
@@ -138,7 +164,18 @@ def config_json(model_id: str | None, revision: str | None = None) -> tuple[str,
         raise ModelResolutionError(
             f"{model_id!r} is neither a model folder (with config.json) nor a Hub repo id"
         )
-    return model_id, _read_config(_hub_file(model_id, revision, "config.json"))
+    return model_id, _read_config(
+        _hub_file(model_id, revision, "config.json", hub_cache_dir(hub_cache))
+    )
+
+
+def needs_remote_code(config: dict) -> bool:
+    """Whether only the model's own code (its config's auto_map) knows its model_type."""
+    if not config.get("auto_map"):
+        return False
+    from transformers import CONFIG_MAPPING
+
+    return config.get("model_type") not in CONFIG_MAPPING
 
 
 def _read_config(path: Path) -> dict:
@@ -158,7 +195,7 @@ def context_length(config: dict) -> int:
     raise ModelError("the model config states no context length (max_position_embeddings)")
 
 
-def _hub_file(repo_id: str, revision: str | None, filename: str) -> Path:
+def _hub_file(repo_id: str, revision: str | None, filename: str, cache: Path) -> Path:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import (
         EntryNotFoundError,
@@ -175,7 +212,7 @@ def _hub_file(repo_id: str, revision: str | None, filename: str) -> Path:
                 repo_id,
                 filename,
                 revision=revision,
-                cache_dir=hub_cache_dir(),
+                cache_dir=cache,
                 local_files_only=offline,
                 token=os.environ.get("HF_TOKEN") or None,
             )
@@ -183,7 +220,7 @@ def _hub_file(repo_id: str, revision: str | None, filename: str) -> Path:
     except HFValidationError as exc:
         raise ModelResolutionError(f"{repo_id!r} is not a valid Hub repo id: {exc}") from None
     except LocalEntryNotFoundError:
-        raise _not_cached(repo_id, revision, offline) from None
+        raise _not_cached(repo_id, revision, offline, cache) from None
     except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as exc:
         raise ModelResolutionError(
             f"{repo_id}@{revision or 'main'} has no {filename} on the Hub "
@@ -191,21 +228,24 @@ def _hub_file(repo_id: str, revision: str | None, filename: str) -> Path:
         ) from None
 
 
-def _not_cached(repo_id: str, revision: str | None, offline: bool) -> ModelResolutionError:
+def _not_cached(
+    repo_id: str, revision: str | None, offline: bool, cache: Path
+) -> ModelResolutionError:
     where = "offline (HF_HUB_OFFLINE=1)" if offline else "the Hub is unreachable"
     return ModelResolutionError(
-        f"{repo_id}@{revision or 'main'} is not in the Hub cache {hub_cache_dir()} and {where}; "
+        f"{repo_id}@{revision or 'main'} is not in the Hub cache {cache} and {where}; "
         "download it once with network access (or set HF_HUB_CACHE / HF_HOME to the cache "
         "that holds it)"
     )
 
 
-def _resolve_hub(repo_id: str, revision: str | None) -> ResolvedModel:
+def _resolve_hub(
+    repo_id: str, revision: str | None, cache: Path, remote_code: bool = False
+) -> ResolvedModel:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     offline = hub_offline()
-    cache = hub_cache_dir()
     logger.info(
         "resolving %s@%s from the Hub%s (cache %s)",
         repo_id,
@@ -219,7 +259,8 @@ def _resolve_hub(repo_id: str, revision: str | None) -> ResolvedModel:
             revision=revision,
             cache_dir=cache,
             local_files_only=offline,
-            allow_patterns=ALLOW_PATTERNS,
+            # --trust-remote-code: the modelling code the config's auto_map names
+            allow_patterns=ALLOW_PATTERNS + (["*.py"] if remote_code else []),
             ignore_patterns=IGNORE_PATTERNS,
             token=os.environ.get("HF_TOKEN") or None,
         )
@@ -228,7 +269,7 @@ def _resolve_hub(repo_id: str, revision: str | None) -> ResolvedModel:
             f"--model-id {repo_id!r} is not a valid Hub repo id: {exc}"
         ) from exc
     except LocalEntryNotFoundError as exc:
-        raise _not_cached(repo_id, revision, offline) from exc
+        raise _not_cached(repo_id, revision, offline, cache) from exc
     path = Path(folder)
     check_model_folder(path, what=f"{repo_id}@{revision or 'main'}")
     sha = _snapshot_sha(path)

@@ -122,6 +122,17 @@ class ModelShard:
     group: object  # torch.distributed.ProcessGroup of the model's collectives
 
 
+@dataclass(frozen=True)
+class LoadOptions:
+    """Where the model's files come from and what is changed in them as they load."""
+
+    hub_cache: str | None = None  # --huggingface-hub-cache
+    folder: str | None = None  # --weights-cache-override: the files are read from there
+    trust_remote_code: bool = False  # run the code the config's auto_map names
+    rope: tuple[str, float] | None = None  # (linear | dynamic, factor): RoPE rescaled
+    chat_template: str | dict | None = None  # replaces the tokenizer's (--tokenizer-config-path)
+
+
 @dataclass
 class LoadedModel:
     resolved: ResolvedModel
@@ -145,31 +156,47 @@ def load_model(
     cache_dir: Path | None = None,
     quantize: str | None = None,
     shard: ModelShard | None = None,
+    options: LoadOptions = LoadOptions(),
 ) -> LoadedModel:
     """Resolve, then load model and tokenizer ready for inference; `quantize` (int8, int4,
     fp8) converts the Linear layers' weights after loading (quantize.py); `shard` loads
-    one rank's slice of a tensor-parallel model (sharding.py)."""
+    one rank's slice of a tensor-parallel model (sharding.py); `options` says where the
+    files come from and what changes as they load."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = select_device(device)  # validate flags before any download or conversion
     dt = check_quantize(quantize, dev, dtype, select_dtype(dtype, dev))
-    resolved = resolve_model(model_id, revision=revision, cache_dir=cache_dir)
+    resolved = resolve_model(
+        model_id,
+        revision=revision,
+        cache_dir=cache_dir,
+        hub_cache=options.hub_cache,
+        folder=options.folder,
+        remote_code=options.trust_remote_code,
+    )
 
     started = time.monotonic()
     # local_files_only: the folder is already complete; nothing may reach the network here.
-    tokenizer = AutoTokenizer.from_pretrained(resolved.path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(
+        resolved.path, local_files_only=True, trust_remote_code=options.trust_remote_code
+    )
+    if options.chat_template is not None:
+        tokenizer.chat_template = options.chat_template
+    config = _config(resolved, options)
     layout = None
     if shard is None:
         model = AutoModelForCausalLM.from_pretrained(
             resolved.path,
+            config=config,
             dtype=dt,
             use_safetensors=True,  # never unpickle
             local_files_only=True,
+            trust_remote_code=options.trust_remote_code,
             # load straight onto the device (no CPU copy first on a GPU)
             device_map=dev if dev.type != "cpu" else None,
         )
     else:
-        model, layout = _load_slice(resolved.path, dt, dev, shard)
+        model, layout = _load_slice(resolved.path, config, dt, dev, shard)
     if dev.type == "cpu":
         model.to(dev)
     model.eval()
@@ -186,6 +213,8 @@ def load_model(
     if not eos:
         raise ModelError(f"{resolved.model_id} names no EOS token (generation_config or tokenizer)")
     max_pos = context_length(model.config.get_text_config().to_dict())
+    if options.rope is not None and options.rope[1] > 1:
+        max_pos = int(max_pos * options.rope[1])  # what the rescaled positions reach
     logger.info(
         "loaded %s (%s) on %s as %s%s in %.1f s: %.0fM params, context %d, eos %s",
         resolved.model_id,
@@ -213,20 +242,45 @@ def load_model(
     )
 
 
-def _load_slice(path: Path, dtype: torch.dtype, device: torch.device, shard: ModelShard):
+def _config(resolved: ResolvedModel, options: LoadOptions):
+    """The model's config, its RoPE rescaled as `options.rope` says (TGI's --rope-scaling
+    and --rope-factor: the type and factor replace the model's own scaling)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(
+        resolved.path, local_files_only=True, trust_remote_code=options.trust_remote_code
+    )
+    if options.rope is None:
+        return config
+    text = config.get_text_config()
+    current = getattr(text, "rope_parameters", None)
+    if not isinstance(current, dict) or "rope_theta" not in current:
+        raise ModelError(
+            f"--rope-scaling: {resolved.model_id} has no rotary position embeddings to rescale"
+        )
+    kind, factor = options.rope
+    text.rope_parameters = {
+        "rope_theta": current["rope_theta"],
+        "rope_type": kind,
+        "factor": factor,
+    }
+    return config
+
+
+def _load_slice(path: Path, config, dtype: torch.dtype, device: torch.device, shard: ModelShard):
     """One rank's slice, read by transformers' tensor-parallel loader, made plain
     (sharding.py); the plan is checked before any weight is read."""
     import json
 
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     layout = shard_layout(json.loads((path / "config.json").read_text()), shard.world_size)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
     model_class = AutoModelForCausalLM._model_mapping[type(config)]
     overrides = tp_plan_overrides(model_class, config, layout)
     model = AutoModelForCausalLM.from_pretrained(
         path,
+        config=config,
         dtype=dtype,
         use_safetensors=True,
         local_files_only=True,

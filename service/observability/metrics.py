@@ -12,8 +12,15 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 # Seconds: from 1 ms to ~2 min, roughly doubling.
@@ -222,3 +229,24 @@ def priority_label(priority: int) -> str:
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
+
+
+@dataclass
+class MetricsListener:
+    """The metrics on their own HTTP port (--prometheus-port, as TGI serves them on 9000),
+    every path answering them, beside GET /metrics; prometheus_client's server, on a
+    thread of its own."""
+
+    server: object  # wsgiref's WSGIServer
+    thread: threading.Thread
+    url: str
+
+    @classmethod
+    def start(cls, metrics: Metrics, host: str, port: int) -> MetricsListener:
+        server, thread = start_http_server(port, addr=host, registry=metrics.registry)
+        address = f"[{host}]" if ":" in host else host
+        return cls(server, thread, f"http://{address}:{server.server_port}/metrics")
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -167,7 +167,7 @@ class RequestRecorder:
                 if f.generated_tokens
                 else 0.0,
             )
-        request_log.info(json.dumps(line))
+        request_log.info(json.dumps(line), extra={"fields": line})
 
 
 def _wall_clock_ns():

@@ -1,7 +1,9 @@
-"""deploy/: what can be checked without Docker or a cluster. The YAML parses, the
-front's Envoy config is the renderer's (and Envoy validates it), every flag the
-manifests pass exists in the CLI, and probes, ports and grace periods agree with
-the Dockerfile and the drain timeout."""
+"""deploy/ and the image: what can be checked without Docker or a cluster. The YAML
+parses, the front's Envoy config is the renderer's (and Envoy validates it), every flag
+the manifests pass exists in the CLI they run, probes, ports and grace periods agree
+with the Dockerfile and the drain timeout, and the image runs as TGI's does: its
+entrypoint is text-generation-launcher, which takes `docker run IMAGE --model-id X`
+with the image's environment to port 80 and the /data Hub cache."""
 
 from __future__ import annotations
 
@@ -11,12 +13,14 @@ import re
 import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 from textgen.service.cli import build_parser
 from textgen.service.config import Settings
+from textgen.service.launcher import settings_from
 from textgen.service.proxy import envoy_binary
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,6 +51,15 @@ def dockerfile() -> tuple[list[str], set[int]]:
         int(p) for line in re.findall(r"^EXPOSE (.+)$", text, re.MULTILINE) for p in line.split()
     }
     return entrypoint, exposed
+
+
+def dockerfile_env() -> dict[str, str]:
+    """The variables the image sets (its ENV lines, continuations joined)."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    env = {}
+    for line in re.findall(r"^ENV (.+)$", text, re.MULTILINE):
+        env.update(dict(re.findall(r"(\w+)=(\S+)", line)))
+    return env
 
 
 def parse(command: list[str]):
@@ -109,10 +122,13 @@ def test_replica_deployment_matches_the_image_and_the_cli():
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     entrypoint, exposed = dockerfile()
-    assert entrypoint == ["textgen", "serve"]
-    args = container["args"]
-    # the image's entrypoint takes them: every flag is one of `textgen serve`'s
-    parse([*entrypoint[1:], *args])
+    assert entrypoint == ["text-generation-launcher"]
+    # a gRPC-only replica runs `textgen serve`: every flag is one of its
+    command, args = container["command"], container["args"]
+    assert command == ["textgen", "serve"]
+    parse([*command[1:], *args])
+    # a Service named textgen would otherwise set TEXTGEN_PORT=tcp://..., serve's --port
+    assert pod["enableServiceLinks"] is False
     help_text = serve_help()
     for flag in (a for a in args if a.startswith("--")):
         assert flag in help_text, flag
@@ -167,11 +183,14 @@ def test_the_leaderworkerset_is_one_sharded_replica_per_group():
     assert template["restartPolicy"] == "RecreateGroupOnPodRestart"  # no half model serves
     (leader,) = template["leaderTemplate"]["spec"]["containers"]
     (worker,) = template["workerTemplate"]["spec"]["containers"]
-    entrypoint, exposed = dockerfile()
+    _, exposed = dockerfile()
     leader_args = expanded(leader["args"], leader["env"])
-    serve = parse([*entrypoint[1:], *leader_args])
+    assert leader["command"] == ["textgen", "serve"]
+    serve = parse([*leader["command"][1:], *leader_args])
     shard = parse([*worker["command"][1:], *expanded(worker["args"], worker["env"])])
-    assert worker["command"][0] == entrypoint[0] and worker["command"][1] == "shard"
+    assert worker["command"] == ["textgen", "shard"]
+    for role in ("leaderTemplate", "workerTemplate"):
+        assert template[role]["spec"]["enableServiceLinks"] is False
     assert leader["env"] == worker["env"]  # one model, dtype and limits for every rank
     assert int(LWS_VARIABLES["LWS_GROUP_SIZE"]) == serve.num_shard == shard.num_shard
     assert "$(LWS_GROUP_SIZE)" in leader["args"] and "$(LWS_WORKER_INDEX)" in worker["args"]
@@ -232,13 +251,15 @@ def test_front_reads_the_configmap_over_the_headless_service():
 def test_compose_replicas_and_front_use_real_flags():
     compose = load_all(DEPLOY / "compose.yaml")[0]
     services = compose["services"]
-    entrypoint, exposed = dockerfile()
+    _, exposed = dockerfile()
     replicas = {n: s for n, s in services.items() if n.startswith("textgen-")}
     assert len(replicas) >= 2
     for service in replicas.values():
         assert (
             service["build"]["context"] == ".." and service["build"]["dockerfile"] == "Dockerfile"
         )
+        entrypoint = service["entrypoint"]
+        assert entrypoint == ["textgen", "serve"]
         args = parse([*entrypoint[1:], *service["command"]])
         assert args.no_envoy and args.grpc_port in exposed
         assert (
@@ -257,7 +278,7 @@ def test_compose_replicas_and_front_use_real_flags():
     assert front["entrypoint"] == ["textgen", "proxy"]
     args = parse(["proxy", *front["command"]])
     assert {f"{u.host}:{u.port}" for u in args.dns} == {f"{n}:{r.grpc_port}" for n, r in (
-        (n, parse([*entrypoint[1:], *s["command"]])) for n, s in replicas.items()
+        (n, parse([*s["entrypoint"][1:], *s["command"]])) for n, s in replicas.items()
     )}  # fmt: skip
     assert front["ports"] == [f"{args.port}:{args.port}"]
 
@@ -314,3 +335,59 @@ def test_the_textgen_cache_is_on_the_volume_every_manifest_mounts():
     pod = k8s_objects()[("Deployment", "textgen")]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert volume in {m["mountPath"] for m in container["volumeMounts"]}
+
+
+def test_the_image_runs_as_tgis_does():
+    """`docker run --gpus all -p 8080:80 -v $PWD/data:/data IMAGE --model-id X`: the
+    entrypoint is the launcher (a console script of the package), and with the image's
+    environment (and Docker's HOSTNAME, the container's name) it listens on 0.0.0.0:80,
+    keeps the Hub cache in the /data volume and serves metrics on TGI's 9000."""
+    entrypoint, exposed = dockerfile()
+    assert entrypoint == ["text-generation-launcher"]
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["text-generation-launcher"] == "textgen.service.launcher:main"
+    env = dockerfile_env()
+    assert (env["PORT"], env["HUGGINGFACE_HUB_CACHE"]) == ("80", "/data")
+    settings = settings_from(["--model-id", "org/name"], {**env, "HOSTNAME": "3f2a9c1d0b7e"})
+    assert (settings.model_id, settings.hostname, settings.port) == ("org/name", "0.0.0.0", 80)
+    assert settings.huggingface_hub_cache == "/data"
+    assert {settings.port, settings.prometheus_port} <= exposed
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^VOLUME /data$", text, re.MULTILINE)
+
+
+def test_the_readmes_docker_runs_are_real():
+    """Each `docker run ... textgen ARGS` of the README parses with what runs it: the
+    launcher (the image's entrypoint), or the textgen CLI under `--entrypoint textgen`;
+    and one of its published ports maps to the port that listens."""
+    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    runs = [shlex.split(line) for line in text.splitlines() if line.startswith("docker run ")]
+    assert len(runs) >= 3
+    env = dockerfile_env()
+    for run in runs:
+        options, image, args = docker_run(run)
+        assert image == "textgen", run
+        if options.get("--entrypoint") == "textgen":
+            port = parse(args).port
+        else:
+            port = settings_from(args, env).port
+        assert any(p.endswith(f":{port}") for p in options["-p"]), run
+
+
+# `docker run` options that take a value (those the README uses)
+_DOCKER_VALUES = {"-p", "-v", "-e", "-t", "--gpus", "--shm-size", "--entrypoint"}
+
+
+def docker_run(run: list[str]) -> tuple[dict, str, list[str]]:
+    """`docker run OPTIONS IMAGE ARGS` -> (options, IMAGE, ARGS); -p collects a list."""
+    options: dict = {"-p": []}
+    i = 2
+    while run[i].startswith("-"):
+        name = run[i]
+        value = run[i + 1] if name in _DOCKER_VALUES else None
+        if name == "-p":
+            options["-p"].append(value)
+        else:
+            options[name] = value
+        i += 2 if name in _DOCKER_VALUES else 1
+    return options, run[i], run[i + 1 :]

@@ -204,3 +204,26 @@ def test_preemption_takes_the_lowest_priority_first():
     later = make_seq([3] * 4, request_id="later", max_new_tokens=1, priority=3)
     sched.add(later)
     assert [s.request_id for s in sched.waiting] == ["low", "later"]
+
+
+def test_waiting_requests_join_the_running_decodes_at_the_next_step():
+    """TGI's --max-waiting-tokens N: waiting requests join the batch after at most N decode
+    steps (its --waiting-served-ratio may pause them sooner). Here a request waits zero
+    decode steps, whatever N: it is admitted at the very next step beside every running
+    decode, which keeps decoding; and a long prompt, chunked, delays the decodes by one
+    budgeted chunk per step, never a whole prefill (text-generation-launcher accepts both
+    flags on this ground: docs/launcher.md)."""
+    sched = make_scheduler(prefill_budget=8, max_batch_size=8)
+    running = [make_seq([i, i + 1], request_id=f"run{i}", max_new_tokens=50) for i in range(3)]
+    for seq in running:
+        sched.add(seq)
+    fake_step(sched)  # their prefills
+    for _ in range(5):  # decoding
+        assert plan(fake_step(sched)) == [(s.request_id, 1) for s in running]
+    late = make_seq(list(range(20)), request_id="late", max_new_tokens=4)
+    sched.add(late)
+    steps = [plan(fake_step(sched)) for _ in range(3)]
+    decodes = [(s.request_id, 1) for s in running]
+    assert steps[0] == [*decodes, ("late", 8)]  # admitted at once, a chunk of the budget
+    assert steps[1] == [*decodes, ("late", 8)]
+    assert steps[2] == [*decodes, ("late", 4)]  # and the decodes never paused

@@ -277,3 +277,35 @@ def test_textgen_proxy_prints_the_front_config():
     ]
     assert hosts[1] == "textgen-replicas" and hosts[0] in ("127.0.0.1", "::1")
     assert cluster["type"] == "STRICT_DNS" and "outlier_detection" in cluster
+
+
+def test_payload_limit_and_cors_origins_render_and_validate(tmp_path):
+    """--payload-limit bounds the body (the buffer filter and the transcoder, the 413's
+    message says it); --cors-allow-origin adds Envoy's CORS filter first, its policy on
+    the virtual host, and one preflight route per allowed origin (the filter answers only
+    on a forwarding route)."""
+    http = config.HttpOptions(payload_limit=4096, cors_allow_origin=("http://a.example",))
+    bootstrap = config.render([config.Upstream("127.0.0.1", 50051)], http=http)
+    assert validate(config.write(bootstrap, tmp_path / "envoy.json")).returncode == 0
+    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    typed = manager["typed_config"]
+    filters = {f["name"]: f["typed_config"] for f in typed["http_filters"]}
+    assert typed["http_filters"][0]["name"] == "envoy.filters.http.cors"
+    assert filters["envoy.filters.http.buffer"]["max_request_bytes"] == 4096
+    assert filters["envoy.filters.http.grpc_json_transcoder"]["max_request_body_size"] == 4096
+    assert "limited to 4096 bytes" in json.dumps(typed["local_reply_config"])
+    host = typed["route_config"]["virtual_hosts"][0]
+    policy = host["typed_per_filter_config"]["envoy.filters.http.cors"]
+    assert policy["allow_origin_string_match"] == [{"exact": "http://a.example"}]
+    preflights = [r for r in host["routes"] if {"name": "origin", "string_match": {
+        "exact": "http://a.example"}} in r["match"].get("headers", [])]  # fmt: skip
+    assert len(preflights) == 1 and "route" in preflights[0]
+    plain = config.render([config.Upstream("127.0.0.1", 50051)])
+    plain_typed = plain["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"
+    ]
+    assert "envoy.filters.http.cors" not in json.dumps(plain_typed)  # no CORS unless asked
+    any_origin = config.render(
+        [config.Upstream("127.0.0.1", 50051)], http=config.HttpOptions(cors_allow_origin=("*",))
+    )
+    assert validate(config.write(any_origin, tmp_path / "any.json")).returncode == 0

@@ -4,6 +4,7 @@ loads every bucket's compiled code from there, and serves the same tokens."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 
@@ -21,7 +22,8 @@ def serve_once(model_dir, cache, tmp) -> tuple[str, str]:
     tmp.mkdir()
     args = ["--model-id", str(model_dir), "--no-envoy", "--grpc-port", "0", "--compile"]
     args += ["--max-batch-size", "1", "--dtype", "float32", "--max-batch-total-tokens", "4096"]
-    with textgen_serve(*args, env={"TEXTGEN_CACHE": str(cache), "TMPDIR": str(tmp)}) as served:
+    env = {**os.environ, "TEXTGEN_CACHE": str(cache), "TMPDIR": str(tmp)}
+    with textgen_serve(*args, env=env) as served:
         if not served.grpc_target:
             pytest.fail("textgen serve did not become ready:\n" + served.log[-3000:])
         served.drain_log()

@@ -91,6 +91,22 @@ BAD = [
     (["--num-shard", "3", "--deterministic"], ("--deterministic", "--num-shard")),
     (["--num-shard", "3", "--local-shards", "4"], ("--local-shards 4", "more than --num-shard")),
     (["--log-level", "loud"], ("--log-level", "LOUD", "DEBUG")),
+    # the settings TGI's launcher brought
+    (["--cuda-graph-sizes", "1,2", "--device", "cpu"], ("--cuda-graph-sizes 1,2", "CUDA device")),
+    (["--cuda-graph-sizes", "1,0"], ("--cuda-graph-sizes", "positive batch sizes")),
+    (["--cuda-memory-fraction", "0.5", "--device", "cpu"], ("--cuda-memory-fraction 0.5", "GPU")),
+    (["--cuda-memory-fraction", "0"], ("--cuda-memory-fraction", "(0, 1]")),
+    (
+        ["--prometheus-port", "9100", "--auth-health-and-metrics"],
+        ("--prometheus-port 9100", "without an API key"),
+    ),
+    (["--prometheus-port", "8080"], ("--prometheus-port 8080", "is also --port")),
+    (["--payload-limit", "0"], ("--payload-limit", "positive")),
+    (["--cors-allow-origin", "example.com"], ("--cors-allow-origin", "not an origin")),
+    (["--rope-scaling", "yarn"], ("--rope-scaling", "linear, dynamic")),
+    (["--rope-factor", "-2"], ("--rope-factor", "positive")),
+    (["--tokenizer-config-path", "/nonexistent"], ("--tokenizer-config-path", "cannot be read")),
+    (["--weights-cache-override", "/nonexistent"], ("--weights-cache-override", "not a folder")),
     (["--no-such-flag"], ("--no-such-flag",)),
 ]
 
