@@ -22,8 +22,9 @@ TEXTGEN = str(Path(sys.executable).with_name("textgen"))
 ROOT = Path(__file__).resolve().parents[2]
 # No model loads: the one line on stderr says so (a load logs "settings checked" first).
 # The time bound is loose: checks that need torch (--quantize, --device cuda) import it,
-# 1.5-2 s on a quiet machine and several times that on a loaded one; a load takes 10-60 s.
-NO_LOAD_S = 10.0
+# 1.5-2 s on a quiet machine and up to 14 s seen at a load average of 9 on 2 cores; a
+# load takes 10-60 s (and logs before the one line).
+NO_LOAD_S = 20.0
 
 
 @pytest.fixture(scope="module")
