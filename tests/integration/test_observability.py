@@ -75,8 +75,8 @@ def test_metrics_move_by_exactly_what_happened(traced_server):
     )
     assert bad.status_code == 422
 
-    # hold the only permit with an open stream, then get turned away
-    with Client(traced_server.target, timeout=30) as client:
+    # hold the only permit with an open stream, then get turned away (once: no SDK retry)
+    with Client(traced_server.target, timeout=30, retries=0) as client:
         stream = client.generate_stream("hello", max_new_tokens=200)
         next(stream)
         with pytest.raises(OverloadedError):

@@ -80,7 +80,8 @@ def test_burst_past_the_limit(tiny_model_dir):
         web = Http(s.http_url)
 
         def grpc_stream():
-            with Client(s.target, timeout=60) as c:
+            # retries=0: the server's refusal itself is under test, not the SDK's retry
+            with Client(s.target, timeout=60, retries=0) as c:
                 barrier.wait()
                 start = time.monotonic()
                 try:
@@ -117,7 +118,8 @@ def test_burst_past_the_limit(tiny_model_dir):
 
 def test_bounded_queue_waits_instead_of_refusing(tiny_model_dir):
     settings = {"http": False, "max_concurrent_requests": 1, "max_queued_requests": 1}
-    with server(tiny_model_dir, **settings) as s, Client(s.target, timeout=60) as client:
+    # retries=0: the refusal of a third request is under test, not the SDK's retry of it
+    with server(tiny_model_dir, **settings) as s, Client(s.target, timeout=60, retries=0) as client:
         stream = client.generate_stream("hello", **LONG)
         next(stream)
         with cf.ThreadPoolExecutor(1) as pool:
