@@ -121,3 +121,8 @@ class EngineStats:
     prefix_cache_queried_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
+    # speculative decoding (engine/speculation.py), cumulative: tokens proposed and verified,
+    # those kept, and the verifying decodes (one per sequence per step)
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
