@@ -42,6 +42,7 @@ def preflight(settings: Settings) -> Preflight:
     check_ports(settings)
     device = check_device(settings)
     check_strategies(settings, device)
+    check_speculation(settings)
     model, config = model_config(settings)
     context = _context(model, config)
     max_input, max_total = settings.resolved_limits(context)
@@ -199,6 +200,33 @@ def check_strategies(settings: Settings, kind: str) -> None:
             "is not supported with --deterministic: the compiled decode step pads batches to "
             "its own buckets, outside the batch-invariant layout",
         )
+
+
+def check_speculation(settings: Settings) -> None:
+    """--speculate and its companions, against each other and the rest."""
+    if settings.speculate_ngram_min > settings.speculate_ngram_max:
+        raise SettingError(
+            "--speculate-ngram-min",
+            settings.speculate_ngram_min,
+            f"is more than --speculate-ngram-max ({settings.speculate_ngram_max})",
+        )
+    if settings.speculate_model is None:
+        return
+    if not settings.speculate:
+        raise SettingError(
+            "--speculate-model", settings.speculate_model, "needs --speculate N (tokens per step)"
+        )
+    if (settings.num_shard or 1) > 1:
+        raise SettingError(
+            "--speculate-model", settings.speculate_model, "is not supported with --num-shard > 1"
+        )
+    from .models.errors import ModelError
+    from .models.hub import config_json
+
+    try:
+        config_json(settings.speculate_model, None)
+    except ModelError as exc:
+        raise SettingError("--speculate-model", settings.speculate_model, str(exc)) from None
 
 
 # the model's context -------------------------------------------------------------------

@@ -137,8 +137,10 @@ class PagedCore:
         """Allocate every layer's KV pool (out of memory shows at startup) and run the
         lazy initialisations: one 1-token forward, then the graph captures or compiles if
         any, or batch-invariant mode's probe of the matmuls (EngineLoop calls it on its
-        thread)."""
+        thread); and the draft model's, if one proposes."""
         self.runner.warmup()
+        if self.proposer is not None:
+            self.proposer.warmup()
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:

@@ -62,6 +62,9 @@ class Proposer(Protocol):
     def forget(self, seq: Sequence) -> None:
         """`seq` ended: drop what the proposer keeps for it."""
 
+    def warmup(self) -> None:
+        """Run once, at start-up on the engine's thread, what the first proposal would."""
+
 
 class NgramProposer:
     """Prompt lookup over the sequence's own tokens, prompt and output alike.
@@ -81,6 +84,9 @@ class NgramProposer:
 
     def forget(self, seq: Sequence) -> None:
         self._indexes.pop(seq, None)
+
+    def warmup(self) -> None:
+        pass
 
     def _propose_one(self, seq: Sequence, limit: int) -> list[int]:
         tokens = seq.token_ids

@@ -54,6 +54,9 @@ class ScriptedProposer:
     def forget(self, seq) -> None:
         self.forgotten.add(seq.request_id)
 
+    def warmup(self) -> None:
+        pass
+
 
 def spec_core(model, proposer=None, *, total_tokens=8192, prefill_tokens=256, block_size=16,
               max_batch=64, grammars=None, num_tokens=SPECULATE) -> PagedCore:  # fmt: skip
@@ -421,4 +424,7 @@ class _FixedProposer:
         return [self.drafts[:limit] for limit in limits]
 
     def forget(self, seq) -> None:
+        pass
+
+    def warmup(self) -> None:
         pass
