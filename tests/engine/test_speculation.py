@@ -428,3 +428,73 @@ class _FixedProposer:
 
     def warmup(self) -> None:
         pass
+
+
+# runner strategies ------------------------------------------------------------------
+
+
+def strategy_core(model, proposer, strategy: str, batch_size: int = 4) -> PagedCore:
+    from textgen.service.engine.compiled_decode import CompileSettings
+    from textgen.service.engine.cuda_graphs import GraphSettings
+
+    options = {
+        "graphs": {"cuda_graphs": GraphSettings((1, 2, 4), 32, capture=False)},
+        "compiled": {"compile": CompileSettings((1, 2))},
+        "invariant": {"batch_invariant": True},
+    }[strategy]
+    core = PagedCore(
+        engine_copy(model),
+        max_batch_total_tokens=4096,
+        max_batch_prefill_tokens=128,
+        max_batch_size=batch_size,
+        speculation=SpeculationSettings(SPECULATE, 4),
+        proposer=proposer,
+        **options,
+    )
+    core.warm_up()
+    return core
+
+
+@pytest.mark.parametrize("strategy", ["graphs", "compiled", "invariant"])
+def test_runner_strategies_take_their_decodes_and_leave_verifications_eager(tiny_llama, strategy):
+    """CUDA-graph buckets (their static buffers, on CPU), compiled buckets and batch-invariant
+    layouts: verifying steps run eagerly beside the strategy's own decode steps, and the
+    output is generate's."""
+    seqs = requests(4, seed=13)
+    proposer = ScriptedProposer(expected_outputs(tiny_llama, seqs), wrong_every=2)
+    core = strategy_core(tiny_llama, proposer, strategy)
+    for seq in seqs:
+        core.add(seq)
+    run_to_completion(core)
+    assert_matches_generate(tiny_llama, seqs)
+    assert core.stats().spec_accepted_tokens > 0
+    if strategy != "invariant":  # some plain decode steps went through the strategy
+        stats = core.runner.stats
+        fast = stats.graph_steps if strategy == "graphs" else stats.compiled_steps
+        assert fast > 0 and stats.eager_steps > 0
+    assert_idle(core)
+
+
+def test_batch_invariant_tokens_and_logprobs_do_not_depend_on_speculation(tiny_llama):
+    """With --deterministic, a verification row is computed as the decode row it replaces:
+    a request alone (speculating) and in a batch above the speculation limit (not) gives the
+    same tokens and bitwise the same logprobs."""
+    g = torch.Generator().manual_seed(14)
+    prompt = random_prompt(30, VOCAB_SIZE, g)
+    solo = make_seq(prompt, request_id="solo", max_new_tokens=20)
+    expected = expected_outputs(tiny_llama, [solo])
+    core = strategy_core(tiny_llama, ScriptedProposer(expected, wrong_every=3), "invariant")
+    core.add(solo)
+    solo_outputs = run_to_completion(core)
+    assert core.stats().spec_accepted_tokens > 0
+    crowd = [make_seq(prompt, request_id="solo", max_new_tokens=20)] + [
+        make_seq(random_prompt(9 + i, VOCAB_SIZE, g), request_id=f"c{i}", max_new_tokens=20)
+        for i in range(4)
+    ]  # five running: above the speculation limit of 4
+    core = strategy_core(tiny_llama, ScriptedProposer(expected, wrong_every=3), "invariant", 8)
+    for seq in crowd:
+        core.add(seq)
+    crowd_outputs = run_to_completion(core)
+    assert core.stats().spec_proposed_tokens == 0
+    mine = [(o.token_id, o.logprob) for o in solo_outputs]
+    assert mine == [(o.token_id, o.logprob) for o in crowd_outputs if o.seq is crowd[0]]
