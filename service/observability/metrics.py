@@ -220,6 +220,11 @@ class _EngineCollector:
             s.spec_accepted_tokens,
         )
         yield _gauge(
+            "textgen_speculative_verifications",
+            "Decodes that verified proposed tokens (one per sequence per step), so far",
+            s.spec_verifications,
+        )
+        yield _gauge(
             "textgen_speculative_acceptance_ratio",
             "Share of the proposed tokens kept (0 to 1)",
             s.spec_accepted_tokens / proposed if proposed else 0.0,
