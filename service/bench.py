@@ -457,6 +457,13 @@ def run(args: argparse.Namespace) -> int:
             f"over without = {c['over_served']}"
             + (f" (median of {c['ratios']})" if len(c["ratios"]) > 1 else "")
         )
+        if c.get("speculation"):
+            s = c["speculation"]
+            print(
+                f"  its speculation (last load): kept {s['accepted']} of {s['proposed']} proposed "
+                f"tokens ({s['acceptance_ratio']}), {s['accepted_per_verification']} per "
+                f"verification"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(asdict(report), indent=2))
     failed = [report.errors, (report.constrained or {}).get("errors")]
