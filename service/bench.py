@@ -66,6 +66,11 @@ class Report:
     compared: dict | None = None  # --compare-serve-args: the second server's load, and the ratio
     # --serve: the server's resident memory after the load, and its peak (Linux /proc)
     server_rss_mib: float | None = None
+    # --serve: the server process's CPU time over the load (user + system, all threads), and
+    # output tokens per CPU second: on a shared machine, where other processes take the
+    # cores for a while, this moves less than tokens per wall second
+    server_cpu_s: float | None = None
+    tokens_per_server_cpu_s: float | None = None
     server_peak_rss_mib: float | None = None
 
 
@@ -162,13 +167,33 @@ async def run_load(args, prompts: list[str], grammar: dict | None = None) -> Rep
                     results.append(await _one(stub, work.get_nowait(), args, progress, grammar))
 
             before = await _speculation_counters(stub)
+            pid = getattr(args, "server_pid", None)
+            cpu = _cpu_seconds(pid)
             start = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
             duration = time.perf_counter() - start
+            cpu = _cpu_seconds(pid) - cpu if cpu is not None else None
             after = await _speculation_counters(stub)
     report = summarize(args, results, duration)
     report.speculation = _speculation_delta(before, after)
+    if cpu:
+        report.server_cpu_s = round(cpu, 2)
+        report.tokens_per_server_cpu_s = round(report.output_tokens / cpu, 2)
     return report
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process and all its threads so far (Linux /proc)."""
+    import os
+
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 # the server's cumulative speculation gauges (observability/metrics.py)
@@ -271,6 +296,9 @@ def format_table(report: Report) -> str:
         kept = f"{s['accepted']} / {s['proposed']} ({s['acceptance_ratio']}; "
         kept += f"{s['accepted_per_verification']} per verification)"
         rows.append(("speculation: kept / proposed", kept))
+    if report.tokens_per_server_cpu_s is not None:
+        cpu = f"{report.server_cpu_s} / {report.tokens_per_server_cpu_s}"
+        rows.append(("server CPU s / tokens per CPU s", cpu))
     if report.server_rss_mib is not None:
         rows.append(
             ("server RSS / peak (MiB)", f"{report.server_rss_mib} / {report.server_peak_rss_mib}")
@@ -421,6 +449,7 @@ def run(args: argparse.Namespace) -> int:
         if args.serve:
             server, args.target = _start_server(args, args.serve_args)
             servers.append(server)
+            args.server_pid = server.pid
         if args.compare_serve_args:
             server, compared_target = _start_server(
                 args, f"{args.serve_args} {args.compare_serve_args}"
@@ -431,7 +460,9 @@ def run(args: argparse.Namespace) -> int:
         if args.grammar:
             report.constrained = _constrained_rounds(args, prompts, report)
         if args.compare_serve_args:
-            report.compared = _compared_rounds(args, prompts, report, compared_target)
+            report.compared = _compared_rounds(
+                args, prompts, report, compared_target, servers[-1].pid
+            )
         if args.core or args.baseline:
             _comparison_rounds(args, prompts, config, report)
     finally:
@@ -457,6 +488,11 @@ def run(args: argparse.Namespace) -> int:
             f"over without = {c['over_served']}"
             + (f" (median of {c['ratios']})" if len(c["ratios"]) > 1 else "")
         )
+        if c.get("cpu_ratios"):
+            print(
+                f"  per server CPU second: over without = {c['over_served_per_cpu_s']}"
+                + (f" (median of {c['cpu_ratios']})" if len(c["cpu_ratios"]) > 1 else "")
+            )
         if c.get("speculation"):
             s = c["speculation"]
             print(
@@ -598,25 +634,35 @@ def _constrained_rounds(args, prompts: list[str], first: Report) -> dict:
     }
 
 
-def _compared_rounds(args, prompts: list[str], first: Report, target: str) -> dict:
-    """The load on the second server (--compare-serve-args), alternating with loads on the
-    first for --rounds rounds; each compared with the first's load just before it (a
-    shared machine's speed drifts), and the median ratio reported."""
+def _compared_rounds(
+    args, prompts: list[str], first: Report, target: str, pid: int | None = None
+) -> dict:
+    """The load on the second server (--compare-serve-args, process `pid`), alternating
+    with loads on the first for --rounds rounds; each compared with the first's load just
+    before it (a shared machine's speed drifts), and the median ratio reported: of tokens
+    per wall second, and of tokens per server CPU second."""
     import copy
 
     other = copy.copy(args)
     other.target = target
-    served, ratios, compared = first, [], None
+    other.server_pid = pid
+    served, ratios, cpu_ratios, compared = first, [], [], None
     for round_ in range(args.rounds):
         if round_:
             served = asyncio.run(run_load(args, prompts))
         compared = asyncio.run(run_load(other, prompts))
         ratios.append(round(compared.output_tokens_per_s / served.output_tokens_per_s, 3))
+        if compared.tokens_per_server_cpu_s and served.tokens_per_server_cpu_s:
+            cpu_ratios.append(
+                round(compared.tokens_per_server_cpu_s / served.tokens_per_server_cpu_s, 3)
+            )
     return {
         **asdict(compared),
         "serve_args": args.compare_serve_args,
         "ratios": ratios,
         "over_served": statistics.median(ratios),
+        "cpu_ratios": cpu_ratios,
+        "over_served_per_cpu_s": statistics.median(cpu_ratios) if cpu_ratios else None,
     }
 
 

@@ -273,6 +273,9 @@ class EngineLoop:
         self.metrics.batch_forward_duration.labels("prefill" if prefill else "decode").observe(
             seconds
         )
+        if getattr(self.core, "speculation", None) is None:
+            self.metrics.batch_size.observe(len(outputs))
+            return
         # tokens per sequence this step: more than one when speculation kept proposals
         runs: dict[int, int] = {}
         for o in outputs:
