@@ -427,12 +427,27 @@ def tgi_schemas(tgi: dict) -> dict:
             "integer",
             "Tensor-parallel shards the model is split over (--num-shard; 1: unsharded).",
         ),
+        "speculate": (
+            "integer",
+            "Speculative decoding (--speculate): tokens proposed per sequence per step and "
+            + "verified in one forward (0: off).",
+        ),
+        "speculate_model": (
+            "string",
+            "The draft model that proposes them (--speculate-model); absent: n-gram lookup "
+            + "over the sequence's own prompt and output.",
+        ),
+        "speculate_max_batch": (
+            "integer",
+            "Steps with more running sequences than this don't speculate "
+            + "(--speculate-max-batch).",
+        ),
     }
     for name, (kind, description) in ours.items():
         info["properties"][name] = {"type": kind, "description": description}
         if kind in ("integer", "number"):
             info["properties"][name]["minimum"] = 0
-        if name != "quantize":  # proto3 `optional`: absent when unset
+        if name not in ("quantize", "speculate_model"):  # proto3 `optional`: absent when unset
             info["required"].append(name)
     info["properties"]["router"]["example"] = "textgen"
     s["Info"] = info

@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
 
-    from textgen.service.bench import PROMPTS
+    from textgen.service.bench import PROMPTS  # the chat load
     from textgen.service.bench_baselines import CoreAlone, ServedConfig
 
     config = ServedConfig(None, args.dtype, 65536, 4096, 256, 16)

@@ -23,10 +23,12 @@ from .cpus import default_torch_threads
 from .engine.block_manager import num_blocks_for_tokens
 from .engine.compiled_decode import CompileSettings
 from .engine.cuda_graphs import GraphSettings, unavailable_reason
+from .engine.draft_model import DraftModelProposer, TokenizerMismatch, check_same_tokenizer
 from .engine.grammar import GrammarMasks
 from .engine.loop import EngineLoop
 from .engine.paged_core import PagedCore
 from .engine.shards import ShardGroup, agree
+from .engine.speculation import SpeculationSettings
 from .errors import ErrorType
 from .grammar_compiler import GrammarCompiler
 from .grpc.interceptors import ApiKeyInterceptor, DecodingInterceptor
@@ -225,6 +227,34 @@ def compile_settings(settings: Settings, loaded: LoadedModel) -> CompileSettings
     )
 
 
+def speculation_settings(settings: Settings) -> SpeculationSettings | None:
+    if not settings.speculate:
+        return None
+    return SpeculationSettings(
+        settings.speculate,
+        settings.speculate_max_batch,
+        settings.speculate_ngram_min,
+        settings.speculate_ngram_max,
+    )
+
+
+def load_draft(settings: Settings, loaded: LoadedModel) -> LoadedModel | None:
+    """--speculate-model, on the model's device and dtype; refused unless it shares the
+    model's tokenizer."""
+    if settings.speculate_model is None:
+        return None
+    if not settings.speculate:
+        raise SettingError("--speculate-model", settings.speculate_model, "needs --speculate N")
+    draft = load_model(
+        settings.speculate_model, None, str(loaded.dtype).removeprefix("torch."), str(loaded.device)
+    )
+    try:
+        check_same_tokenizer(loaded.tokenizer, draft.tokenizer)
+    except TokenizerMismatch as exc:
+        raise SettingError("--speculate-model", settings.speculate_model, str(exc)) from None
+    return draft
+
+
 def build_core(
     settings: Settings,
     loaded: LoadedModel,
@@ -233,7 +263,17 @@ def build_core(
     graphs: GraphSettings | None = None,
     compiled: CompileSettings | None = None,
     shards: ShardGroup | None = None,
+    draft: LoadedModel | None = None,
 ) -> PagedCore:
+    proposer = None
+    if draft is not None:  # a pool of its own, as many blocks as the model's
+        proposer = DraftModelProposer(
+            draft.model,
+            num_blocks=num_blocks_for_tokens(capacity, KV_BLOCK_SIZE),
+            block_size=KV_BLOCK_SIZE,
+            vocab_size=loaded.model.config.get_text_config().vocab_size,
+            catch_up_tokens=settings.max_batch_prefill_tokens,
+        )
     return PagedCore(
         loaded.model,
         max_batch_total_tokens=capacity,
@@ -246,6 +286,8 @@ def build_core(
         compile=compiled,
         shards=shards,
         custom_kernels=not settings.disable_custom_kernels,
+        speculation=speculation_settings(settings),
+        proposer=proposer,
     )
 
 
@@ -339,6 +381,8 @@ def served_model(
         compile=compiled,
         arrival_gap_ms=engine.arrival_gap * 1000,
         num_shard=loaded.shard.world_size if loaded.shard else 1,
+        speculate=settings.speculate,
+        speculate_max_batch=settings.speculate_max_batch,
     )
     if loaded.resolved.sha:
         info.model_sha = loaded.resolved.sha
@@ -347,6 +391,8 @@ def served_model(
         info.sha = commit
     if loaded.quantize:
         info.quantize = loaded.quantize
+    if settings.speculate and settings.speculate_model:
+        info.speculate_model = settings.speculate_model
     return ServedModel(info=info, created=int(time.time()))
 
 
@@ -440,7 +486,8 @@ async def _start_loaded(
     )
     compiled = compile_settings(settings, loaded)
     graphs = cuda_graph_settings(settings, loaded, max_total)
-    core = build_core(settings, loaded, capacity, grammars, graphs, compiled, shard_group)
+    draft = await in_own_thread(load_draft, settings, loaded)
+    core = build_core(settings, loaded, capacity, grammars, graphs, compiled, shard_group, draft)
     metrics = Metrics()
     torch_threads = settings.torch_threads or default_torch_threads()
     cpus = None

@@ -27,25 +27,9 @@ from .bench_baselines import (
     ServedConfig,
     distinct_prompts,
 )
+from .bench_loads import LOADS
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a short poem about the sea.",
-    "Explain how a transformer language model generates text, step by step.",
-    "List three uses of Python in science.",
-    "Why is the sky blue?",
-    "Give me a recipe for pancakes.",
-    "Summarize the plot of Romeo and Juliet in two sentences.",
-    "What are the benefits of regular exercise for mental health and for the body?",
-    "Translate 'good morning, how are you today?' into French.",
-    "How do vaccines train the immune system?",
-    "Describe the water cycle.",
-    "What is the difference between a list and a tuple in Python?",
-    "Write a haiku about autumn leaves falling in the quiet park.",
-    "Explain recursion to a ten year old.",
-    "What causes the seasons on Earth?",
-    "Suggest a name for a friendly robot.",
-]
+PROMPTS = LOADS["chat"]
 
 
 @dataclass
@@ -72,18 +56,28 @@ class Report:
     itl_p95_ms: float
     errors: int
     sampling: dict = field(default_factory=dict)  # --temperature/--top-p/...; {}: greedy
+    load: str = "chat"  # the built-in prompts (--load), or the --prompts file
+    # a speculating server's proposals during the load: proposed and kept tokens, the
+    # acceptance ratio and the tokens kept per verifying decode
+    speculation: dict | None = None
     baseline: dict | None = None  # --baseline: plain transformers, and served / theirs
     core: dict | None = None  # --core: the engine core alone, and served / core
     constrained: dict | None = None  # --grammar: the same load with the grammar, and the ratio
     compared: dict | None = None  # --compare-serve-args: the second server's load, and the ratio
     # --serve: the server's resident memory after the load, and its peak (Linux /proc)
     server_rss_mib: float | None = None
+    # --serve: the server process's CPU time over the load (user + system, all threads), and
+    # output tokens per CPU second: on a shared machine, where other processes take the
+    # cores for a while, this moves less than tokens per wall second
+    server_cpu_s: float | None = None
+    tokens_per_server_cpu_s: float | None = None
     server_peak_rss_mib: float | None = None
 
 
-def load_prompts(path: str | None) -> list[str]:
+def load_prompts(path: str | None, load: str = "chat") -> list[str]:
+    """--prompts FILE, else the built-in --load (bench_loads.py)."""
     if not path:
-        return PROMPTS
+        return LOADS[load]
     text = Path(path).read_text()
     if path.endswith(".jsonl"):
         return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
@@ -172,10 +166,68 @@ async def run_load(args, prompts: list[str], grammar: dict | None = None) -> Rep
                 while not work.empty():
                     results.append(await _one(stub, work.get_nowait(), args, progress, grammar))
 
+            before = await _speculation_counters(stub)
+            pid = getattr(args, "server_pid", None)
+            cpu = _cpu_seconds(pid)
             start = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
             duration = time.perf_counter() - start
-    return summarize(args, results, duration)
+            cpu = _cpu_seconds(pid) - cpu if cpu is not None else None
+            after = await _speculation_counters(stub)
+    report = summarize(args, results, duration)
+    report.speculation = _speculation_delta(before, after)
+    if cpu:
+        report.server_cpu_s = round(cpu, 2)
+        report.tokens_per_server_cpu_s = round(report.output_tokens / cpu, 2)
+    return report
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process and all its threads so far (Linux /proc)."""
+    import os
+
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+# the server's cumulative speculation gauges (observability/metrics.py)
+_SPECULATION_GAUGES = {
+    "proposed": "textgen_speculative_proposed_tokens",
+    "accepted": "textgen_speculative_accepted_tokens",
+    "verifications": "textgen_speculative_verifications",
+}
+
+
+async def _speculation_counters(stub) -> dict[str, float] | None:
+    """The server's speculation counters now (None when it doesn't speculate)."""
+    from textgen.service.proto import text_generation_service_pb2 as svc
+
+    info = await stub.Info(svc.InfoRequest())
+    if not info.speculate:
+        return None
+    text = (await stub.Metrics(svc.MetricsRequest())).data.decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        values[name] = value
+    return {key: float(values.get(name, 0)) for key, name in _SPECULATION_GAUGES.items()}
+
+
+def _speculation_delta(before: dict | None, after: dict | None) -> dict | None:
+    if before is None or after is None:
+        return None
+    d = {key: int(after[key] - before[key]) for key in _SPECULATION_GAUGES}
+    d["acceptance_ratio"] = round(d["accepted"] / d["proposed"], 3) if d["proposed"] else 0.0
+    d["accepted_per_verification"] = (
+        round(d["accepted"] / d["verifications"], 3) if d["verifications"] else 0.0
+    )
+    return d
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -203,6 +255,7 @@ def summarize(args, results: list[RequestResult], duration: float) -> Report:
         itl_p95_ms=round(_pct(itls, 95), 2),
         errors=len(results) - len(ok),
         sampling=sampling_options(args),
+        load=args.prompts or args.load,
     )
 
 
@@ -227,6 +280,7 @@ def sampling_options(args) -> dict:
 
 def format_table(report: Report) -> str:
     rows = [
+        ("load", report.load),
         ("concurrency", report.concurrency),
         ("sampling", ", ".join(f"{k}={v}" for k, v in report.sampling.items()) or "greedy"),
         ("requests", report.requests),
@@ -237,6 +291,14 @@ def format_table(report: Report) -> str:
         ("ITL p50 / p95 (ms)", f"{report.itl_p50_ms} / {report.itl_p95_ms}"),
         ("errors", report.errors),
     ]
+    if report.speculation:
+        s = report.speculation
+        kept = f"{s['accepted']} / {s['proposed']} ({s['acceptance_ratio']}; "
+        kept += f"{s['accepted_per_verification']} per verification)"
+        rows.append(("speculation: kept / proposed", kept))
+    if report.tokens_per_server_cpu_s is not None:
+        cpu = f"{report.server_cpu_s} / {report.tokens_per_server_cpu_s}"
+        rows.append(("server CPU s / tokens per CPU s", cpu))
     if report.server_rss_mib is not None:
         rows.append(
             ("server RSS / peak (MiB)", f"{report.server_rss_mib} / {report.server_peak_rss_mib}")
@@ -317,6 +379,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="a text file (one prompt a line) or JSONL with a `prompt` field",
     )
     parser.add_argument(
+        "--load",
+        choices=sorted(LOADS),
+        default="chat",
+        help="the built-in prompts when --prompts is not given: chat (questions answered in "
+        "new words) or copy (code and passages written out again with small edits, records "
+        "extracted to JSON: where speculative decoding's n-gram lookup finds its proposals)",
+    )
+    parser.add_argument(
         "--baseline",
         action="store_true",
         help="after the load, measure plain transformers' greedy loop on the same model, "
@@ -371,7 +441,7 @@ def run(args: argparse.Namespace) -> int:
             "--openai times greedy completions: leave out --temperature, --top-p, --top-k, "
             "--typical-p and --repetition-penalty"
         )
-    prompts = load_prompts(args.prompts)
+    prompts = load_prompts(args.prompts, args.load)
     if args.openai:
         return _run_openai(args, prompts)
     servers = []
@@ -379,6 +449,7 @@ def run(args: argparse.Namespace) -> int:
         if args.serve:
             server, args.target = _start_server(args, args.serve_args)
             servers.append(server)
+            args.server_pid = server.pid
         if args.compare_serve_args:
             server, compared_target = _start_server(
                 args, f"{args.serve_args} {args.compare_serve_args}"
@@ -389,7 +460,9 @@ def run(args: argparse.Namespace) -> int:
         if args.grammar:
             report.constrained = _constrained_rounds(args, prompts, report)
         if args.compare_serve_args:
-            report.compared = _compared_rounds(args, prompts, report, compared_target)
+            report.compared = _compared_rounds(
+                args, prompts, report, compared_target, servers[-1].pid
+            )
         if args.core or args.baseline:
             _comparison_rounds(args, prompts, config, report)
     finally:
@@ -415,6 +488,18 @@ def run(args: argparse.Namespace) -> int:
             f"over without = {c['over_served']}"
             + (f" (median of {c['ratios']})" if len(c["ratios"]) > 1 else "")
         )
+        if c.get("cpu_ratios"):
+            print(
+                f"  per server CPU second: over without = {c['over_served_per_cpu_s']}"
+                + (f" (median of {c['cpu_ratios']})" if len(c["cpu_ratios"]) > 1 else "")
+            )
+        if c.get("speculation"):
+            s = c["speculation"]
+            print(
+                f"  its speculation (last load): kept {s['accepted']} of {s['proposed']} proposed "
+                f"tokens ({s['acceptance_ratio']}), {s['accepted_per_verification']} per "
+                f"verification"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(asdict(report), indent=2))
     failed = [report.errors, (report.constrained or {}).get("errors")]
@@ -450,6 +535,8 @@ async def served_config(args) -> ServedConfig:
         max_batch_size=info.max_batch_size,
         block_size=info.kv_cache_block_size,
         deterministic=info.deterministic,
+        speculate=0 if info.speculate_model else info.speculate,
+        speculate_max_batch=info.speculate_max_batch,
     )
 
 
@@ -547,25 +634,35 @@ def _constrained_rounds(args, prompts: list[str], first: Report) -> dict:
     }
 
 
-def _compared_rounds(args, prompts: list[str], first: Report, target: str) -> dict:
-    """The load on the second server (--compare-serve-args), alternating with loads on the
-    first for --rounds rounds; each compared with the first's load just before it (a
-    shared machine's speed drifts), and the median ratio reported."""
+def _compared_rounds(
+    args, prompts: list[str], first: Report, target: str, pid: int | None = None
+) -> dict:
+    """The load on the second server (--compare-serve-args, process `pid`), alternating
+    with loads on the first for --rounds rounds; each compared with the first's load just
+    before it (a shared machine's speed drifts), and the median ratio reported: of tokens
+    per wall second, and of tokens per server CPU second."""
     import copy
 
     other = copy.copy(args)
     other.target = target
-    served, ratios, compared = first, [], None
+    other.server_pid = pid
+    served, ratios, cpu_ratios, compared = first, [], [], None
     for round_ in range(args.rounds):
         if round_:
             served = asyncio.run(run_load(args, prompts))
         compared = asyncio.run(run_load(other, prompts))
         ratios.append(round(compared.output_tokens_per_s / served.output_tokens_per_s, 3))
+        if compared.tokens_per_server_cpu_s and served.tokens_per_server_cpu_s:
+            cpu_ratios.append(
+                round(compared.tokens_per_server_cpu_s / served.tokens_per_server_cpu_s, 3)
+            )
     return {
         **asdict(compared),
         "serve_args": args.compare_serve_args,
         "ratios": ratios,
         "over_served": statistics.median(ratios),
+        "cpu_ratios": cpu_ratios,
+        "over_served_per_cpu_s": statistics.median(cpu_ratios) if cpu_ratios else None,
     }
 
 

@@ -47,6 +47,10 @@ class ServedConfig:
     max_batch_size: int
     block_size: int
     deterministic: bool = False  # the batch-invariant engine (--deterministic)
+    # n-gram speculation (--speculate, --speculate-max-batch; 0: off). A draft model's is
+    # not rebuilt here: the core alone then runs without speculation.
+    speculate: int = 0
+    speculate_max_batch: int = 8
 
 
 # the engine core alone --------------------------------------------------------------
@@ -59,6 +63,7 @@ class CoreAlone:
     def __init__(self, config: ServedConfig, prompts: list[str], sampling: dict) -> None:
         """sampling: the served requests' SamplingParams fields ({} for greedy)."""
         from textgen.service.engine.paged_core import PagedCore
+        from textgen.service.engine.speculation import SpeculationSettings
         from textgen.service.models import load_model
 
         self.config = config
@@ -74,6 +79,9 @@ class CoreAlone:
             max_batch_size=config.max_batch_size,
             block_size=config.block_size,
             batch_invariant=config.deterministic,
+            speculation=SpeculationSettings(config.speculate, config.speculate_max_batch)
+            if config.speculate
+            else None,
         )
         self._requests = 0
 

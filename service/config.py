@@ -468,6 +468,35 @@ class Settings:
         "docs/performance.md)",
         negatable=True,
     )
+    speculate: int = option(
+        0,
+        "speculative decoding: propose up to N tokens per sequence per step and verify them in "
+        "one forward (TGI's flag), by n-gram lookup over the sequence's own prompt and output, "
+        "or by --speculate-model; greedy and seeded outputs are unchanged (0: off; "
+        "docs/speculation.md)",
+        non_negative_int,
+        metavar="N",
+        env_aliases=("SPECULATE",),
+    )
+    speculate_model: str | None = option(
+        None,
+        "a small draft model sharing the model's tokenizer (Hub id or local folder) that "
+        "proposes the --speculate tokens instead of n-gram lookup",
+        optional_text,
+        metavar="ID",
+    )
+    speculate_max_batch: int = option(
+        8,
+        "steps with more running sequences than this don't speculate: a large batch has no "
+        "compute to spare for proposals that may be rejected",
+        positive_int,
+    )
+    speculate_ngram_min: int = option(
+        2, "the shortest n-gram (ending the sequence) the n-gram lookup matches", positive_int
+    )
+    speculate_ngram_max: int = option(
+        4, "the longest n-gram the n-gram lookup matches (the longest match wins)", positive_int
+    )
     api_key: str | None = option(
         None, "require `authorization: Bearer KEY` on every call", optional_text, metavar="KEY"
     )

@@ -43,6 +43,7 @@ def preflight(settings: Settings) -> Preflight:
     check_ports(settings)
     device = check_device(settings)
     check_strategies(settings, device)
+    check_speculation(settings)
     model, config = model_config(settings)
     check_remote_code(settings, model, config)
     context = settings.context_length(_context(model, config))
@@ -291,6 +292,33 @@ def check_cuda_settings(settings: Settings, kind: str) -> None:
             settings.cuda_memory_fraction,
             f"bounds GPU memory, and the model loads on {kind}",
         )
+
+
+def check_speculation(settings: Settings) -> None:
+    """--speculate and its companions, against each other and the rest."""
+    if settings.speculate_ngram_min > settings.speculate_ngram_max:
+        raise SettingError(
+            "--speculate-ngram-min",
+            settings.speculate_ngram_min,
+            f"is more than --speculate-ngram-max ({settings.speculate_ngram_max})",
+        )
+    if settings.speculate_model is None:
+        return
+    if not settings.speculate:
+        raise SettingError(
+            "--speculate-model", settings.speculate_model, "needs --speculate N (tokens per step)"
+        )
+    if (settings.num_shard or 1) > 1:
+        raise SettingError(
+            "--speculate-model", settings.speculate_model, "is not supported with --num-shard > 1"
+        )
+    from .models.errors import ModelError
+    from .models.hub import config_json
+
+    try:
+        config_json(settings.speculate_model, None)
+    except ModelError as exc:
+        raise SettingError("--speculate-model", settings.speculate_model, str(exc)) from None
 
 
 # the model's context -------------------------------------------------------------------

@@ -81,9 +81,11 @@ class AttentionGroup:
     # batch-invariant attention: keys per chunk (max_blocks * block_size is a multiple);
     # None: the reference path, one SDPA call over all of them
     chunk_tokens: int | None = None
-    # one sequence decoding (b == q == 1, not batch-invariant): its context length. Its keys
-    # are then a prefix of the gathered ones and SDPA runs on that slice with no mask.
+    # one sequence decoding (b == q == 1, not batch-invariant): its context length, and the
+    # pool slots of its context in position order ([single_context_len] long). Its keys are
+    # gathered slot by slot, and SDPA runs on them with no mask (_attend_single).
     single_context_len: int | None = None
+    context_slots: torch.Tensor | None = None
     # chunks that each start their sequence (nothing cached before them; not batch-invariant):
     # query row i is position i, so causal attention is SDPA's is_causal over the first q keys
     fresh: bool = False
@@ -399,6 +401,24 @@ def _build_group(
     num_seqs, max_q = len(query_lens), max(query_lens)
     chunk_tokens = invariant_attention.chunk_tokens_for(block_size) if batch_invariant else None
     tables = _pad_tables(block_tables, (chunk_tokens or block_size) // block_size)
+    if max_q == 1 and num_seqs == 1 and not batch_invariant:  # one stream's decode
+        context_len = context_lens[0]
+        slots = (tables[0, :, None] * block_size + torch.arange(block_size)).flatten()
+        return AttentionGroup(
+            token_start=token_start,
+            token_end=token_start + 1,
+            num_seqs=1,
+            max_query_len=1,
+            max_blocks=tables.shape[1],
+            block_size=block_size,
+            block_index=tables.flatten().to(device),
+            query_pos=torch.tensor([[context_len - 1]], device=device),
+            is_real_query=torch.ones(1, 1, dtype=torch.bool, device=device),
+            query_index=None,
+            output_index=None,
+            single_context_len=context_len,
+            context_slots=slots[:context_len].to(device),
+        )
     if max_q == 1:  # decodes: each query is its sequence's last position (host lists again)
         return AttentionGroup(
             token_start=token_start,
@@ -413,7 +433,6 @@ def _build_group(
             query_index=None,
             output_index=None,
             chunk_tokens=chunk_tokens,
-            single_context_len=context_lens[0] if num_seqs == 1 and not batch_invariant else None,
         )
     q_lens = torch.tensor(query_lens)
     row = torch.arange(max_q)
@@ -498,13 +517,13 @@ def paged_attention_forward(
     """query `[1, H, T, D]`, key/value `[1, KVH, T, D]` -> (`[1, T, H, Dv]`, no weights)."""
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if torch.compiler.is_compiling():
+    meta: BatchMetadata | None = kwargs.get(METADATA_KWARG)
+    if meta is None and torch.compiler.is_compiling():
         # a compiled decode step: the metadata comes through bound_metadata(), not the graph
         out = paged_attention_op(
             query, key, value, module.layer_idx, scaling, sliding_window or 0, softcap or 0.0
         )
         return out, None
-    meta: BatchMetadata | None = kwargs.get(METADATA_KWARG)
     if meta is None:
         raise RuntimeError(
             f"attention '{ATTENTION_NAME}' was called without '{METADATA_KWARG}': this model "
@@ -621,14 +640,45 @@ def _sdpa_attention(
     groups = meta.groups()  # the decodes, then runs of fresh chunks and of later ones
     if len(groups) == 1:  # most steps (all decodes, or all chunks): no slice, no cat
         group = groups[0]
+        if group.context_slots is not None:
+            return _attend_single(query, cache, group, scaling, window, softcap)
         attend = _attend_decodes if group.max_query_len == 1 else _attend_chunks
         return attend(query[0], cache, group, scaling, window, softcap)[None]
     outputs = []
     for group in groups:
+        if group.context_slots is not None:  # one decode beside chunks
+            rows = query[:, :, group.token_start : group.token_end]
+            outputs.append(_attend_single(rows, cache, group, scaling, window, softcap)[0])
+            continue
         rows = query[0, :, group.token_start : group.token_end]  # [H, Tg, D]
         attend = _attend_decodes if group.max_query_len == 1 else _attend_chunks
         outputs.append(attend(rows, cache, group, scaling, window, softcap))
     return torch.cat(outputs)[None]  # [1, T, H, Dv]
+
+
+def _attend_single(
+    query: torch.Tensor,
+    cache: LayerCache,
+    group: AttentionGroup,
+    scaling: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """One sequence decoding, alone in the step (one stream): query `[1, H, 1, D]` ->
+    `[1, 1, H, Dv]`. Its keys are gathered by slot, only those it sees, and attended with no
+    mask: as few ops a layer as plain transformers' decode with its contiguous cache (a
+    layer's Python and dispatch, ~20 ops, weighed on one stream's step)."""
+    _, num_heads, _, head_dim = query.shape
+    num_kv_heads = cache.key_rows.shape[2]
+    slots = group.context_slots
+    if window and slots.shape[0] > window:  # a sliding layer sees its last `window` keys
+        slots = slots[-window:]
+    keys = cache.key_rows.index_select(1, slots).transpose(1, 2)  # [1, KVH, n, D]
+    values = cache.value_rows.index_select(1, slots).transpose(1, 2)
+    # GQA fold (engine-facts): [1, KVH, G, D], the G query heads of a KV head as G rows
+    rows = query.view(1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = _attend(rows, keys, values, None, scaling, softcap)
+    return out.reshape(1, 1, num_heads, out.shape[-1])
 
 
 def _attend_decodes(
@@ -710,11 +760,6 @@ def _attend_rows(
     """Query rows `[b, KVH, R, D]` over each sequence's cached K/V -> `[b, KVH, R, Dv]`;
     `mask_groups`: the query heads per mask row (1: one mask row for all R rows)."""
     keys, values = _gather(cache.keys, group), _gather(cache.values, group)
-    context_len = group.single_context_len
-    if context_len is not None:  # the keys it sees: the last `window` of its context
-        first = max(0, context_len - window) if window else 0
-        keys, values = keys[:, :, first:context_len], values[:, :, first:context_len]
-        return _attend(rows, keys, values, None, scaling, softcap)
     if group.chunk_tokens is None:
         mask = group.mask(window, mask_groups, rows.dtype)
         return _attend(rows, keys, values, mask, scaling, softcap)

@@ -204,6 +204,19 @@ class BlockManager:
         seq.block_table = []
         self._seq_hashes.pop(seq, None)
 
+    def trim(self, seq: Sequence) -> None:
+        """Return seq's blocks past those its computed tokens fill (the slots a rejected
+        speculative proposal took). They hold no computed token, so no hash: they go to the
+        front of the free list."""
+        keep = num_blocks_for_tokens(seq.num_computed_tokens, self.block_size)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count != 0 or block.block_hash is not None:
+                raise RuntimeError(f"block {block.block_id} past the computed tokens is shared")
+            self._free[block.block_id] = None
+            self._free.move_to_end(block.block_id, last=False)
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register seq's newly full, computed blocks in the prefix cache (after a step)."""
         if not self.enable_prefix_caching:

@@ -16,7 +16,8 @@ from .types import EngineStats
 
 @dataclass(slots=True)
 class StepOutput:
-    """The token one sequence gained in a step (the sequence already holds it)."""
+    """A token one sequence gained in a step (the sequence already holds it). A speculative
+    step can give a sequence several, one StepOutput each, in order."""
 
     seq: Sequence
     token_id: int
@@ -25,6 +26,12 @@ class StepOutput:
     # prompt logprobs (first is None) on the step that finished the prefill, when
     # the request asked for decoder_input_details
     prefill_logprobs: list[float | None] | None = None
+    num_tokens: int = 0  # the sequence's length with this token (token_ids[num_tokens - 1])
+
+    @property
+    def is_last(self) -> bool:
+        """The sequence's last token so far (a finished sequence's final one)."""
+        return self.num_tokens == self.seq.num_tokens
 
 
 class EngineCore(Protocol):

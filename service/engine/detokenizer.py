@@ -45,16 +45,20 @@ class IncrementalDetokenizer:
     def for_prompt(cls, tokenizer, num_prompt_tokens: int, **kw) -> IncrementalDetokenizer:
         return cls(tokenizer, max(num_prompt_tokens - _PROMPT_CONTEXT, 0), num_prompt_tokens, **kw)
 
-    def step(self, token_ids: list[int]) -> str:
-        """The text the last token(s) of `token_ids` complete; "" while a character is partial."""
+    def step(self, token_ids: list[int], end: int | None = None) -> str:
+        """The text the last token(s) of `token_ids[:end]` complete; "" while a character is
+        partial. `end`: a token inside the list (a speculative step appends several)."""
+        end = len(token_ids) if end is None else end
         decode = self.tokenizer.decode
         prefix = decode(
             token_ids[self.prefix_offset : self.read_offset],
             skip_special_tokens=self.skip_special_tokens,
         )
-        full = decode(token_ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
+        full = decode(
+            token_ids[self.prefix_offset : end], skip_special_tokens=self.skip_special_tokens
+        )
         if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
             return ""
         self.prefix_offset = self.read_offset
-        self.read_offset = len(token_ids)
+        self.read_offset = end
         return full[len(prefix) :]

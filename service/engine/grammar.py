@@ -5,6 +5,7 @@ side (service/grammar_compiler.py)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,8 +21,10 @@ log = logging.getLogger("textgen.engine")
 
 @dataclass(slots=True)
 class PendingMasks:
-    seqs: list[Sequence]  # bitmask row i belongs to seqs[i]
-    future: Future  # -> [len(seqs), vocab] bool, True where banned
+    # the owner of each mask row: a sequence, repeated once per proposal it verifies (its
+    # rows are consecutive; the i-th follows its first i proposals)
+    rows: list[Sequence]
+    future: Future  # -> [len(rows), vocab] bool, True where banned
 
 
 class GrammarMasks:
@@ -37,28 +40,47 @@ class GrammarMasks:
         # one worker: the masks of step N+1 never start before those of step N are used
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="textgen-grammar")
 
-    def start(self, constrained: list[Sequence]) -> PendingMasks | None:
+    def start(
+        self, constrained: list[Sequence], drafts: list[list[int]] | None = None
+    ) -> PendingMasks | None:
         """Begin computing, in the background, the next-token masks of `constrained`
-        (sequences with a grammar, about to sample); None when there are none."""
+        (sequences with a grammar, about to sample); None when there are none. `drafts`:
+        the proposals each verifies (speculation.py), whose positions get masks too, each
+        after the proposals before it."""
         if not constrained:
             return None
-        return PendingMasks(constrained, self._worker.submit(self._fill, constrained))
+        drafts = drafts or [[] for _ in constrained]
+        rows = [s for s, d in zip(constrained, drafts) for _ in range(1 + len(d))]
+        return PendingMasks(rows, self._worker.submit(self._fill, constrained, drafts))
+
+    def admitted(self, seq: Sequence, drafts: list[int]) -> int:
+        """How many of the proposed `drafts` the sequence's grammar admits in a row (a
+        proposal it forbids ends the run). Engine thread, with no masks pending."""
+        matcher = seq.grammar_state
+        return len(drafts) if matcher is None else matcher.validate_tokens(drafts)
 
     def apply(
-        self, logits: torch.Tensor, seqs: list[Sequence], pending: PendingMasks | None
+        self, logits: torch.Tensor, rows: list[Sequence], pending: PendingMasks | None
     ) -> None:
-        """Give -inf to the disallowed tokens of the rows of `logits` ([len(seqs), vocab],
-        float) whose sequence has a grammar; `pending` is what start() returned for them."""
+        """Give -inf to the disallowed tokens of the rows of `logits` ([len(rows), vocab],
+        float) whose sequence has a grammar; `rows`: each row's sequence, as in
+        PendingMasks; `pending` is what start() returned for them."""
         if pending is None:
             return
         banned = _widen(pending.future.result(), logits.shape[1]).to(
             logits.device, non_blocking=True
         )
-        if len(pending.seqs) == len(seqs) and all(a is b for a, b in zip(pending.seqs, seqs)):
+        if len(pending.rows) == len(rows) and all(a is b for a, b in zip(pending.rows, rows)):
             logits.masked_fill_(banned, float("-inf"))  # every row constrained, in order
             return
-        mask_row = {id(s): i for i, s in enumerate(pending.seqs)}
-        pairs = [(row, mask_row[id(s)]) for row, s in enumerate(seqs) if id(s) in mask_row]
+        first_row: dict[int, int] = {}
+        for i, s in enumerate(pending.rows):
+            first_row.setdefault(id(s), i)
+        pairs, seen = [], {}
+        for row, s in enumerate(rows):
+            if id(s) in first_row:
+                nth = seen[id(s)] = seen.get(id(s), -1) + 1
+                pairs.append((row, first_row[id(s)] + nth))
         if not pairs:
             return
         rows = torch.tensor([r for r, _ in pairs], device=logits.device)
@@ -86,19 +108,27 @@ class GrammarMasks:
             )
         return seq.grammar_state
 
-    def _fill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """-> [len(seqs), vocab] bool, True where a token is banned. On the worker: a new
-        sequence's matcher is built here (~1 ms each), and the bits are unpacked here, so the
-        engine thread has only a masked_fill left to do. The engine thread touches
-        seq.grammar_state only after waiting for this result."""
+    def _fill(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
+        """-> [rows, vocab] bool, True where a token is banned: a row per sequence, and one
+        per proposal after it. On the worker: a new sequence's matcher is built here (~1 ms
+        each), and the bits are unpacked here, so the engine thread has only a masked_fill
+        left to do. The engine thread touches seq.grammar_state only after waiting for this
+        result."""
         matchers = [self._matcher(s) for s in seqs]
-        bitmask = torch.empty((len(matchers), self._words), dtype=torch.int32)
-        self._executor.unsafe_compute_mask_ptr(
-            [(m, i) for i, m in enumerate(matchers)],
-            bitmask.data_ptr(),
-            self._words * 4,
-            len(matchers),
-        )
+        num_rows = len(seqs) + sum(map(len, drafts))
+        bitmask = torch.empty((num_rows, self._words), dtype=torch.int32)
+        first = itertools.accumulate((1 + len(d) for d in drafts), initial=0)
+        plain, drafted = [], []
+        for matcher, row, proposed in zip(matchers, first, drafts):
+            if proposed:  # its proposals are consumed, masked and rolled back in turn
+                drafted.append((matcher, row, proposed))
+            else:
+                plain.append((matcher, row))
+        args = (bitmask.data_ptr(), self._words * 4, num_rows)
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, *args)
+        if drafted:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, *args)
         return unpack_banned(bitmask, self.vocab_size)
 
 

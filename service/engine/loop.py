@@ -274,24 +274,36 @@ class EngineLoop:
                         self.core.abort(stream.seq)
 
     def _process(self, outputs: list[StepOutput]) -> None:
+        """One event per token, in order: a speculative step may give a sequence several
+        (a stop sequence met in one of them ends the stream there)."""
         touched = []
         for out in outputs:
             stream = self._streams.get(out.seq.request_id)
-            if stream is None:
+            if stream is None:  # finished by an earlier token of this step, or aborted
                 continue
             stream.events.append(self._token_event(stream, out))
-            touched.append(stream)
-            if out.seq.is_finished:
+            if not touched or touched[-1] is not stream:
+                touched.append(stream)
+            if out.seq.is_finished and out.is_last:
                 self._streams.pop(out.seq.request_id, None)
         self._deliver(touched)
 
     def _observe_step(self, outputs: list[StepOutput], seconds: float) -> None:
         # a step that finished some prompt is a prefill step (TGI's `method` label)
-        prefill = any(o.seq.num_output_tokens == 1 for o in outputs)
+        prefill = any(o.num_tokens == o.seq.num_prompt_tokens + 1 for o in outputs)
         self.metrics.batch_forward_duration.labels("prefill" if prefill else "decode").observe(
             seconds
         )
-        self.metrics.batch_size.observe(len(outputs))
+        if getattr(self.core, "speculation", None) is None:
+            self.metrics.batch_size.observe(len(outputs))
+            return
+        # tokens per sequence this step: more than one when speculation kept proposals
+        runs: dict[int, int] = {}
+        for o in outputs:
+            runs[id(o.seq)] = runs.get(id(o.seq), 0) + 1
+        self.metrics.batch_size.observe(len(runs))
+        for run in runs.values():  # TGI's tgi_request_skipped_tokens: tokens - 1
+            self.metrics.skipped_tokens.observe(run - 1)
 
     def _observe_token(self, stream: _Stream) -> None:
         now = time.monotonic()
@@ -306,21 +318,25 @@ class EngineLoop:
         if self.metrics is not None:
             self._observe_token(stream)
         special = out.token_id in self._special_ids
-        text = stream.detokenizer.step(seq.token_ids)
+        text = stream.detokenizer.step(seq.token_ids, out.num_tokens)
         visible = text.replace(self.tokenizer.decode([out.token_id]), "", 1) if special else text
         # the text-level stop reason (stopping.py); the token-level ones are the core's
-        if not seq.is_finished and stream.stops.feed(visible) is not None:
+        ended = seq.is_finished and out.is_last
+        if not ended and stream.stops.feed(visible) is not None:
+            # a stop sequence inside a speculative run: the run's later tokens go
+            del seq.token_ids[out.num_tokens :]
             seq.finish(FinishReason.STOP_SEQUENCE)
             self.core.abort(seq)
+            ended = True
         finish = None
-        if seq.is_finished:
+        if ended:
             generated = decode_output(self.tokenizer, seq.token_ids, seq.num_prompt_tokens)
             visible = self._last_text(stream, generated, visible)
             text = text if special else visible
             finish = self._finish_info(seq, generated)
         stream.texts.append(visible)
         return TokenEvent(
-            index=seq.num_output_tokens,
+            index=out.num_tokens - seq.num_prompt_tokens,
             token=TokenInfo(out.token_id, text, out.logprob, special),
             text=visible,
             top_tokens=tuple(self._token_info(i, lp) for i, lp in out.top_tokens),

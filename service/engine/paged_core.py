@@ -1,8 +1,10 @@
 """The fast engine core: continuous batching over a paged KV cache with prefix caching.
 
-One step = `Scheduler.schedule()` (which sequences, how many tokens each) -> one forward of
-the model over the flattened ragged batch (`ModelRunner`) -> `Sampler` on the sequences that
-reached their last token -> tokens appended, finished sequences' blocks freed at once.
+One step = proposals for the decoding sequences when speculation is on (speculation.py) ->
+`Scheduler.schedule()` (which sequences, how many tokens each) -> one forward of the model
+over the flattened ragged batch (`ModelRunner`) -> `Sampler` on the sequences that reached
+their last token (and on every proposal's position) -> the tokens kept appended, the step's
+computed tokens committed, finished sequences' blocks freed at once.
 Implements the `EngineCore` protocol (core.py).
 """
 
@@ -24,6 +26,13 @@ from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .shards import ShardedRunner, ShardGroup
+from .speculation import (
+    NgramProposer,
+    Proposer,
+    SpeculationSettings,
+    accepted_run,
+    sample_rows,
+)
 from .stopping import token_stop_reason
 from .types import EngineError, EngineStats
 
@@ -44,6 +53,8 @@ class PagedCore:
         compile: CompileSettings | None = None,
         shards: ShardGroup | None = None,
         custom_kernels: bool = True,
+        speculation: SpeculationSettings | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         """
         Args:
@@ -63,6 +74,10 @@ class PagedCore:
             shards: this is rank 0 of a sharded model (`model` is its slice): every step
                 runs on all ranks, which follow in engine/shards.py's follow_steps().
             custom_kernels: False: attention never takes textgen's Triton kernel (runner.py).
+            speculation: propose and verify up to `num_tokens` tokens per decoding sequence
+                per step while at most `max_batch` sequences run (speculation.py); None: off.
+            proposer: who proposes them (default: n-gram lookup, speculation.py's
+                NgramProposer; draft_model.py's DraftModelProposer for a draft model).
         """
         if max_batch_total_tokens <= 0:
             raise ValueError(
@@ -83,7 +98,12 @@ class PagedCore:
             self.runner = ShardedRunner(self.runner, shards)
         self.sampler = Sampler()
         self.grammars = grammars
+        self.speculation = speculation
+        if speculation is not None and proposer is None:
+            proposer = NgramProposer(speculation.ngram_min, speculation.ngram_max)
+        self.proposer = proposer if speculation is not None else None
         self._steps = 0
+        self._spec_proposed = self._spec_accepted = self._spec_verifications = 0
 
     @property
     def max_total_tokens(self) -> int:
@@ -114,7 +134,7 @@ class PagedCore:
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
+        self._retire(seq)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -123,12 +143,14 @@ class PagedCore:
         """Allocate every layer's KV pool (out of memory shows at startup) and run the
         lazy initialisations: one 1-token forward, then the graph captures or compiles if
         any, or batch-invariant mode's probe of the matmuls (EngineLoop calls it on its
-        thread)."""
+        thread); and the draft model's, if one proposes."""
         self.runner.warmup()
+        if self.proposer is not None:
+            self.proposer.warmup()
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self._propose())
         if batch.is_empty:
             return []
         self._steps += 1
@@ -139,11 +161,15 @@ class PagedCore:
         # grammar masks are computed on a worker thread while the forward runs
         masks = self.start_masks(batch)
         result = self.runner.execute(batch)  # copies forked blocks first (batch.block_copies)
-        self.scheduler.commit(batch)
+        self.scheduler.commit(batch)  # before a fork copies its parent's computed tokens
         _store_prompt_logprobs(result)
-        if not result.sample_seqs:
-            return []
-        return self._append_sampled(result, masks)
+        outputs, kept = self._append_sampled(result, masks) if result.sample_seqs else ([], {})
+        # after the append: a verifying decode's computed tokens are those it kept
+        self.scheduler.commit_verified(batch, kept)
+        for seq in dict.fromkeys(out.seq for out in outputs):  # forks included
+            if seq.is_finished:
+                self._retire(seq)
+        return outputs
 
     def shrink_after_oom(self) -> bool:
         """After an out-of-memory step: halve the batch size and preempt every running
@@ -176,6 +202,9 @@ class PagedCore:
             preemptions=self.scheduler.num_preemptions,
             steps=self._steps,
             prefill_tokens=self.scheduler.num_prefill_tokens,
+            spec_proposed_tokens=self._spec_proposed,
+            spec_accepted_tokens=self._spec_accepted,
+            spec_verifications=self._spec_verifications,
         )
 
     # internals ---------------------------------------------------------------
@@ -183,48 +212,110 @@ class PagedCore:
     def start_masks(self, batch) -> PendingMasks | None:
         """Begin the grammar masks of the batch's sampling sequences (None: none has a
         grammar); call before the forward, which they overlap."""
-        return self.grammars.start(_constrained_to_sample(batch)) if self.grammars else None
+        if not self.grammars:
+            return None
+        constrained = _constrained_to_sample(batch)
+        if not batch.proposals:
+            return self.grammars.start(constrained)
+        return self.grammars.start(constrained, [batch.proposals.get(s, []) for s in constrained])
+
+    def _propose(self) -> dict[Sequence, list[int]]:
+        """Proposed tokens for the running sequences in decode state, when speculation is on
+        and at most `max_batch` sequences run (above, verifying costs more compute than the
+        batch has to spare). At most as many as the sequence may still gain, less one (the
+        verification's own draw), and only those its grammar admits."""
+        spec = self.speculation
+        running = self.scheduler.running
+        if spec is None or not running or len(running) > spec.max_batch:
+            return {}
+        seqs, limits = [], []
+        for seq in running:
+            left = seq.request.stopping.max_new_tokens - seq.num_output_tokens - 1
+            if seq.num_computed_tokens == seq.num_tokens - 1 and seq.num_output_tokens and left > 0:
+                seqs.append(seq)
+                limits.append(min(spec.num_tokens, left))
+        proposals = {}
+        for seq, drafts in zip(seqs, self.proposer.propose(seqs, limits) if seqs else ()):
+            if drafts and seq.grammar_state is not None:
+                drafts = drafts[: self.grammars.admitted(seq, drafts)]
+            if drafts:
+                proposals[seq] = drafts
+        return proposals
 
     def _append_sampled(
         self, result: RunnerOutput, masks: PendingMasks | None = None
-    ) -> list[StepOutput]:
+    ) -> tuple[list[StepOutput], dict[Sequence, int]]:
+        """Sample every row, append each sequence's tokens (a verifying decode's kept
+        proposals and the draw that ends them) up to the first that stops it. Returns the
+        step's outputs and, per verifying decode, the tokens it appended."""
         logits = result.sample_logits.float()
+        speculative = any(result.drafts)
+        rows = sample_rows(result.sample_seqs, result.drafts) if speculative else result.sample_seqs
         if masks is not None:
-            self.grammars.apply(logits, result.sample_seqs, masks)
-        seqs, logits = self._fork(result.sample_seqs, logits)
-        sampled = self.sampler.sample(logits, seqs)
-        outputs = []
+            owners = [getattr(r, "seq", r) for r in rows] if speculative else rows
+            self.grammars.apply(logits, owners, masks)
+        seqs, drafts, rows, logits = self._fork(result.sample_seqs, result.drafts, rows, logits)
+        sampled = self.sampler.sample(logits, rows)
+        outputs, kept = [], {}
         now = time.monotonic()
-        for row, seq in enumerate(seqs):
+        row = 0
+        for seq, proposed in zip(seqs, drafts):
             prefill = None
             if seq.request.decoder_input_details and seq.num_output_tokens == 0:
                 prefill = [None, *seq.prefill_logprobs]
-            token_id = sampled.token_ids[row]
-            seq.append_token(token_id, now)
-            complete = seq.grammar_state is not None and self.grammars.advance(seq, token_id)
-            reason = token_stop_reason(seq, token_id, grammar_complete=complete, now=now)
-            if reason is not None:
-                seq.finish(reason)
-            outputs.append(
-                StepOutput(seq, token_id, sampled.logprobs[row], sampled.top_tokens[row], prefill)
-            )
-            if seq.is_finished:
-                self.scheduler.finish(seq)
-        return outputs
+            run = 1
+            if proposed:
+                run += accepted_run(sampled.token_ids[row : row + len(proposed)], proposed)
+                self._spec_proposed += len(proposed)
+                self._spec_accepted += run - 1
+                self._spec_verifications += 1
+            for at in range(row, row + run):
+                token_id = sampled.token_ids[at]
+                seq.append_token(token_id, now)
+                complete = seq.grammar_state is not None and self.grammars.advance(seq, token_id)
+                reason = token_stop_reason(seq, token_id, grammar_complete=complete, now=now)
+                outputs.append(
+                    StepOutput(
+                        seq,
+                        token_id,
+                        sampled.logprobs[at],
+                        sampled.top_tokens[at],
+                        prefill if at == row else None,
+                        seq.num_tokens,
+                    )
+                )
+                if reason is not None:  # EOS, length or time inside a run ends it there
+                    seq.finish(reason)
+                    break
+            if proposed:
+                kept[seq] = seq.num_tokens - (seq.num_computed_tokens + 1)
+            row += 1 + len(proposed)
+        return outputs, kept
+
+    def _retire(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence: its blocks, and what the proposer keeps."""
+        self.scheduler.finish(seq)
+        if self.proposer is not None:
+            self.proposer.forget(seq)
 
     def _fork(
-        self, seqs: list[Sequence], logits: torch.Tensor
-    ) -> tuple[list[Sequence], torch.Tensor]:
-        """The sequences that sample this step, with the forks of those whose prompt it
-        computed (other choices of their request), and their logits rows: a fork shares
-        its parent's blocks and samples its own first token from the parent's row (its
-        grammar mask included), so the prompt is computed once for all n choices."""
+        self, seqs: list[Sequence], drafts: list[list[int]], rows: list, logits: torch.Tensor
+    ) -> tuple[list[Sequence], list[list[int]], list, torch.Tensor]:
+        """The sequences that sample this step with their proposals, sampler rows and logits
+        rows, the forks of those whose prompt it computed (other choices of their request)
+        added: a fork shares its parent's blocks and samples its own first token from the
+        parent's row (its grammar mask included), so the prompt is computed once for all n
+        choices. A parent verifies no proposal (it has no output yet): one row each."""
         if not any(s.forks for s in seqs):
-            return seqs, logits
-        out, rows = [], []
-        for row, seq in enumerate(seqs):
-            out.append(seq)
-            rows.append(row)
+            return seqs, drafts, rows, logits
+        out_seqs, out_drafts, out_rows, index = [], [], [], []
+        at = 0
+        for seq, proposed in zip(seqs, drafts):
+            span = 1 + len(proposed)
+            out_seqs.append(seq)
+            out_drafts.append(proposed)
+            out_rows.extend(rows[at : at + span])
+            index.extend(range(at, at + span))
             forks, seq.forks = seq.forks, []
             for child in forks:
                 if child.is_finished:  # aborted with its request
@@ -233,9 +324,12 @@ class PagedCore:
                 child.prefill_logprobs = list(seq.prefill_logprobs)
                 if seq.grammar_state is not None:  # before seq's token moves it on
                     child.grammar_state = seq.grammar_state.deep_copy()
-                out.append(child)
-                rows.append(row)
-        return out, logits[torch.tensor(rows, device=logits.device)]
+                out_seqs.append(child)
+                out_drafts.append([])
+                out_rows.append(child)
+                index.append(at)
+            at += span
+        return out_seqs, out_drafts, out_rows, logits[torch.tensor(index, device=logits.device)]
 
 
 def build_runner(
@@ -271,7 +365,8 @@ def _constrained_to_sample(batch) -> list[Sequence]:
     return [
         s
         for s, n in batch.scheduled
-        if s.request.grammar is not None and s.num_computed_tokens + n == s.num_tokens
+        if s.request.grammar is not None
+        and (s.num_computed_tokens + n == s.num_tokens or s in batch.proposals)
     ]
 
 

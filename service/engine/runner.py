@@ -8,11 +8,13 @@ never touches tensors.
 A step has two sides. The host side (`StepRunner.execute`, the same for every runner) lays
 the scheduled sequences out as a flattened batch, `StepInputs`: plain token ids, positions,
 per-entry query and context lengths, block tables and the rows whose logits are kept, with
-no Sequence in it. The device side (`run(inputs)`) turns those into logits: `ModelRunner`
-eagerly, cuda_graphs.py's GraphedRunner and compiled_decode.py's CompiledRunner through
-their graphs for pure decodes, and shards.py's ShardedRunner by sending the inputs to the
-other ranks, which run the same device side on their slice of the model. The host side then
-picks the sampled rows and prompt logprobs out of the logits.
+no Sequence in it. A decode verifying proposed tokens (speculation.py) is one more chunk
+there: its last token and its proposals, every row kept. The device side (`run(inputs)`)
+turns those into logits: `ModelRunner` eagerly, cuda_graphs.py's GraphedRunner and
+compiled_decode.py's CompiledRunner through their graphs for pure decodes (a verifying step
+is not one: eager), and shards.py's ShardedRunner by sending the inputs to the other ranks,
+which run the same device side on their slice of the model. The host side then picks the
+sampled rows and prompt logprobs out of the logits.
 
 Batch-invariant mode (`batch_invariant`): besides the attention's fixed key chunks, every
 matmul sees a row count that is a multiple of ROW_MULTIPLE. Padding tokens (token 0 at
@@ -63,12 +65,16 @@ class PromptLogprobs:
 
 @dataclass(slots=True)
 class RunnerOutput:
-    # sequences whose step reached their last token (they get a new token), row order of
-    # sample_logits
+    # sequences whose step reached their last token (they get a new token), in the row
+    # order of sample_logits
     sample_seqs: list[Sequence]
-    sample_logits: torch.Tensor  # [len(sample_seqs), vocab], the model's dtype, on its device
+    # [rows, vocab], the model's dtype, on its device: one row per sequence, then one more
+    # per proposal it verifies (row i + 1 follows its i-th proposal)
+    sample_logits: torch.Tensor
     # prompt-token logprobs of chunks computed for decoder_input_details requests
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # per sample_seqs entry, the proposals its rows verify ([] for a plain decode)
+    drafts: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -139,7 +145,7 @@ class StepRunner:
             rows = torch.tensor(layout.sample_rows, dtype=torch.long, device=logits.device)
             sample_logits = logits[rows]
         prompt_logprobs = _prompt_logprobs(logits, layout.prompt_spans)
-        return RunnerOutput(layout.sample_seqs, sample_logits, prompt_logprobs)
+        return RunnerOutput(layout.sample_seqs, sample_logits, prompt_logprobs, layout.drafts)
 
 
 class ModelRunner(StepRunner):
@@ -247,7 +253,9 @@ class Layout:
     block_tables: list[list[int]] = field(default_factory=list)
     keep: list[int] = field(default_factory=list)  # batch positions whose logits we project
     sample_seqs: list[Sequence] = field(default_factory=list)  # reached their last token
-    sample_rows: list[int] = field(default_factory=list)  # row in `keep` of each of those
+    # rows in `keep` sampled: one per sample_seqs entry, then one per proposal it verifies
+    sample_rows: list[int] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # per sample_seqs entry
     # (seq, first row in `keep`, first position, chunk length) for prompt logprobs
     prompt_spans: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # StepInputs'
@@ -264,23 +272,34 @@ class Layout:
             self.block_copies,
         )
 
-    def add(self, seq: Sequence, num_new: int) -> None:
+    def add(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> None:
+        """`drafts`: the proposals a decode verifies (its num_new - 1 tokens after the
+        sequence's last): every row of the chunk is sampled."""
         start = seq.num_computed_tokens
         offset = len(self.token_ids)
-        reaches_end = start + num_new == seq.num_tokens
-        self.token_ids.extend(seq.token_ids[start : start + num_new])
+        if drafts:
+            self.token_ids.append(seq.token_ids[start])
+            self.token_ids.extend(drafts)
+        else:
+            self.token_ids.extend(seq.token_ids[start : start + num_new])
+        reaches_end = drafts or start + num_new == seq.num_tokens
         self.positions.extend(range(start, start + num_new))
         self.query_lens.append(num_new)
         self.context_lens.append(start + num_new)
         self.block_tables.append(seq.block_table)
-        if wants_prompt_logprobs(seq):
+        if drafts:
+            self.sample_rows.extend(range(len(self.keep), len(self.keep) + num_new))
+            self.keep.extend(range(offset, offset + num_new))
+        elif wants_prompt_logprobs(seq):
             self.prompt_spans.append((seq, len(self.keep), start, num_new))
             self.keep.extend(range(offset, offset + num_new))
         elif reaches_end:
             self.keep.append(offset + num_new - 1)
         if reaches_end:
             self.sample_seqs.append(seq)
-            self.sample_rows.append(len(self.keep) - 1)
+            self.drafts.append(drafts or [])
+            if not drafts:
+                self.sample_rows.append(len(self.keep) - 1)
 
     def add_padding(self, count: int, scratch_block: int) -> None:
         """`count` 1-token queries at position 0 of the scratch block; nothing reads their
@@ -315,8 +334,8 @@ def lay_out(
     if row_multiple > 1:
         num_tokens = sum(n for _, n in batch.scheduled)
         layout.add_padding(-num_tokens % row_multiple, scratch_block)
-    for seq, num_new in chunks:
-        layout.add(seq, num_new)
+    for seq, num_new in chunks:  # verifying decodes among them: short chunks after their
+        layout.add(seq, num_new, batch.proposals.get(seq))  # cached tokens
     if row_multiple > 1 and layout.keep:  # repeats of the last row; the extra logits unread
         layout.keep.extend(layout.keep[-1:] * (-len(layout.keep) % row_multiple))
     return layout

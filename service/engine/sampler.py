@@ -41,7 +41,9 @@ class SampleResult:
 class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """logits: [len(seqs), vocab], the last position of each sequence."""
+        """logits: [len(seqs), vocab], the last position of each sequence. A row may also
+        be a speculation.DraftRow: a sequence with some proposed tokens appended, which reads
+        the same (request, token_ids, output_ids, num_tokens)."""
         params = [s.request.sampling for s in seqs]
         logits = logits.float()
         logits = self._apply_penalties(logits, seqs, params)

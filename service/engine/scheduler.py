@@ -7,7 +7,9 @@ after validation, not the time their RPCs arrived (a request validated slowly ra
 one of its priority already running, so it can't preempt it).
 1. Decodes. Every running sequence with one token left to compute gets it, first first. If
    the KV pool can't hold it, the last-ranked running sequence (the lowest priority, the
-   youngest among those) is preempted (recompute) until it can.
+   youngest among those) is preempted (recompute) until it can. A decode with proposed
+   tokens (speculation.py) computes them too, when their slots fit in the free blocks;
+   proposals never preempt anything: without room the decode goes on alone.
 2. Prefill chunks of running sequences whose prompt (or recompute) is not done yet, first
    first, within the per-step prefill budget `max_batch_prefill_tokens`.
 3. Admission of waiting sequences, first first, while the prefill budget, `max_batch_size`
@@ -47,12 +49,16 @@ class SchedulerOutput:
     # token_ids[num_computed_tokens : num_computed_tokens + n]; blocks for them are allocated.
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     num_prefill_tokens: int = 0  # prompt/recompute tokens, <= max_batch_prefill_tokens
-    num_decode_tokens: int = 0  # one per running sequence with a single token left
+    num_decode_tokens: int = 0  # one per running sequence with a single token left, plus
+    # its proposals when it verifies some
     # sequences preempted while building this step: blocks freed, back at the waiting front
     preempted: list[Sequence] = field(default_factory=list)
     # (source, destination) KV blocks to copy before the forward: a fork's first write
     # into the partial block it shares (block_manager.py)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # decodes verifying proposed tokens (speculation.py): the proposals, which follow the
+    # sequence's last token in its scheduled chunk of 1 + len(proposals) tokens
+    proposals: dict[Sequence, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -115,9 +121,10 @@ class Scheduler:
 
     # scheduling --------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, proposals: dict[Sequence, list[int]] | None = None) -> SchedulerOutput:
+        """proposals: tokens proposed to follow some decoding sequences (speculation.py)."""
         out = SchedulerOutput()
-        self._schedule_decodes(out)
+        self._schedule_decodes(out, proposals or {})
         budget = self.max_batch_prefill_tokens
         budget = self._schedule_running_prefills(out, budget)
         # Admitting right after a preemption would hand the blocks just freed for the
@@ -129,16 +136,35 @@ class Scheduler:
         return out
 
     def commit(self, out: SchedulerOutput) -> None:
-        """After the forward: the scheduled tokens are computed; cache newly full blocks."""
+        """After the forward, before the sampled tokens are appended: the scheduled tokens
+        of every entry but the verifying decodes are computed; cache newly full blocks."""
         for seq, num_new in out.scheduled:
-            seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
+            if seq not in out.proposals:
+                seq.num_computed_tokens += num_new
+                self.block_manager.cache_full_blocks(seq)
 
-    def _schedule_decodes(self, out: SchedulerOutput) -> None:
+    def commit_verified(self, out: SchedulerOutput, kept: dict[Sequence, int]) -> None:
+        """Once the sampled tokens are appended: a verifying decode (in `out.proposals`)
+        computed `kept[seq]` valid tokens, its last token and the proposals kept (a rejected
+        one holds K/V of a token the sequence doesn't have): the slots past them are
+        released."""
+        for seq in out.proposals:
+            seq.num_computed_tokens += kept.get(seq, 1)
+            self.block_manager.cache_full_blocks(seq)
+            self.block_manager.trim(seq)
+
+    def _schedule_decodes(self, out: SchedulerOutput, proposals: dict) -> None:
         # First-ranked first; victims come from the tail, so a scheduled decode is never
         # preempted.
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or _remaining(seq) != 1:
+                continue
+            proposed = proposals.get(seq)
+            if proposed and self.block_manager.can_append(seq, 1 + len(proposed)):
+                self.block_manager.append_slots(seq, 1 + len(proposed))
+                out.scheduled.append((seq, 1 + len(proposed)))
+                out.num_decode_tokens += 1 + len(proposed)
+                out.proposals[seq] = proposed
                 continue
             while not self.block_manager.can_append(seq, 1):
                 victim = self.running[-1]

@@ -145,3 +145,8 @@ class EngineStats:
     preemptions: int = 0
     steps: int = 0
     prefill_tokens: int = 0  # prompt (and recompute) tokens computed so far, cumulative
+    # speculative decoding (engine/speculation.py), cumulative: tokens proposed and verified,
+    # those kept, and the verifying decodes (one per sequence per step)
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0

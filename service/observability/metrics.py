@@ -45,6 +45,8 @@ DURATION_BUCKETS = (
 # Tokens: prompt and output lengths.
 TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Tokens a sequence gained in one step beyond the first (speculative decoding's kept proposals)
+SKIPPED_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 
 
 class ExactNameCounter:
@@ -116,6 +118,12 @@ class Metrics:
         )
         self.batch_size = histogram(
             "textgen_batch_size", "Sequences per engine step", BATCH_BUCKETS
+        )
+        self.skipped_tokens = histogram(
+            "tgi_request_skipped_tokens",
+            "Tokens a sequence gained in one step beyond the first: proposals kept by "
+            "speculative decoding (one observation per sequence per step)",
+            SKIPPED_BUCKETS,
         )
         self.time_to_first_token = histogram(
             "textgen_time_to_first_token_seconds", "Arrival to first token (s)"
@@ -212,6 +220,32 @@ class _EngineCollector:
             "Prompt tokens computed so far (recomputes included; prefix-cache hits and the"
             " other choices of an n > 1 request, which share the prompt, not)",
             s.prefill_tokens,
+        )
+        proposed = s.spec_proposed_tokens
+        yield _gauge(
+            "textgen_speculative_proposed_tokens",
+            "Tokens proposed by speculative decoding and verified, so far",
+            proposed,
+        )
+        yield _gauge(
+            "textgen_speculative_accepted_tokens",
+            "Proposed tokens the target model kept, so far",
+            s.spec_accepted_tokens,
+        )
+        yield _gauge(
+            "textgen_speculative_verifications",
+            "Decodes that verified proposed tokens (one per sequence per step), so far",
+            s.spec_verifications,
+        )
+        yield _gauge(
+            "textgen_speculative_acceptance_ratio",
+            "Share of the proposed tokens kept (0 to 1)",
+            s.spec_accepted_tokens / proposed if proposed else 0.0,
+        )
+        yield _gauge(
+            "textgen_speculative_mean_accepted_length",
+            "Proposed tokens kept per verifying decode, on average",
+            s.spec_accepted_tokens / s.spec_verifications if s.spec_verifications else 0.0,
         )
 
 

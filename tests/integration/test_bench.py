@@ -265,3 +265,31 @@ def test_rss_of_a_process_in_mib():
     rss, peak = _rss_mib(os.getpid())
     assert 10 < rss <= peak  # this test process holds torch: tens of MiB at least
     assert _rss_mib(2**22 + 1) == (None, None)  # above Linux's pid_max: no such process
+
+
+def test_bench_copy_load_reports_speculation(tiny_model_dir):
+    """The copy load on a speculating server: the report counts the proposals the load's
+    requests verified and kept."""
+    from conftest import ServerThread, tiny_settings
+    from textgen.service.bench import load_prompts
+
+    server = ServerThread(tiny_settings(tiny_model_dir, speculate=3)).start()
+    try:
+        parser = argparse.ArgumentParser()
+        add_bench_arguments(parser)
+        args = parser.parse_args(
+            ["--target", server.target, "--load", "copy", "--concurrency", "2",
+             "--requests", "4", "--max-new-tokens", "24", "--ignore-eos"]
+        )  # fmt: skip
+        before = server.engine.stats()
+        report = asyncio.run(run_load(args, load_prompts(None, "copy")))
+        after = server.engine.stats()
+    finally:
+        server.stop()
+    assert report.errors == 0 and report.load == "copy"
+    spec = report.speculation
+    assert spec["proposed"] > 0
+    # the warm-up load ran before the counters were read: the load's own share of them
+    assert spec["proposed"] <= after.spec_proposed_tokens - before.spec_proposed_tokens
+    assert spec["acceptance_ratio"] == round(spec["accepted"] / spec["proposed"], 3)
+    assert "speculation: kept / proposed" in format_table(report)

@@ -127,6 +127,19 @@ def test_prefix_hits_grammar_and_an_abort(llama_pair):
     assert greedy(two, PROMPTS[:2]) == greedy(one, PROMPTS[:2])  # and it serves on
 
 
+def test_speculation_on_two_shards(llama_pair, tiny_model_dir):
+    """--speculate on a sharded model: each verification chunk crosses to the other rank as
+    any step does (its kept rows are more logits rows), and the tokens are the same."""
+    one, _ = llama_pair
+    repeating = [p * 3 for p in PROMPTS[:3]]
+    with sharded(tiny_model_dir, 2, *LIMITS, "--speculate", "3") as served:
+        assert served.grpc_target, served.log[-3000:]
+        served.drain_log()
+        two = served.grpc_target
+        assert greedy(two, repeating) == greedy(one, repeating)
+        assert metric(two, "textgen_speculative_proposed_tokens") > 0
+
+
 @pytest.mark.parametrize("architecture", ["qwen2", "mistral", "gemma2"])
 def test_other_attention_layouts(architecture, tmp_path):
     model_dir = build_tiny_model(tmp_path / architecture, architecture=architecture)

@@ -91,6 +91,20 @@ BAD = [
     (["--sharded"], ("--sharded true", "--num-shard 2 or more")),
     (["--num-shard", "3", "--deterministic"], ("--deterministic", "--num-shard")),
     (["--num-shard", "3", "--local-shards", "4"], ("--local-shards 4", "more than --num-shard")),
+    (["--speculate", "-1"], ("--speculate", "0 or more")),
+    (
+        ["--speculate", "2", "--speculate-ngram-min", "5"],
+        ("--speculate-ngram-min 5", "--speculate-ngram-max (4)"),
+    ),
+    (["--speculate-model", "x/y"], ("--speculate-model x/y", "needs --speculate")),
+    (
+        ["--speculate", "2", "--speculate-model", "/nonexistent"],
+        ("--speculate-model /nonexistent", "model folder"),
+    ),
+    (
+        ["--speculate", "2", "--speculate-model", "x/y", "--num-shard", "3"],
+        ("--speculate-model x/y", "--num-shard"),
+    ),
     (["--log-level", "loud"], ("--log-level", "LOUD", "DEBUG")),
     # the settings TGI's launcher brought
     (["--cuda-graph-sizes", "1,2", "--device", "cpu"], ("--cuda-graph-sizes 1,2", "CUDA device")),
@@ -149,6 +163,7 @@ def test_a_model_with_a_shorter_context(tiny_model_dir):
         ({"TEXTGEN_GRPC_PORT": "99999"}, ("TEXTGEN_GRPC_PORT='99999'", "1-65535")),
         ({"TEXTGEN_COMPILE": "maybe"}, ("TEXTGEN_COMPILE='maybe'", "true/false")),
         ({"TEXTGEN_MAX_BATCH_SIZE": "lots"}, ("TEXTGEN_MAX_BATCH_SIZE='lots'", "whole number")),
+        ({"SPECULATE": "many"}, ("SPECULATE='many'", "whole number")),  # TGI's variable
         ({"TEXTGEN_MAX_TOTAL_TOKENS": "100000"}, ("--max-total-tokens 100000", "context")),
     ],
 )

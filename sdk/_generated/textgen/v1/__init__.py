@@ -719,6 +719,23 @@ class InfoResponse(betterproto2.Message):
     counts tokens of all of them.
     """
 
+    speculate: "int" = betterproto2.field(30, betterproto2.TYPE_UINT32)
+    """
+    Speculative decoding (--speculate): tokens proposed per sequence per step and verified in
+    one forward (0: off). Greedy and seeded outputs are the same with it as without.
+    """
+
+    speculate_model: "str | None" = betterproto2.field(31, betterproto2.TYPE_STRING, optional=True)
+    """
+    The draft model that proposes them (--speculate-model); absent: n-gram lookup over the
+    sequence's own prompt and output.
+    """
+
+    speculate_max_batch: "int" = betterproto2.field(32, betterproto2.TYPE_UINT32)
+    """
+    Steps with more running sequences than this don't speculate (--speculate-max-batch).
+    """
+
 
 default_message_pool.register_message("textgen.v1", "InfoResponse", InfoResponse)
 
