@@ -83,6 +83,7 @@ def make_core(
     batch_size=32,
     block_size=16,
     batch_invariant=False,
+    speculation=None,
 ) -> PagedCore:
     core = PagedCore(
         engine_copy(model),
@@ -91,6 +92,7 @@ def make_core(
         max_batch_size=batch_size,
         block_size=block_size,
         batch_invariant=batch_invariant,
+        speculation=speculation,
     )
     if batch_invariant:  # as served: the matmuls' smallest products probed at warm-up
         core.warm_up()

@@ -16,6 +16,7 @@ from textgen.service.engine.types import EngineError, SamplingParams
 from .factories import (
     VOCAB_SIZE,
     assert_idle,
+    assert_matches_generate,
     make_core,
     make_seq,
     random_prompt,
@@ -177,3 +178,24 @@ def test_fork_and_copy_on_write_ref_counts():
     bm.free(child)
     bm.free(parent)
     assert bm.num_used_blocks == 0 and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_choices_fork_in_a_step_that_verifies_proposals(tiny_llama):
+    """n choices whose prompt completes while other sequences verify proposed tokens
+    (--speculate): each fork samples from its parent's row, whatever rows the proposals
+    take before it, and every output is what it is alone without speculation."""
+    from textgen.service.engine.speculation import SpeculationSettings
+
+    g = torch.Generator().manual_seed(9)
+    copying = make_seq(random_prompt(9, VOCAB_SIZE, g) * 3, request_id="copy", max_new_tokens=30)
+    core = make_core(tiny_llama, speculation=SpeculationSettings(3, 64))
+    core.add(copying)
+    while copying.num_output_tokens < 2:  # decoding: proposals from the next step on
+        core.step()
+    seqs = choices(random_prompt(37, VOCAB_SIZE, g), 3)
+    core.add(seqs[0])
+    run_to_completion(core)
+    assert core.stats().spec_proposed_tokens > 0
+    assert [s.output_ids for s in seqs] == [alone(tiny_llama, s) for s in seqs]
+    assert_matches_generate(tiny_llama, [copying])
+    assert_idle(core)
