@@ -13,6 +13,8 @@ import time
 import torch
 
 from ..errors import ErrorType
+from ..models.lora_layers import LoraLayers
+from .adapters import AdapterRegistry, SlotTable
 from .block_manager import BlockManager, num_blocks_for_tokens
 from .compiled_decode import CompiledRunner, CompileSettings
 from .core import StepOutput
@@ -43,6 +45,8 @@ class PagedCore:
         cuda_graphs: GraphSettings | None = None,
         compile: CompileSettings | None = None,
         shards: ShardGroup | None = None,
+        lora: LoraLayers | None = None,
+        adapters: AdapterRegistry | None = None,
     ) -> None:
         """
         Args:
@@ -61,6 +65,8 @@ class PagedCore:
                 by warm_up() (compiled_decode.py; CPU only, so never with cuda_graphs).
             shards: this is rank 0 of a sharded model (`model` is its slice): every step
                 runs on all ranks, which follow in engine/shards.py's follow_steps().
+            lora: the model's LoRA slots (models/lora_layers.py), serving the adapters of
+                `adapters` (engine/adapters.py); None: requests name no adapter.
         """
         if max_batch_total_tokens <= 0:
             raise ValueError(
@@ -72,13 +78,17 @@ class PagedCore:
             self.block_manager,
             max_batch_prefill_tokens=max_batch_prefill_tokens,
             max_batch_size=max_batch_size,
+            max_loras=lora.num_slots if lora is not None else 0,
         )
         self.runner: Runner = build_runner(
-            model, num_blocks, block_size, batch_invariant, cuda_graphs, compile
+            model, num_blocks, block_size, batch_invariant, cuda_graphs, compile, lora, adapters
         )
         self.shards = shards
         if shards is not None:
             self.runner = ShardedRunner(self.runner, shards)
+        self.adapters = adapters
+        if lora is not None:
+            self.runner.slot_table = SlotTable(lora.num_slots)
         self.sampler = Sampler()
         self.grammars = grammars
         self._steps = 0
@@ -105,10 +115,25 @@ class PagedCore:
             raise EngineError("empty prompt", ErrorType.VALIDATION)
         if seq.request.grammar is not None and self.grammars is None:
             raise EngineError("this engine has no grammar support", ErrorType.VALIDATION)
+        uid = seq.request.adapter_uid
+        if uid:
+            if self.adapters is None or not self.adapters.acquire(uid):
+                raise EngineError(
+                    f"LoRA adapter {seq.request.adapter_id!r} is not loaded (unloaded meanwhile)",
+                    ErrorType.VALIDATION,
+                )
+            seq.holds_adapter = True
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
+        self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        """Drop `seq` from the scheduler, and its hold on its adapter (once)."""
         self.scheduler.finish(seq)
+        if seq.holds_adapter:
+            seq.holds_adapter = False
+            self.adapters.release(seq.request.adapter_uid)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -201,7 +226,7 @@ class PagedCore:
                 StepOutput(seq, token_id, sampled.logprobs[row], sampled.top_tokens[row], prefill)
             )
             if seq.is_finished:
-                self.scheduler.finish(seq)
+                self._finish(seq)
         return outputs
 
 
@@ -212,6 +237,8 @@ def build_runner(
     batch_invariant: bool = False,
     cuda_graphs: GraphSettings | None = None,
     compile: CompileSettings | None = None,
+    lora: LoraLayers | None = None,
+    adapters: AdapterRegistry | None = None,
 ) -> Runner:
     """The device side of a step (runner.py): the eager runner over a KV pool of
     `num_blocks`, wrapped in its decode strategy if any (every rank of a sharded model
@@ -221,7 +248,9 @@ def build_runner(
     # one scratch block for padding tokens (batch-invariant steps, graph buckets, compiled
     # buckets): they write and read only there
     pool = KVCachePool(num_blocks, block_size, scratch_blocks=1)
-    runner: Runner = ModelRunner(model, pool, batch_invariant=batch_invariant)
+    runner: Runner = ModelRunner(
+        model, pool, batch_invariant=batch_invariant, lora=lora, adapters=adapters
+    )
     if cuda_graphs is not None:
         return GraphedRunner(runner, cuda_graphs)
     if compile is not None:

@@ -8,8 +8,13 @@ sooner, vLLM's convention), then arrival order.
    youngest among those) is preempted (recompute) until it can.
 2. Prefill chunks of running sequences whose prompt (or recompute) is not done yet, first
    first, within the per-step prefill budget `max_batch_prefill_tokens`.
-3. Admission of waiting sequences, first first, while the prefill budget, `max_batch_size`
-   and the free blocks allow. A long prompt is split into chunks across steps.
+3. Admission of waiting sequences, first first, while the prefill budget, `max_batch_size`,
+   the free blocks and `max_loras` allow. A long prompt is split into chunks across steps.
+
+LoRA adapters: every running sequence decodes in every step, so bounding the adapters of
+the running sequences by `max_loras` (the runner's slots) bounds every step's. A waiting
+sequence whose adapter would be one too many waits, first in rank as any other, until a
+running adapter's sequences end.
 
 Starvation policy. TGI's `waiting_served_ratio` / `max_waiting_tokens` exist because its
 prefill is a separate forward that stalls every running decode for the whole prompt, so it
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, num_blocks_for_tokens
@@ -57,8 +63,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, *, max_batch_prefill_tokens: int, max_batch_size: int
+        self,
+        block_manager: BlockManager,
+        *,
+        max_batch_prefill_tokens: int,
+        max_batch_size: int,
+        max_loras: int = 0,
     ) -> None:
+        """max_loras: distinct LoRA adapters among the running sequences (0: no adapters)."""
         if max_batch_prefill_tokens <= 0 or max_batch_size <= 0:
             raise ValueError("max_batch_prefill_tokens and max_batch_size must be positive")
         self.block_manager = block_manager
@@ -68,6 +80,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # cumulative
+        self.max_loras = max_loras
+        self.running_adapters: Counter[int] = Counter()  # adapter uid -> running sequences
         self._arrivals = itertools.count()
 
     # queue management --------------------------------------------------------
@@ -83,7 +97,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Drop `seq` wherever it is and return its blocks (finished or aborted)."""
         if seq in self.running:
-            self.running.remove(seq)
+            self._remove_running(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
@@ -169,12 +183,16 @@ class Scheduler:
             # preempted, wasting the chunks already computed.
             if num_blocks_for_tokens(num_to_compute, bm.block_size) > free_blocks:
                 break
+            if not self._adapter_fits(seq):
+                break
             num_new = min(num_to_compute, budget)
             self.waiting.pop(0)
             bm.allocate(seq, hits)
             bm.append_slots(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             _insert(self.running, seq)
+            if seq.request.adapter_uid:
+                self.running_adapters[seq.request.adapter_uid] += 1
             out.scheduled.append((seq, num_new))
             out.num_prefill_tokens += num_new
             budget -= num_new
@@ -182,7 +200,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Recompute preemption: drop seq's K/V; its generated tokens stay in token_ids and
         are recomputed with the prompt when it is admitted again (at the queue's front)."""
-        self.running.remove(seq)
+        self._remove_running(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -190,6 +208,20 @@ class Scheduler:
         self.num_preemptions += 1
         _insert(self.waiting, seq)  # its rank is kept: ahead of what arrived after it
         out.preempted.append(seq)
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        uid = seq.request.adapter_uid
+        return (
+            not uid or uid in self.running_adapters or (len(self.running_adapters) < self.max_loras)
+        )
+
+    def _remove_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        uid = seq.request.adapter_uid
+        if uid:
+            self.running_adapters[uid] -= 1
+            if not self.running_adapters[uid]:
+                del self.running_adapters[uid]
 
 
 def _rank(seq: Sequence) -> tuple[int, int]:

@@ -39,6 +39,7 @@ class Sequence:
     num_preemptions: int = 0
     arrival_order: int = 0  # set by the scheduler when it is added: ties between priorities
     grammar_state: object | None = None  # owned by GrammarMasks (the request's matcher)
+    holds_adapter: bool = False  # counted among its LoRA adapter's users (PagedCore)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -58,7 +58,7 @@ class ShardGroup:
         header = torch.zeros(HEADER_SIZE, dtype=torch.long)
         header[0] = op
         if inputs is not None:
-            header[1:5] = torch.tensor(_sizes(inputs))
+            header[1:6] = torch.tensor(_sizes(inputs))
         dist.broadcast(header, 0, group=self.control)
         if payload is not None:
             dist.broadcast(payload, 0, group=self.control)
@@ -70,7 +70,7 @@ class ShardGroup:
         op = Op(int(header[0]))
         if op is not Op.STEP:
             return op, None
-        sizes = header[1:5].tolist()
+        sizes = header[1:6].tolist()
         payload = torch.empty(_payload_length(*sizes), dtype=torch.long)
         dist.broadcast(payload, 0, group=self.control)
         return op, decode(payload, *sizes)
@@ -88,33 +88,38 @@ class ShardGroup:
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
 
-def _sizes(inputs: StepInputs) -> tuple[int, int, int, int]:
-    """(tokens, entries, kept rows, block-table entries)."""
+def _sizes(inputs: StepInputs) -> tuple[int, int, int, int, int]:
+    """(tokens, entries, kept rows, block-table entries, LoRA slot writes)."""
     return (
         len(inputs.token_ids),
         len(inputs.query_lens),
         len(inputs.keep),
         sum(len(t) for t in inputs.block_tables),
+        len(inputs.lora_loads),
     )
 
 
-def _payload_length(tokens: int, entries: int, kept: int, table_entries: int) -> int:
-    return 2 * tokens + 3 * entries + kept + table_entries
+def _payload_length(tokens: int, entries: int, kept: int, table_entries: int, loads: int) -> int:
+    return 2 * tokens + 4 * entries + kept + table_entries + 2 * loads
 
 
 def encode(inputs: StepInputs) -> torch.Tensor:
-    """ids | positions | query lens | context lens | table lens | tables | keep."""
+    """ids | positions | query lens | context lens | table lens | tables | keep | LoRA slots
+    (one per entry, or none when the step has no adapter) | LoRA writes (slot, uid)."""
     flat: list[int] = [*inputs.token_ids, *inputs.positions, *inputs.query_lens]
     flat += inputs.context_lens
     flat += [len(t) for t in inputs.block_tables]
     for table in inputs.block_tables:
         flat += table
     flat += inputs.keep
+    flat += inputs.lora_slots or [-1] * len(inputs.query_lens)
+    for slot, uid in inputs.lora_loads:
+        flat += (slot, uid)
     return torch.tensor(flat, dtype=torch.long)
 
 
 def decode(
-    payload: torch.Tensor, tokens: int, entries: int, kept: int, table_entries: int
+    payload: torch.Tensor, tokens: int, entries: int, kept: int, table_entries: int, loads: int
 ) -> StepInputs:
     values = payload.tolist()
     at = 0
@@ -128,7 +133,11 @@ def decode(
     token_ids, positions = take(tokens), take(tokens)
     query_lens, context_lens, table_lens = take(entries), take(entries), take(entries)
     tables = [take(n) for n in table_lens]
-    return StepInputs(token_ids, positions, query_lens, context_lens, tables, take(kept))
+    keep, lora_slots, writes = take(kept), take(entries), take(2 * loads)
+    lora_loads = [(writes[i], writes[i + 1]) for i in range(0, 2 * loads, 2)]
+    return StepInputs(
+        token_ids, positions, query_lens, context_lens, tables, keep, lora_slots, lora_loads
+    )
 
 
 class ShardedRunner(StepRunner):

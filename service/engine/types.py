@@ -56,6 +56,10 @@ class EngineRequest:
     # an llguidance grammar the output must follow (engine/grammar.py), None: unconstrained
     grammar: str | None = None
     priority: int = 0  # lower is scheduled sooner (vLLM's convention); ties: arrival order
+    # the LoRA adapter it runs with (engine/adapters.py): its name, and its uid (0: the base
+    # model), which keys its slots and its prefix-cache blocks
+    adapter_id: str | None = None
+    adapter_uid: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,10 +26,12 @@ from .errors import ModelError
 from .hub import ResolvedModel, context_length, resolve_model
 from .quantize import check_quantize, quantize_model
 from .shard_layout import ShardLayout, shard_layout
-from .sharding import VocabSlice, install_collectives, localize, tp_plan_overrides
+from .sharding import VocabSlice, install_collectives, localize, lora_slices, tp_plan_overrides
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from .lora_layers import LoraLayers
 
 logger = logging.getLogger("textgen.models")
 
@@ -122,6 +124,14 @@ class ModelShard:
     group: object  # torch.distributed.ProcessGroup of the model's collectives
 
 
+@dataclass(frozen=True)
+class LoraSetup:
+    """LoRA slots to give the model's layers (lora_layers.py)."""
+
+    num_slots: int  # --max-loras
+    max_rank: int  # --max-lora-rank
+
+
 @dataclass
 class LoadedModel:
     resolved: ResolvedModel
@@ -135,6 +145,7 @@ class LoadedModel:
     shard: ModelShard | None = None  # this process holds one rank's slice of the model
     shard_layout: ShardLayout | None = None  # how its attention splits (sharded only)
     vocab: VocabSlice | None = None  # the vocabulary rows its lm_head projects (sharded)
+    lora: LoraLayers | None = None  # its layers' LoRA slots (--max-loras > 0)
 
 
 def load_model(
@@ -145,10 +156,12 @@ def load_model(
     cache_dir: Path | None = None,
     quantize: str | None = None,
     shard: ModelShard | None = None,
+    lora: LoraSetup | None = None,
 ) -> LoadedModel:
     """Resolve, then load model and tokenizer ready for inference; `quantize` (int8, int4,
     fp8) converts the Linear layers' weights after loading (quantize.py); `shard` loads
-    one rank's slice of a tensor-parallel model (sharding.py)."""
+    one rank's slice of a tensor-parallel model (sharding.py); `lora` wraps its decoder's
+    linear layers in LoRA slots (lora_layers.py), inside the shards' all-reduces."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = select_device(device)  # validate flags before any download or conversion
@@ -176,6 +189,12 @@ def load_model(
     params = sum(p.numel() for p in model.parameters())  # before quantizing repacks them
     if quantize is not None:
         quantize_model(model, quantize, dev)
+    lora_layers = None
+    if lora is not None:
+        from .lora_layers import LoraLayers
+
+        slices = lora_slices(model, shard.rank, shard.world_size, layout) if shard else None
+        lora_layers = LoraLayers(model, lora.num_slots, lora.max_rank, dt, dev, slices)
     vocab = None
     if shard is not None:
         vocab = install_collectives(model, shard.group, shard.rank, shard.world_size)
@@ -210,6 +229,7 @@ def load_model(
         shard=shard,
         shard_layout=layout,
         vocab=vocab,
+        lora=lora_layers,
     )
 
 

@@ -1,0 +1,258 @@
+"""LoRA adapters in the engine: a batch mixing the base model and adapters gives each
+sequence what peft's merged model generates alone, the prefix cache never serves one
+adapter's K/V to another, the scheduler keeps a step within the slots, and adapters are
+read and refused as peft wrote them."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from textgen.service.engine.adapters import AdapterRegistry, SlotTable
+from textgen.service.engine.paged_core import PagedCore
+from textgen.service.engine.runner import StepInputs
+from textgen.service.engine.shards import _sizes, decode, encode
+from textgen.service.engine.types import EngineError
+from textgen.service.models.lora import AdapterError, read_adapter
+from textgen.service.models.lora_layers import LoraLayers
+
+from .factories import (
+    VOCAB_SIZE,
+    assert_idle,
+    make_seq,
+    random_prompt,
+    reference_greedy,
+    run_to_completion,
+)
+
+# (rank, target modules): the issue's three ranks, each on other layers
+ADAPTERS = {
+    "r8": (8, ["q_proj", "v_proj"]),
+    "r16": (16, ["o_proj", "gate_proj", "down_proj"]),
+    "r64": (64, ["k_proj", "up_proj", "q_proj"]),
+}
+MAX_RANK = 64
+
+
+def make_adapter(base, folder, rank: int, targets: list[str], seed: int, **options) -> str:
+    """A random adapter saved by peft (B not zero, so it changes the output)."""
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, **options
+    )
+    model = get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tiny_llama, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: make_adapter(tiny_llama, root / name, rank, targets, seed)
+        for seed, (name, (rank, targets)) in enumerate(ADAPTERS.items())
+    }
+
+
+@pytest.fixture(scope="module")
+def merged(tiny_llama, adapter_dirs) -> dict[str | None, torch.nn.Module]:
+    """peft's own merged model per adapter (None: the base), the reference."""
+    refs = {None: tiny_llama}
+    for name, folder in adapter_dirs.items():
+        model = PeftModel.from_pretrained(copy.deepcopy(tiny_llama), folder)
+        refs[name] = model.merge_and_unload().eval()
+    return refs
+
+
+def lora_core(base, adapter_dirs, *, slots: int = 3, **options):
+    """A core over a copy of `base` with LoRA slots and every adapter of adapter_dirs."""
+    model = copy.deepcopy(base)
+    layers = LoraLayers(model, slots, MAX_RANK, torch.float32, torch.device("cpu"))
+    registry = AdapterRegistry(slots, MAX_RANK)
+    for name, folder in adapter_dirs.items():
+        registry.add(read_adapter(name, folder, layers))
+    core = PagedCore(
+        model,
+        max_batch_total_tokens=options.pop("total_tokens", 8192),
+        max_batch_prefill_tokens=options.pop("prefill_tokens", 512),
+        max_batch_size=32,
+        lora=layers,
+        adapters=registry,
+        **options,
+    )
+    return core, registry
+
+
+def with_adapter(seq, registry: AdapterRegistry, name: str | None):
+    if name is not None:
+        adapter = registry.lookup(name)
+        seq.request = replace(seq.request, adapter_id=name, adapter_uid=adapter.uid)
+    return seq
+
+
+def assert_matches_merged(merged, seqs_by_adapter):
+    for name, seq in seqs_by_adapter:
+        expected = reference_greedy(
+            merged[name], list(seq.request.prompt_ids), seq.request.stopping.max_new_tokens
+        )
+        assert seq.output_ids == expected, f"{seq.request_id} on {name or 'the base model'}"
+
+
+def test_a_batch_mixing_adapters_and_the_base_equals_each_merged_model(
+    tiny_llama, adapter_dirs, merged
+):
+    core, registry = lora_core(tiny_llama, adapter_dirs)
+    g = torch.Generator().manual_seed(3)
+    names = [None, *ADAPTERS]
+    seqs = []
+    for i in range(16):  # decodes and prefill chunks of every adapter in the same steps
+        name = names[i % 4]
+        seq = make_seq(random_prompt(3 + 11 * i, VOCAB_SIZE, g), request_id=f"s{i}")
+        seqs.append((name, with_adapter(seq, registry, name)))
+        core.add(seqs[-1][1])
+        if i % 5 == 4:
+            core.step()
+    run_to_completion(core)
+    assert_matches_merged(merged, seqs)
+    # and the adapters matter: four models, four different answers to one prompt
+    prompt = list(seqs[0][1].request.prompt_ids)
+    assert len({tuple(reference_greedy(m, prompt, 8)) for m in merged.values()}) == 4
+    assert_idle(core)
+    assert all(registry.in_use(a.uid) == 0 for a in registry.serving())
+
+
+def test_the_prefix_cache_never_serves_one_adapters_blocks_to_another(
+    tiny_llama, adapter_dirs, merged
+):
+    core, registry = lora_core(tiny_llama, adapter_dirs)
+    prompt = random_prompt(80, VOCAB_SIZE, torch.Generator().manual_seed(4))  # 5 full blocks
+    bm = core.block_manager
+    runs = []
+    for name in ["r8", "r16", None, "r8"]:
+        before = bm.prefix_hit_tokens
+        seq = with_adapter(make_seq(prompt, request_id=f"p-{name}"), registry, name)
+        core.add(seq)
+        run_to_completion(core)
+        runs.append((name, seq))
+        # only the second r8 request finds its prompt cached (the base and r16 recompute)
+        assert bm.prefix_hit_tokens - before == (64 if len(runs) == 4 else 0)
+    assert_matches_merged(merged, runs)
+    assert runs[0][1].output_ids == runs[3][1].output_ids != runs[1][1].output_ids
+
+
+def test_the_scheduler_keeps_the_running_adapters_within_the_slots(
+    tiny_llama, adapter_dirs, merged
+):
+    """One slot and three adapters: they take turns (the slot rewritten each time), in
+    arrival order, and each still equals its merged model."""
+    core, registry = lora_core(tiny_llama, adapter_dirs, slots=1)
+    g = torch.Generator().manual_seed(5)
+    seqs = []
+    for i, name in enumerate(["r8", "r16", None, "r8", "r64", "r16"]):
+        seq = make_seq(random_prompt(10 + i, VOCAB_SIZE, g), request_id=f"t{i}")
+        seqs.append((name, with_adapter(seq, registry, name)))
+        core.add(seqs[-1][1])
+    while core.has_work():
+        core.step()
+        running = {s.request.adapter_uid for s in core.scheduler.running} - {0}
+        assert len(running) <= 1
+    assert_matches_merged(merged, seqs)
+
+
+def test_an_unloaded_adapter_serves_its_running_sequences_then_goes(
+    tiny_llama, adapter_dirs, merged
+):
+    core, registry = lora_core(tiny_llama, adapter_dirs)
+    prompt = random_prompt(12, VOCAB_SIZE, torch.Generator().manual_seed(6))
+    running = with_adapter(make_seq(prompt, request_id="u1", max_new_tokens=12), registry, "r64")
+    uid = running.request.adapter_uid
+    core.add(running)
+    core.step()
+    assert registry.unload("r64") is not None
+    assert registry.lookup("r64") is None  # new requests can't name it
+    assert registry.weights(uid).name == "r64"  # the running one still reads it
+    late = make_seq(prompt, request_id="u2")
+    late.request = replace(late.request, adapter_id="r64", adapter_uid=uid)
+    with pytest.raises(EngineError, match="not loaded"):
+        core.add(late)
+    run_to_completion(core)
+    assert_matches_merged(merged, [("r64", running)])
+    with pytest.raises(KeyError):
+        registry.weights(uid)
+
+
+def test_slot_table_keeps_used_slots_and_evicts_the_least_recent():
+    table = SlotTable(2)
+    assert table.assign({7}) == ({7: 0}, [(0, 7)])
+    assert table.assign({7, 9}) == ({7: 0, 9: 1}, [(1, 9)])
+    assert table.assign({9}) == ({9: 1}, [])
+    assert table.assign({9, 4}) == ({9: 1, 4: 0}, [(0, 4)])  # 7 was the least recent
+    with pytest.raises(RuntimeError, match="2 slots"):
+        table.assign({1, 2, 3})
+
+
+def test_step_inputs_cross_to_other_shards_with_their_lora_slots():
+    inputs = StepInputs(
+        [5, 6, 7], [0, 1, 9], [2, 1], [2, 10], [[3], [4]], [1, 2], [1, -1], [(1, 42)]
+    )
+    assert decode(encode(inputs), *_sizes(inputs)) == inputs
+    plain = StepInputs([5], [0], [1], [1], [[3]], [0])
+    assert decode(encode(plain), *_sizes(plain)) == replace(plain, lora_slots=[-1])
+
+
+# reading and refusing adapters -------------------------------------------------------
+
+
+@pytest.fixture
+def layers(tiny_llama):
+    return LoraLayers(copy.deepcopy(tiny_llama), 1, 16, torch.float32, torch.device("cpu"))
+
+
+def test_a_rank_above_the_slots_is_refused(layers, adapter_dirs):
+    with pytest.raises(AdapterError, match="'r64'.*rank 64, above --max-lora-rank 16"):
+        read_adapter("r64", adapter_dirs["r64"], layers)
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"target_modules": ["lm_head"]}, "lm_head.*which is not a LoRA weight textgen serves"),
+        ({"bias": "lora_only"}, "trained biases"),
+    ],
+)
+def test_what_textgen_does_not_serve_is_refused_naming_it(
+    tiny_llama, layers, tmp_path, options, reason
+):
+    targets = options.pop("target_modules", ["q_proj"])
+    folder = make_adapter(tiny_llama, tmp_path / "a", 4, targets, 0, **options)
+    with pytest.raises(AdapterError, match=reason):
+        read_adapter("a", folder, layers)
+
+
+def test_an_adapter_of_another_base_model_is_refused(tiny_llama, layers, tmp_path):
+    folder = make_adapter(tiny_llama, tmp_path / "a", 4, ["q_proj"], 0)
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "meta-llama/Llama-3.1-8B"
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(AdapterError, match="trained on 'meta-llama/Llama-3.1-8B'.*'tiny/model'"):
+        read_adapter("a", folder, layers, base_names=("tiny/model",))
+    # the same model under another folder: its last path component
+    assert read_adapter("a", folder, layers, base_names=("/x/Llama-3.1-8B",)).rank == 4
+
+
+def test_pickled_weights_and_missing_folders_are_refused(tiny_llama, layers, tmp_path):
+    folder = make_adapter(tiny_llama, tmp_path / "a", 4, ["q_proj"], 0)
+    (tmp_path / "a" / "adapter_model.safetensors").rename(tmp_path / "a" / "adapter_model.bin")
+    with pytest.raises(AdapterError, match="found adapter_model.bin.*only safetensors"):
+        read_adapter("a", folder, layers)
+    with pytest.raises(AdapterError, match="neither an adapter folder nor a Hub repo id"):
+        read_adapter("b", str(tmp_path / "nowhere" / "x" / "y"), layers)
