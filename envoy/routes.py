@@ -39,6 +39,9 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/chat/completions", generation=True, streaming=True),
     Route("POST", "/v1/completions", generation=True, streaming=True),
     Route("POST", "/v1/responses", generation=True, streaming=True),
+    # run-time LoRA management (vLLM's routes): a Hub download may outlast a quick route
+    Route("POST", "/v1/load_lora_adapter", generation=True),
+    Route("POST", "/v1/unload_lora_adapter"),
 )
 
 

@@ -19,6 +19,7 @@ from . import __version__
 from .admission import Admission
 from .config import SettingError, Settings
 from .cpus import default_torch_threads
+from .engine.adapters import AdapterRegistry
 from .engine.compiled_decode import CompileSettings
 from .engine.cuda_graphs import GraphSettings, unavailable_reason
 from .engine.grammar import GrammarMasks
@@ -28,15 +29,26 @@ from .engine.shards import ShardGroup, agree
 from .errors import ErrorType
 from .grammar_compiler import GrammarCompiler
 from .grpc.interceptors import ApiKeyInterceptor, DecodingInterceptor
+from .grpc.lora_rpcs import LoraServing
 from .grpc.server import SERVICE_NAME, build_server, set_serving
 from .grpc.servicer import ServedModel, TextGenerationServicer
 from .models import LoadedModel, load_model
-from .models.loader import ModelShard
+from .models.loader import LoraSetup, ModelShard
+from .models.lora import AdapterError, read_adapter
 from .observability.metrics import Metrics
 from .observability.requests import RequestRecorder
 from .observability.tracing import otlp_tracer_provider, server_interceptors
 from .openai.response_store import ResponseStore
-from .preflight import check_kv_capacity, check_strategies, device_type, visible_gpus
+from .preflight import (
+    LoraPlan,
+    base_model_names,
+    check_kv_capacity,
+    check_lora,
+    check_strategies,
+    device_type,
+    model_config,
+    visible_gpus,
+)
 from .proto import text_generation_service_pb2 as svc_pb
 from .proxy import start_envoy
 from .shard_processes import (
@@ -179,6 +191,7 @@ def build_core(
     graphs: GraphSettings | None = None,
     compiled: CompileSettings | None = None,
     shards: ShardGroup | None = None,
+    adapters: AdapterRegistry | None = None,
 ) -> PagedCore:
     return PagedCore(
         loaded.model,
@@ -191,7 +204,34 @@ def build_core(
         cuda_graphs=graphs,
         compile=compiled,
         shards=shards,
+        lora=loaded.lora,
+        adapters=adapters,
     )
+
+
+def lora_plan(settings: Settings) -> LoraPlan | None:
+    """The LoRA slots to load the model with (preflight.py's rules; None: no LoRA)."""
+    if not settings.lora_adapters and not settings.max_loras:
+        return None
+    return check_lora(settings, base_model_names(settings, model_config(settings)[0]))
+
+
+def load_adapters(settings: Settings, loaded: LoadedModel, plan: LoraPlan) -> AdapterRegistry:
+    """The registry of served adapters, with --lora-adapters read and checked against the
+    loaded layers, in order (so every rank of a sharded model gives them the same uids)."""
+    registry = AdapterRegistry(plan.slots, plan.max_rank)
+    for name, source in settings.lora_adapters:
+        try:
+            registry.add(adapter_reader(loaded)(name, source))
+        except AdapterError as exc:
+            raise SettingError("--lora-adapters", f"{name}={source}", str(exc)) from None
+    return registry
+
+
+def adapter_reader(loaded: LoadedModel):
+    """(name, source) -> the adapter, read and checked for this model's layers."""
+    base_names = (loaded.resolved.model_id, str(loaded.resolved.path))
+    return functools.partial(read_adapter, layers=loaded.lora, base_names=base_names)
 
 
 # Methods that need no API key unless --auth-health-and-metrics.
@@ -263,6 +303,8 @@ def served_model(
         compile=compiled,
         arrival_gap_ms=engine.arrival_gap * 1000,
         num_shard=loaded.shard.world_size if loaded.shard else 1,
+        max_loras=loaded.lora.num_slots if loaded.lora else 0,
+        max_lora_rank=loaded.lora.max_rank if loaded.lora else 0,
     )
     if loaded.resolved.sha:
         info.model_sha = loaded.resolved.sha
@@ -278,6 +320,7 @@ async def start_replica(
     tracer provider is given or --otlp-endpoint is set. With --num-shard N > 1 it is rank 0
     of N: it starts the local shards first (shard_processes.py)."""
     world_size = num_shards(settings, device_type(settings), visible_gpus())
+    plan = await asyncio.to_thread(lora_plan, settings)
     shards = groups = None
     if world_size > 1:
         shards = ShardProcesses.start(settings, world_size)
@@ -294,9 +337,13 @@ async def start_replica(
                 "cuda:0" if world_size > 1 and device_type(settings) == "cuda" else settings.device,
                 quantize=settings.quantize,
                 shard=ModelShard(0, world_size, groups.model) if groups else None,
+                lora=LoraSetup(plan.slots, plan.max_rank) if plan else None,
             )
         )
-        return await _start_loaded(settings, loaded, tracer_provider, shards, groups)
+        adapters = None
+        if plan is not None:
+            adapters = await asyncio.to_thread(load_adapters, settings, loaded, plan)
+        return await _start_loaded(settings, loaded, tracer_provider, shards, groups, adapters)
     except BaseException:
         if shards is not None:
             await asyncio.to_thread(shards.stop, 0.0)
@@ -324,6 +371,7 @@ async def _start_loaded(
     tracer_provider: TracerProvider | None,
     shards: ShardProcesses | None,
     groups,
+    adapters: AdapterRegistry | None = None,
 ) -> Replica:
     max_input, max_total = settings.resolved_limits(loaded.max_position_embeddings)
     limits = Limits(
@@ -353,8 +401,20 @@ async def _start_loaded(
     )
     compiled = compile_settings(settings, loaded)
     graphs = cuda_graph_settings(settings, loaded, max_total)
-    core = build_core(settings, loaded, capacity, grammars, graphs, compiled, shard_group)
+    core = build_core(settings, loaded, capacity, grammars, graphs, compiled, shard_group, adapters)
     metrics = Metrics()
+    lora = None
+    if adapters is not None:
+        for adapter in adapters.serving():
+            metrics.adapter_loaded(adapter.name)
+        lora = LoraServing(
+            adapters,
+            adapter_reader(loaded) if shards is None and groups is None else None,
+            refusal="LoRA adapters can't be loaded at run time with --num-shard > 1: list them "
+            "in --lora-adapters",
+            on_load=metrics.adapter_loaded,
+            on_unload=metrics.adapter_unloaded,
+        )
     torch_threads = settings.torch_threads or default_torch_threads()
     cpus = None
     if shards is not None:  # rank 0's engine thread on its own cores, as every shard
@@ -379,7 +439,13 @@ async def _start_loaded(
     tracer = tracer_provider.get_tracer("textgen") if tracer_provider else None
     servicer = TextGenerationServicer(
         engine,
-        Validator(loaded.tokenizer, limits, grammars),
+        Validator(
+            loaded.tokenizer,
+            limits,
+            grammars,
+            adapters,
+            (loaded.resolved.model_id, str(loaded.resolved.path)),
+        ),
         served_model(
             settings,
             loaded,
@@ -394,6 +460,7 @@ async def _start_loaded(
         RequestRecorder(metrics, tracer),
         ThreadPoolExecutor(settings.validation_workers, thread_name_prefix="textgen-validation"),
         ResponseStore(int(settings.responses_store_mb * 2**20), settings.responses_store_ttl),
+        lora,
     )
     server, health, port = build_server(
         servicer,

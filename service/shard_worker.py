@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 
-from .app import KV_BLOCK_SIZE, compile_settings, cuda_graph_settings
+from .app import KV_BLOCK_SIZE, compile_settings, cuda_graph_settings, load_adapters, lora_plan
 from .config import Settings
 from .engine.block_manager import num_blocks_for_tokens
 from .engine.paged_core import build_runner
 from .engine.shards import ShardGroup, agree, follow_steps
 from .models import load_model
-from .models.loader import ModelShard
+from .models.loader import LoraSetup, ModelShard
 from .preflight import device_type
 from .shard_processes import join, leave, pin, placement
 
@@ -30,6 +30,7 @@ def run_shard(settings: Settings, rank: int, world_size: int, local_rank: int = 
     pin(place)
     groups = join(rank, world_size, settings.master_addr, settings.master_port, kind)
     try:
+        plan = lora_plan(settings)
         loaded = load_model(
             settings.model_id,
             settings.revision,
@@ -37,7 +38,10 @@ def run_shard(settings: Settings, rank: int, world_size: int, local_rank: int = 
             place.device,
             quantize=settings.quantize,
             shard=ModelShard(rank, world_size, groups.model),
+            lora=LoraSetup(plan.slots, plan.max_rank) if plan else None,
         )
+        # the same adapters in the same order as rank 0: the same uids, sliced for this rank
+        adapters = load_adapters(settings, loaded, plan) if plan else None
         _, max_total = settings.resolved_limits(loaded.max_position_embeddings)
         capacity = agree(0, groups.control)  # rank 0 sizes the pool; every rank the same
         runner = build_runner(
@@ -46,6 +50,8 @@ def run_shard(settings: Settings, rank: int, world_size: int, local_rank: int = 
             KV_BLOCK_SIZE,
             cuda_graphs=cuda_graph_settings(settings, loaded, max_total),
             compile=compile_settings(settings, loaded),
+            lora=loaded.lora,
+            adapters=adapters,
         )
         group = ShardGroup(
             rank,

@@ -253,6 +253,8 @@ class GraphedRunner(StepRunner):
 
     def graph_for(self, inputs: StepInputs) -> _DecodeGraph | None:
         """The bucket's graph when the step is a pure decode that fits one, else None."""
+        if any(slot >= 0 for slot in inputs.lora_slots):  # LoRA rows decode eagerly
+            return None
         size = decode_bucket(inputs, self._sizes)
         if size is None:  # not a pure decode, too wide, or no graphs built yet (no sizes)
             return None

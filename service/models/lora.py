@@ -82,7 +82,7 @@ def resolve_adapter(source: str) -> Path:
     if local.is_dir():
         return local.resolve()
     if local.exists() or source.startswith(("/", "./", "../", "~")) or source.count("/") > 1:
-        raise AdapterError(f"{source!r} is neither an adapter folder nor a Hub repo id")
+        raise AdapterError("is neither an adapter folder nor a Hub repo id")
     return _hub_snapshot(source)
 
 
@@ -102,14 +102,12 @@ def _hub_snapshot(repo_id: str) -> Path:
             token=os.environ.get("HF_TOKEN") or None,
         )
     except HFValidationError as exc:
-        raise AdapterError(f"{repo_id!r} is not a valid Hub repo id: {exc}") from None
+        raise AdapterError(f"is not a valid Hub repo id: {exc}") from None
     except LocalEntryNotFoundError:
         where = "offline (HF_HUB_OFFLINE=1)" if offline else "the Hub is unreachable"
-        raise AdapterError(
-            f"{repo_id} is not in the Hub cache {hub_cache_dir()} and {where}"
-        ) from None
+        raise AdapterError(f"is not in the Hub cache {hub_cache_dir()} and {where}") from None
     except HfHubHTTPError as exc:
-        raise AdapterError(f"{repo_id} could not be fetched from the Hub: {exc}") from None
+        raise AdapterError(f"could not be fetched from the Hub: {exc}") from None
     return Path(folder)
 
 

@@ -183,6 +183,8 @@ class LoraStep:
     ) -> LoraStep | None:
         """From each entry's slot (-1: none) and its tokens this step; None when no entry
         reads a slot. kernel: also the per-token tensor of the Triton path."""
+        if not entry_slots:  # laid out without adapters
+            return None
         runs: dict[int, list[tuple[int, int]]] = {}
         start = 0
         for slot, n in zip(entry_slots, query_lens, strict=True):
