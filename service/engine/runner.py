@@ -237,11 +237,15 @@ class ModelRunner(StepRunner):
         none). The runner strategies call it for the steps they run themselves."""
         if self.lora is None:
             return None
-        for slot, uid in inputs.lora_loads:
-            self.lora.write(slot, self.adapters.weights(uid))
+        self.write_adapters(inputs)
         return LoraStep.build(
             inputs.lora_slots, inputs.query_lens, self.device, kernel=self.device.type == "cuda"
         )
+
+    def write_adapters(self, inputs: StepInputs) -> None:
+        """The adapters this step puts into slots, written before its forward."""
+        for slot, uid in inputs.lora_loads:
+            self.lora.write(slot, self.adapters.weights(uid))
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

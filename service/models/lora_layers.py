@@ -67,7 +67,7 @@ class LoraLinear(torch.nn.Module):
         if torch.compiler.is_compiling():  # a compiled decode step: the op reads the step
             return y + lora_delta_op(x, self.index, self.out_features)
         step = _bound_step.get()
-        if step is None or not step.segments:
+        if step is None:
             return y
         if step.token_slots is not None:
             from .lora_triton import bgmv_delta
@@ -167,8 +167,9 @@ class LoraStep:
     """Which slot each token of a step reads.
 
     segments: (slot, rows) for each slot the step uses, rows a slice of the flattened batch
-    when they are consecutive (SGMV). token_slots: `[T]` int32 on the device, -1 for tokens
-    of the base model, for the Triton kernels (BGMV); None on CPU."""
+    when they are consecutive (SGMV). token_slots: `[T]` integers on the device, -1 for
+    tokens of the base model, for the Triton kernels (BGMV; then segments are not read);
+    None on CPU. A CUDA graph binds a step over its own static token_slots."""
 
     segments: tuple[tuple[int, Rows], ...]
     token_slots: torch.Tensor | None = None

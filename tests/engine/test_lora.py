@@ -256,3 +256,82 @@ def test_pickled_weights_and_missing_folders_are_refused(tiny_llama, layers, tmp
         read_adapter("a", folder, layers)
     with pytest.raises(AdapterError, match="neither an adapter folder nor a Hub repo id"):
         read_adapter("b", str(tmp_path / "nowhere" / "x" / "y"), layers)
+
+
+# the runner strategies and the CUDA kernel ---------------------------------------------
+
+
+def test_the_bgmv_kernel_equals_the_segment_matmuls(tiny_llama, adapter_dirs):
+    """Triton's BGMV (each token gathers its slot in place; run by the interpreter here)
+    against the torch SGMV reference, on tokens of two adapters and the base, interleaved."""
+    from textgen.service.models.lora_layers import LoraStep, segment_delta
+    from textgen.service.models.lora_triton import bgmv_delta
+
+    layers = LoraLayers(copy.deepcopy(tiny_llama), 2, MAX_RANK, torch.float32, torch.device("cpu"))
+    registry = AdapterRegistry(2, MAX_RANK)
+    for slot, name in enumerate(["r16", "r64"]):
+        layers.write(slot, registry.add(read_adapter(name, adapter_dirs[name], layers)))
+    entry_slots, query_lens = [0, -1, 1, 0, 1, -1], [1, 1, 3, 2, 1, 4]
+    step = LoraStep.build(entry_slots, query_lens, torch.device("cpu"), kernel=True)
+    g = torch.Generator().manual_seed(8)
+    for name in ["model.layers.0.mlp.up_proj", "model.layers.1.mlp.down_proj"]:
+        layer = layers.layers[name]
+        x = torch.randn(1, sum(query_lens), layer.in_features, generator=g)
+        y = torch.randn(1, sum(query_lens), layer.out_features, generator=g)
+        expected = segment_delta(layer, x, y.clone(), step.segments)
+        assert not torch.equal(expected, y)
+        torch.testing.assert_close(bgmv_delta(layer, x, y.clone(), step.token_slots), expected)
+
+
+def test_decodes_from_static_buffers_read_each_rows_slot(tiny_llama, adapter_dirs, merged):
+    """The CUDA-graph strategy's static path (on CPU without a graph): each row's slot in
+    the graph's own buffer, the deltas from the BGMV kernel, prefills eager."""
+    from textgen.service.engine.cuda_graphs import GraphSettings
+
+    graphs = GraphSettings((1, 2, 4, 8), 16, capture=False)
+    core, registry = lora_core(tiny_llama, adapter_dirs, cuda_graphs=graphs)
+    core.warm_up()
+    g = torch.Generator().manual_seed(9)
+    names = [None, *ADAPTERS, "r8", None]
+    seqs = [
+        (
+            n,
+            with_adapter(
+                make_seq(random_prompt(5 + 3 * i, VOCAB_SIZE, g), request_id=f"g{i}"), registry, n
+            ),
+        )
+        for i, n in enumerate(names)
+    ]
+    for _, seq in seqs:
+        core.add(seq)
+    run_to_completion(core)
+    assert core.runner.stats.graph_steps > 0
+    assert_matches_merged(merged, seqs)
+
+
+@pytest.mark.timeout(600)
+def test_compiled_decodes_mix_adapters_without_recompiling(tiny_llama, adapter_dirs, merged):
+    """--compile: the LoRA deltas are one opaque op in the graph, so steps of any adapters
+    run through the graphs compiled at warm-up."""
+    import torch._dynamo
+    from textgen.service.engine.compiled_decode import CompileSettings
+
+    core, registry = lora_core(tiny_llama, adapter_dirs, compile=CompileSettings((1, 2, 4)))
+    core.warm_up()
+    compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(10)
+    seqs = [
+        (
+            n,
+            with_adapter(
+                make_seq(random_prompt(6 + i, VOCAB_SIZE, g), request_id=f"c{i}"), registry, n
+            ),
+        )
+        for i, n in enumerate([None, "r8", "r16", "r64"])
+    ]
+    for _, seq in seqs:
+        core.add(seq)
+    run_to_completion(core)
+    assert core.runner.stats.compiled_steps > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
+    assert_matches_merged(merged, seqs)

@@ -107,6 +107,18 @@ def refused(path: str, body: dict):
     return probe
 
 
+def base_model(path: str, body: dict):
+    """A server without LoRA adapters takes any `model` as its base model and names the
+    base in the answer (tests/integration/test_lora.py picks adapters by it)."""
+
+    def probe(server):
+        status, out = post(server, path, body)
+        info = requests.get(f"{server.http_url}/info", timeout=30).json()
+        assert status == 200 and out["model"] == info["model_id"], out
+
+    return probe
+
+
 def checks(path: str, body: dict, predicate):
     def probe(server):
         status, out = post(server, path, body)
@@ -341,6 +353,7 @@ PROBES = {
         "watermark": refused("/generate", tgi(watermark=True)),
     },
     "ChatRequest": {
+        "model": base_model("/v1/chat/completions", chat(model="gpt-4o")),
         "frequency_penalty": differs(
             "/v1/chat/completions",
             chat(ignore_eos=True, max_tokens=32),
@@ -417,6 +430,7 @@ PROBES = {
         "top_p": differs("/v1/chat/completions", chat(**HOT), chat(**HOT, top_p=0.01)),
     },
     "ResponsesRequest": {
+        "model": base_model(RESPONSES, response(model="gpt-4o")),
         "ignore_eos": responses_ignore_eos,
         "include": checks(
             RESPONSES,
@@ -478,6 +492,7 @@ PROBES = {
         "truncation": refused(RESPONSES, response(truncation="auto")),
     },
     "CompletionRequest": {
+        "model": base_model("/v1/completions", completion(model="gpt-4o")),
         "best_of": refused("/v1/completions", completion(best_of=2)),
         "echo": checks(
             "/v1/completions",
