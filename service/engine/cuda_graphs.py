@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from . import attention
 from ..models.lora_layers import LoraStep
+from . import attention
 from .attention import BatchMetadata
 from .runner import ModelRunner, StepInputs, StepRunner, decode_bucket
 

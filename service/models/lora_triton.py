@@ -77,7 +77,7 @@ def bgmv_delta(layer, x: torch.Tensor, y: torch.Tensor, token_slots: torch.Tenso
     num_tokens = x2.shape[0]
     if num_tokens == 0:
         return y
-    slots, rank, _ = layer.a.shape
+    rank = layer.a.shape[1]
     block_r = max(16, triton.next_power_of_2(rank))
     h = torch.empty(num_tokens, block_r, dtype=torch.float32, device=x.device)
     _shrink[(num_tokens,)](
