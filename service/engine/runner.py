@@ -348,9 +348,17 @@ def lay_out(
     # Single-token queries first: they form the cheap decode groups of the attention (and
     # the padding tokens join them). Then the chunks, those that start their sequence
     # first. Each kind runs largest first, so that the attention can cut a run into groups
-    # where sizes fall far apart (attention.py, `_split_run`).
+    # where sizes fall far apart (attention.py, `_split_run`). With LoRA adapters, the
+    # decodes of one adapter run together (largest first within it): each adapter's rows
+    # are then one slice of the batch for the LoRA matmuls, not gathered and scattered.
     decodes = [e for e in batch.scheduled if e[1] == 1]
-    decodes.sort(key=attention_size, reverse=True)
+    if slots:
+        decodes.sort(
+            key=lambda e: (slots.get(e[0].request.adapter_uid, -1), attention_size(e)),
+            reverse=True,
+        )
+    else:
+        decodes.sort(key=attention_size, reverse=True)
     chunks = [e for e in batch.scheduled if e[1] > 1]
     chunks.sort(
         key=lambda entry: (entry[0].num_computed_tokens == 0, attention_size(entry)),

@@ -335,3 +335,40 @@ def test_compiled_decodes_mix_adapters_without_recompiling(tiny_llama, adapter_d
     assert core.runner.stats.compiled_steps > 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
     assert_matches_merged(merged, seqs)
+
+
+def test_adapters_serve_over_quantized_layers(tiny_llama, adapter_dirs):
+    """--quantize: the base layers int8 (torch's CPU kernel, in bfloat16), the adapters in
+    the model's dtype beside them: each layer adds its delta to the quantized product."""
+    from textgen.service.models.lora_layers import LoraStep, bound_lora
+    from textgen.service.models.quantize import Int8Linear, quantize_model
+
+    model = copy.deepcopy(tiny_llama).to(torch.bfloat16)
+    quantize_model(model, "int8", torch.device("cpu"))
+    layers = LoraLayers(model, 1, MAX_RANK, torch.bfloat16, torch.device("cpu"))
+    registry = AdapterRegistry(1, MAX_RANK)
+    adapter = registry.add(read_adapter("r16", adapter_dirs["r16"], layers))
+    layers.write(0, adapter)
+    layer = layers.layers["model.layers.1.mlp.down_proj"]
+    assert isinstance(layer.base, Int8Linear)
+    x = torch.randn(1, 3, layer.in_features, dtype=torch.bfloat16)
+    a, b = adapter.layers["model.layers.1.mlp.down_proj"]
+    with bound_lora(LoraStep.build([0], [3], torch.device("cpu"))):
+        out = layer(x)
+    torch.testing.assert_close(out, layer.base(x) + (x @ a.T) @ b)
+    core = PagedCore(
+        model,
+        max_batch_total_tokens=1024,
+        max_batch_prefill_tokens=256,
+        max_batch_size=8,
+        lora=layers,
+        adapters=registry,
+    )
+    prompt = random_prompt(9, VOCAB_SIZE, torch.Generator().manual_seed(11))
+    seqs = [
+        with_adapter(make_seq(prompt, request_id=n or "base"), registry, n) for n in (None, "r16")
+    ]
+    for seq in seqs:
+        core.add(seq)
+    run_to_completion(core)
+    assert seqs[0].output_ids != seqs[1].output_ids
