@@ -304,3 +304,31 @@ def test_metrics_count_requests_by_loaded_adapter(server):
     assert 'textgen_lora_requests_total{adapter="r8"}' in text
     assert 'textgen_lora_generated_tokens_total{adapter="r64"}' in text
     assert 'adapter="late"' not in text  # unloaded: its series went with it
+
+
+def test_bench_prices_the_adapters_against_the_base(tiny_model_dir, adapter_dirs, tmp_path):
+    """`textgen bench --adapters`: the same load spread over the adapters, its tok/s over
+    the base model's load (alternating rounds, the median ratio)."""
+    import argparse
+
+    from textgen.service.bench import add_bench_arguments, run
+
+    pairs = tuple((n, adapter_dirs[n]) for n in ("r8", "r16"))
+    server = ServerThread(tiny_settings(tiny_model_dir, lora_adapters=pairs)).start()
+    try:
+        parser = argparse.ArgumentParser()
+        add_bench_arguments(parser)
+        out = tmp_path / "report.json"
+        args = parser.parse_args(
+            ["--target", server.target, "--concurrency", "4", "--max-new-tokens", "6",
+             "--ignore-eos", "--adapters", "r8,r16", "--rounds", "2", "--json", str(out)]
+        )  # fmt: skip
+        assert run(args) == 0
+        stats = server.replica.servicer.recorder.metrics
+        served = {n: stats.lora_requests.labels(n)._value.get() for n in ("r8", "r16")}
+    finally:
+        server.stop()
+    lora = json.loads(out.read_text())["lora"]
+    assert lora["adapters"] == ["r8", "r16"] and lora["errors"] == 0
+    assert lora["output_tokens"] == 4 * 6 and len(lora["ratios"]) == 2
+    assert served["r8"] >= 4 and served["r16"] >= 4  # two loads and their warm-ups, halved
