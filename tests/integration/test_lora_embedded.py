@@ -47,7 +47,7 @@ def adapters(embedded_dir, tmp_path_factory) -> dict[str, str]:
                 if ".lora_A." in param_name:
                     param.normal_(0, param.shape[1] ** -0.5)
                 elif ".lora_B." in param_name:
-                    param.normal_(0, 0.02)
+                    param.normal_(0, 0.04)
         model.save_pretrained(root / name)
         base = model.unload()
         folders[name] = str(root / name)
@@ -110,7 +110,8 @@ def ask(target: str, tokenizer, name: str | None, prompt: str) -> list[int]:
 
 def test_each_adapter_alone_and_mixed_equals_pefts_merged_model(server, expected, embedded_dir):
     tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
-    assert len({tuple(t) for t in expected.values()}) == len(expected), "adapters must matter"
+    for name in ADAPTERS:  # each adapter changes some answer
+        assert any(expected[name, p] != expected[None, p] for p in PROMPTS), name
     for name, prompt in expected:  # alone, one after another
         assert ask(server, tokenizer, name, prompt) == expected[name, prompt], (name, prompt)
     with cf.ThreadPoolExecutor(len(expected)) as pool:  # all at once
