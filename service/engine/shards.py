@@ -105,7 +105,7 @@ def _payload_length(tokens: int, entries: int, kept: int, table_entries: int, lo
 
 def encode(inputs: StepInputs) -> torch.Tensor:
     """ids | positions | query lens | context lens | table lens | tables | keep | LoRA slots
-    (one per entry, or none when the step has no adapter) | LoRA writes (slot, uid)."""
+    (one per entry, -1: none) | LoRA writes (slot, uid)."""
     flat: list[int] = [*inputs.token_ids, *inputs.positions, *inputs.query_lens]
     flat += inputs.context_lens
     flat += [len(t) for t in inputs.block_tables]
