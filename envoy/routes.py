@@ -58,6 +58,9 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/responses/{response_id}"),
     Route("DELETE", "/v1/responses/{response_id}"),
     Route("GET", "/v1/responses/{response_id}/input_items"),
+    # run-time LoRA management (vLLM's routes): a Hub download may outlast a quick route
+    Route("POST", "/v1/load_lora_adapter", generation=True),
+    Route("POST", "/v1/unload_lora_adapter"),
 )
 
 

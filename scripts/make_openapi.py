@@ -5,7 +5,7 @@ routes Envoy serves (textgen.envoy.config.ROUTES; tests/integration/test_fuzz.py
 match), with TGI's request and response schemas kept and adjusted where textgen differs:
 
 - TGI routes: `GenerateParameters` gains presence_penalty, logit_bias, ignore_eos and
-  max_time, loses adapter_id, and states the bounds validation enforces; `grammar`
+  max_time, and states the bounds validation enforces; `grammar`
   (json / json_schema / regex) constrains the output; responses carry
   `details.input_length` and `details.timings`; a seed is a JSON number (it is echoed
   as a double); `finish_reason` may be `time_limit`; a stream may end with an in-band
@@ -141,9 +141,9 @@ def generate_parameters(tgi: dict) -> dict:
     props["adapter_id"] = {
         "type": "string",
         "nullable": True,
-        "maxLength": 0,
-        "description": "TGI's LoRA adapter id. No adapters are served: a non-empty id is"
-        " refused with 422.",
+        "description": "TGI's LoRA adapter id: a served adapter's name (GET /info lists them)"
+        " or the base model's id; unset or empty: the base model. Any other name is refused"
+        " with 422.",
     }
     desc = {k: v.get("description", "") for k, v in props.items()}
     props["best_of"] = _bounded(
@@ -442,6 +442,11 @@ def tgi_schemas(tgi: dict) -> dict:
             "Steps with more running sequences than this don't speculate "
             + "(--speculate-max-batch).",
         ),
+        "max_loras": (
+            "integer",
+            "LoRA adapters resident at once (--max-loras): the most one batch mixes; 0: no LoRA.",
+        ),
+        "max_lora_rank": ("integer", "The largest LoRA rank served (--max-lora-rank)."),
     }
     for name, (kind, description) in ours.items():
         info["properties"][name] = {"type": kind, "description": description}
@@ -449,6 +454,13 @@ def tgi_schemas(tgi: dict) -> dict:
             info["properties"][name]["minimum"] = 0
         if name not in ("quantize", "speculate_model"):  # proto3 `optional`: absent when unset
             info["required"].append(name)
+    info["properties"]["lora_adapters"] = {
+        "type": "array",
+        "items": {"type": "string"},
+        "description": "The LoRA adapters served beside the base model, by the names requests"
+        " give them (`adapter_id`, OpenAI's `model`), in load order.",
+    }
+    info["required"].append("lora_adapters")
     info["properties"]["router"]["example"] = "textgen"
     s["Info"] = info
     return s
@@ -549,7 +561,9 @@ def _openai_sampling() -> dict:
         "model": {
             "type": "string",
             "nullable": True,
-            "description": f"{COMPATIBILITY_ONLY} One model is served.",
+            "description": "A served LoRA adapter's name (GET /v1/models lists them), or the"
+            " base model (its id, `tgi`, or unset). When the server serves no adapter, any"
+            " name means the base model; when it does, another name is refused with 422.",
         },
         "user": {
             "type": "string",
@@ -669,6 +683,44 @@ def openai_schemas(tgi: dict) -> dict:
     }
     s["Usage"]["required"].append("prompt_tokens_details")
     s["ModelInfo"] = copy.deepcopy(tgi["ModelInfo"])
+    s["ModelInfo"]["properties"]["root"] = {
+        "type": "string",
+        "description": "What it was loaded from: the base model's id, or a LoRA adapter's"
+        " folder or Hub id (vLLM's field).",
+    }
+    s["ModelInfo"]["properties"]["parent"] = {
+        "type": "string",
+        "description": "A LoRA adapter's base model (vLLM's field); absent for the base.",
+    }
+    s["LoadLoraAdapterRequest"] = {
+        "type": "object",
+        "required": ["lora_name", "lora_path"],
+        "properties": {
+            "lora_name": {"type": "string", "description": "The name requests will give it."},
+            "lora_path": {
+                "type": "string",
+                "description": "A folder made by peft (adapter_config.json,"
+                " adapter_model.safetensors) or a Hub id.",
+            },
+        },
+    }
+    s["UnloadLoraAdapterRequest"] = {
+        "type": "object",
+        "required": ["lora_name"],
+        "properties": {"lora_name": {"type": "string", "description": "The adapter's name."}},
+    }
+    s["LoraAdapterResponse"] = {
+        "type": "object",
+        "required": ["message", "lora_adapters"],
+        "properties": {
+            "message": {"type": "string", "description": "What was done, for people."},
+            "lora_adapters": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "The adapters served after it, by name.",
+            },
+        },
+    }
     s["ModelList"] = {
         "type": "object",
         "required": ["object", "data"],
@@ -1951,11 +2003,38 @@ def paths(tgi_paths: dict) -> dict:
                 "/v1/models",
                 "get",
                 summary="The served models (OpenAI's list)",
-                ok=ok("The served model", {json_: ref("ModelList")}),
+                ok=ok(
+                    "The base model and every LoRA adapter served",
+                    {json_: ref("ModelList")},
+                ),
                 errors=QUICK_ERRORS,
             )
         },
         **stored_response_paths(tgi_paths, ok),
+        "/v1/load_lora_adapter": {
+            "post": operation(
+                tgi_paths,
+                "/v1/load_lora_adapter",
+                "post",
+                summary="Load a LoRA adapter at run time (vLLM's route; needs LoRA slots:"
+                " --lora-adapters or --max-loras)",
+                request="LoadLoraAdapterRequest",
+                ok=ok("The adapter is served", {json_: ref("LoraAdapterResponse")}),
+                errors=BODY_ERRORS,
+            )
+        },
+        "/v1/unload_lora_adapter": {
+            "post": operation(
+                tgi_paths,
+                "/v1/unload_lora_adapter",
+                "post",
+                summary="Stop serving a LoRA adapter (vLLM's route); its running requests"
+                " finish with it",
+                request="UnloadLoraAdapterRequest",
+                ok=ok("The adapter is no longer served", {json_: ref("LoraAdapterResponse")}),
+                errors=BODY_ERRORS,
+            )
+        },
     }
 
 

@@ -50,11 +50,14 @@ from ._generated.textgen.v1 import (
     InfoResponse,
     ListModelsRequest,
     ListModelsResponse,
+    LoadLoraAdapterRequest,
+    LoraAdapterResponse,
     MetricsRequest,
     Model,
     SimpleToken,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoraAdapterRequest,
 )
 from .errors import (
     TextGenError,
@@ -103,6 +106,8 @@ class _Stubs:
         self.chat_completions = stream("ChatCompletions", HttpBody)
         self.completions = stream("Completions", HttpBody)
         self.responses = stream("Responses", HttpBody)
+        self.load_lora_adapter = unary("LoadLoraAdapter", LoraAdapterResponse)
+        self.unload_lora_adapter = unary("UnloadLoraAdapter", LoraAdapterResponse)
 
 
 def _channel_options(
@@ -307,6 +312,29 @@ class _BaseClient:
         """The served models (OpenAI's `/v1/models` data)."""
         rpc = self._rpc(self._stubs.list_models, ListModelsRequest(), timeout, metadata)
         return self._unary(rpc, then=lambda response: response.data)
+
+    def load_lora_adapter(
+        self,
+        name: str,
+        path: str,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+    ) -> list[str]:
+        """Serve the LoRA adapter at `path` (a peft folder or a Hub id) as `name`; -> the
+        adapters served now."""
+        request = LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        rpc = self._rpc(self._stubs.load_lora_adapter, request, timeout, metadata)
+        return self._unary(rpc, then=lambda response: response.lora_adapters)
+
+    def unload_lora_adapter(
+        self, name: str, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> list[str]:
+        """Stop serving the LoRA adapter `name` (its running requests finish with it);
+        -> the adapters served now."""
+        request = UnloadLoraAdapterRequest(lora_name=name)
+        rpc = self._rpc(self._stubs.unload_lora_adapter, request, timeout, metadata)
+        return self._unary(rpc, then=lambda response: response.lora_adapters)
 
     def chat_completions(
         self,
@@ -589,6 +617,19 @@ class AsyncClient(_BaseClient):
             metadata: Metadata | None = None,
         ) -> dict[str, Any]: ...
 
+        async def load_lora_adapter(  # type: ignore[override]
+            self,
+            name: str,
+            path: str,
+            *,
+            timeout: float | None = None,
+            metadata: Metadata | None = None,
+        ) -> list[str]: ...
+
+        async def unload_lora_adapter(  # type: ignore[override]
+            self, name: str, *, timeout: float | None = None, metadata: Metadata | None = None
+        ) -> list[str]: ...
+
         def responses_stream(  # type: ignore[override]
             self,
             body: Mapping[str, Any],
@@ -608,6 +649,8 @@ class AsyncClient(_BaseClient):
         chat_completions = _coroutine_function(_BaseClient.chat_completions)
         completions = _coroutine_function(_BaseClient.completions)
         responses = _coroutine_function(_BaseClient.responses)
+        load_lora_adapter = _coroutine_function(_BaseClient.load_lora_adapter)
+        unload_lora_adapter = _coroutine_function(_BaseClient.unload_lora_adapter)
 
     async def _unary(
         self, rpc: _Rpc, *, then: Callable[[Any], Any] = _same, on_unavailable: Any = _RAISE

@@ -41,6 +41,7 @@ class GenerateOptions(TypedDict, total=False):
     grammar: Grammar | Mapping[str, Any] | None
     ignore_eos: bool
     max_time: float | None
+    adapter_id: str | None
 
 
 def generate_parameters(
@@ -66,12 +67,14 @@ def generate_parameters(
     grammar: Grammar | Mapping[str, Any] | None = None,
     ignore_eos: bool = False,
     max_time: float | None = None,
+    adapter_id: str | None = None,
 ) -> GenerateParameters:
     """The `GenerateParameters` message for TGI-style keyword arguments.
 
     `details` defaults to True, as TGI's client always asks for them. `stop` is a
     list of strings (a lone string counts as one stop sequence). `grammar` is a
     `Grammar` or TGI's dict, e.g. `{"type": "json", "value": {...schema...}}`.
+    `adapter_id` names a LoRA adapter the server serves (None: the base model).
     """
     return GenerateParameters(
         max_new_tokens=max_new_tokens,
@@ -95,6 +98,7 @@ def generate_parameters(
         grammar=_grammar(grammar),
         ignore_eos=ignore_eos,
         max_time=max_time,
+        adapter_id=adapter_id,
     )
 
 

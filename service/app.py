@@ -20,6 +20,7 @@ from .admission import Admission
 from .build_info import source_commit
 from .config import DEFAULT_MAX_TOTAL_TOKENS, SettingError, Settings
 from .cpus import default_torch_threads
+from .engine.adapters import AdapterRegistry
 from .engine.block_manager import num_blocks_for_tokens
 from .engine.compiled_decode import CompileSettings
 from .engine.cuda_graphs import GraphSettings, unavailable_reason
@@ -32,20 +33,26 @@ from .engine.speculation import SpeculationSettings
 from .errors import ErrorType
 from .grammar_compiler import GrammarCompiler
 from .grpc.interceptors import ApiKeyInterceptor, DecodingInterceptor
+from .grpc.lora_rpcs import LoraServing
 from .grpc.server import SERVICE_NAME, build_server, set_serving
 from .grpc.servicer import ServedModel, TextGenerationServicer
 from .models import LoadedModel, load_model
 from .models.compile_cache import compile_cache_dir
-from .models.loader import LoadOptions, ModelShard
+from .models.loader import LoadOptions, LoraSetup, ModelShard
+from .models.lora import AdapterError, read_adapter
 from .observability.metrics import Metrics, MetricsListener
 from .observability.requests import RequestRecorder
 from .observability.tracing import otlp_tracer_provider, server_interceptors
 from .openai.response_store import ResponseStore
 from .preflight import (
+    LoraPlan,
+    base_model_names,
     chat_template_of,
     check_kv_capacity,
+    check_lora,
     check_strategies,
     device_type,
+    model_config,
     visible_gpus,
 )
 from .proto import text_generation_service_pb2 as svc_pb
@@ -264,6 +271,7 @@ def build_core(
     compiled: CompileSettings | None = None,
     shards: ShardGroup | None = None,
     draft: LoadedModel | None = None,
+    adapters: AdapterRegistry | None = None,
 ) -> PagedCore:
     proposer = None
     if draft is not None:  # a pool of its own, as many blocks as the model's
@@ -288,6 +296,8 @@ def build_core(
         custom_kernels=not settings.disable_custom_kernels,
         speculation=speculation_settings(settings),
         proposer=proposer,
+        lora=loaded.lora,
+        adapters=adapters,
     )
 
 
@@ -310,6 +320,31 @@ def cap_cuda_memory(settings: Settings, device: str) -> None:
         torch.cuda.set_per_process_memory_fraction(
             settings.cuda_memory_fraction, index if index is not None else 0
         )
+
+
+def lora_plan(settings: Settings) -> LoraPlan | None:
+    """The LoRA slots to load the model with (preflight.py's rules; None: no LoRA)."""
+    if not settings.lora_adapters and not settings.max_loras:
+        return None
+    return check_lora(settings, base_model_names(settings, model_config(settings)[0]))
+
+
+def load_adapters(settings: Settings, loaded: LoadedModel, plan: LoraPlan) -> AdapterRegistry:
+    """The registry of served adapters, with --lora-adapters read and checked against the
+    loaded layers, in order (so every rank of a sharded model gives them the same uids)."""
+    registry = AdapterRegistry(plan.slots, plan.max_rank)
+    for name, source in settings.lora_adapters:
+        try:
+            registry.add(adapter_reader(loaded)(name, source))
+        except AdapterError as exc:
+            raise SettingError("--lora-adapters", f"{name}={source}", str(exc)) from None
+    return registry
+
+
+def adapter_reader(loaded: LoadedModel):
+    """(name, source) -> the adapter, read and checked for this model's layers."""
+    base_names = (loaded.resolved.model_id, str(loaded.resolved.path))
+    return functools.partial(read_adapter, layers=loaded.lora, base_names=base_names)
 
 
 # Methods that need no API key unless --auth-health-and-metrics.
@@ -383,6 +418,8 @@ def served_model(
         num_shard=loaded.shard.world_size if loaded.shard else 1,
         speculate=settings.speculate,
         speculate_max_batch=settings.speculate_max_batch,
+        max_loras=loaded.lora.num_slots if loaded.lora else 0,
+        max_lora_rank=loaded.lora.max_rank if loaded.lora else 0,
     )
     if loaded.resolved.sha:
         info.model_sha = loaded.resolved.sha
@@ -403,6 +440,7 @@ async def start_replica(
     tracer provider is given or --otlp-endpoint is set. With --num-shard N > 1 it is rank 0
     of N: it starts the local shards first (shard_processes.py)."""
     world_size = num_shards(settings, device_type(settings), visible_gpus())
+    plan = await asyncio.to_thread(lora_plan, settings)
     shards = groups = None
     if world_size > 1:
         shards = ShardProcesses.start(settings, world_size)
@@ -422,9 +460,13 @@ async def start_replica(
                 quantize=settings.quantize,
                 shard=ModelShard(0, world_size, groups.model) if groups else None,
                 options=load_options(settings),
+                lora=LoraSetup(plan.slots, plan.max_rank) if plan else None,
             )
         )
-        return await _start_loaded(settings, loaded, tracer_provider, shards, groups)
+        adapters = None
+        if plan is not None:
+            adapters = await asyncio.to_thread(load_adapters, settings, loaded, plan)
+        return await _start_loaded(settings, loaded, tracer_provider, shards, groups, adapters)
     except BaseException:
         if shards is not None:
             await asyncio.to_thread(shards.stop, 0.0)
@@ -452,6 +494,7 @@ async def _start_loaded(
     tracer_provider: TracerProvider | None,
     shards: ShardProcesses | None,
     groups,
+    adapters: AdapterRegistry | None = None,
 ) -> Replica:
     context = loaded.max_position_embeddings
     capacity = kv_capacity_tokens(settings, loaded, kv_floor(settings, context))
@@ -487,8 +530,22 @@ async def _start_loaded(
     compiled = compile_settings(settings, loaded)
     graphs = cuda_graph_settings(settings, loaded, max_total)
     draft = await in_own_thread(load_draft, settings, loaded)
-    core = build_core(settings, loaded, capacity, grammars, graphs, compiled, shard_group, draft)
+    core = build_core(
+        settings, loaded, capacity, grammars, graphs, compiled, shard_group, draft, adapters
+    )
     metrics = Metrics()
+    lora = None
+    if adapters is not None:
+        for adapter in adapters.serving():
+            metrics.adapter_loaded(adapter.name)
+        lora = LoraServing(
+            adapters,
+            adapter_reader(loaded) if shards is None and groups is None else None,
+            refusal="LoRA adapters can't be loaded at run time with --num-shard > 1: list them "
+            "in --lora-adapters",
+            on_load=metrics.adapter_loaded,
+            on_unload=metrics.adapter_unloaded,
+        )
     torch_threads = settings.torch_threads or default_torch_threads()
     cpus = None
     if shards is not None:  # rank 0's engine thread on its own cores, as every shard
@@ -513,8 +570,14 @@ async def _start_loaded(
     tracer = tracer_provider.get_tracer("textgen") if tracer_provider else None
     servicer = TextGenerationServicer(
         engine,
-        # --disable-grammar-support: no compiler, so requests with a grammar are refused
-        Validator(loaded.tokenizer, limits, None if settings.disable_grammar_support else grammars),
+        Validator(
+            loaded.tokenizer,
+            limits,
+            # --disable-grammar-support: no compiler, so requests with a grammar are refused
+            None if settings.disable_grammar_support else grammars,
+            adapters,
+            (loaded.resolved.model_id, str(loaded.resolved.path)),
+        ),
         served_model(
             settings,
             loaded,
@@ -529,6 +592,7 @@ async def _start_loaded(
         RequestRecorder(metrics, tracer),
         ThreadPoolExecutor(settings.validation_workers, thread_name_prefix="textgen-validation"),
         ResponseStore(int(settings.responses_store_mb * 2**20), settings.responses_store_ttl),
+        lora,
     )
     server, health, port = build_server(
         servicer,

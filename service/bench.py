@@ -5,7 +5,8 @@ token and inter-token latency percentiles, as a table and as JSON. In the same r
 after the served load and on the same prompts, `--core` measures the engine core alone
 and `--baseline` plain transformers (bench_baselines.py), and the report gives the
 served figures as ratios of theirs. `--compare-serve-args` prices a server flag: a second
-server with it, loads alternating between the two.
+server with it, loads alternating between the two; `--adapters` prices LoRA: the same load
+with its streams spread over the server's adapters, against the base model's.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Report:
     core: dict | None = None  # --core: the engine core alone, and served / core
     constrained: dict | None = None  # --grammar: the same load with the grammar, and the ratio
     compared: dict | None = None  # --compare-serve-args: the second server's load, and the ratio
+    lora: dict | None = None  # --adapters: the load spread over them, and the ratio to the base
     # --serve: the server's resident memory after the load, and its peak (Linux /proc)
     server_rss_mib: float | None = None
     # --serve: the server process's CPU time over the load (user + system, all threads), and
@@ -90,24 +92,33 @@ async def _drain(call) -> None:
 
 
 def _request(
-    prompt: str, max_new_tokens: int, ignore_eos: bool, grammar: dict | None, sampling: dict
+    prompt: str,
+    max_new_tokens: int,
+    ignore_eos: bool,
+    grammar: dict | None,
+    sampling: dict,
+    adapter: str | None = None,
 ):
     from google.protobuf import json_format
     from textgen.service.proto import generate_pb2 as pb
 
     params = pb.GenerateParameters(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, **sampling)
+    if adapter is not None:
+        params.adapter_id = adapter
     if grammar is not None:
         params.grammar.type = grammar["type"]
         json_format.ParseDict(grammar["value"], params.grammar.value)
     return pb.GenerateRequest(inputs=prompt, parameters=params)
 
 
-async def _one(stub, prompt: str, args, progress, grammar: dict | None) -> RequestResult:
+async def _one(
+    stub, prompt: str, args, progress, grammar: dict | None, adapter: str | None = None
+) -> RequestResult:
     import grpc
 
     result = RequestResult()
     request = _request(
-        prompt, args.max_new_tokens, args.ignore_eos, grammar, sampling_options(args)
+        prompt, args.max_new_tokens, args.ignore_eos, grammar, sampling_options(args), adapter
     )
     start = last = time.perf_counter()
     try:
@@ -131,18 +142,21 @@ async def _one(stub, prompt: str, args, progress, grammar: dict | None) -> Reque
     return result
 
 
-async def run_load(args, prompts: list[str], grammar: dict | None = None) -> Report:
+async def run_load(
+    args, prompts: list[str], grammar: dict | None = None, adapters: list[str] | None = None
+) -> Report:
     """The load, on grpc.aio with the server's own protobuf classes (upb: a fraction of a
     microsecond per message, where betterproto2 takes ~10 us): the client shares the CPU
-    with the server it measures, so it takes as little of it as it can."""
+    with the server it measures, so it takes as little of it as it can. `adapters`: request
+    i asks for adapters[i % len] (LoRA)."""
     import grpc
     from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
     from tqdm import tqdm
 
     n = args.requests or args.concurrency
     work = asyncio.Queue()
-    for prompt in distinct_prompts(prompts, n):
-        work.put_nowait(prompt)
+    for i, prompt in enumerate(distinct_prompts(prompts, n)):
+        work.put_nowait((prompt, adapters[i % len(adapters)] if adapters else None))
     results: list[RequestResult] = []
     async with grpc.aio.insecure_channel(args.target) as channel:
         stub = svc_grpc.TextGenerationServiceStub(channel)
@@ -150,8 +164,15 @@ async def run_load(args, prompts: list[str], grammar: dict | None = None) -> Rep
         # connection's flow-control windows), so that the measured load, and a --grammar
         # or --core run after it, all start from a warm server
         warm = [
-            _request(prompt, WARM_UP_TOKENS, True, grammar, sampling_options(args))
-            for prompt in distinct_prompts(prompts, args.concurrency)
+            _request(
+                prompt,
+                WARM_UP_TOKENS,
+                True,
+                grammar,
+                sampling_options(args),
+                adapters[i % len(adapters)] if adapters else None,
+            )
+            for i, prompt in enumerate(distinct_prompts(prompts, args.concurrency))
         ]
         await asyncio.gather(*(_drain(stub.GenerateStream(r, timeout=args.timeout)) for r in warm))
         with tqdm(
@@ -164,7 +185,8 @@ async def run_load(args, prompts: list[str], grammar: dict | None = None) -> Rep
 
             async def worker() -> None:
                 while not work.empty():
-                    results.append(await _one(stub, work.get_nowait(), args, progress, grammar))
+                    prompt, adapter = work.get_nowait()
+                    results.append(await _one(stub, prompt, args, progress, grammar, adapter))
 
             before = await _speculation_counters(stub)
             pid = getattr(args, "server_pid", None)
@@ -418,6 +440,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "constrained/unconstrained ratio",
     )
     parser.add_argument(
+        "--adapters",
+        default=None,
+        help="comma-separated LoRA adapters the server serves: the load runs again with its "
+        "requests spread over them (round robin), and the report gives its tok/s over the "
+        "base model's (with --rounds: alternating, the median ratio)",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -459,6 +488,8 @@ def run(args: argparse.Namespace) -> int:
         report = asyncio.run(run_load(args, prompts))
         if args.grammar:
             report.constrained = _constrained_rounds(args, prompts, report)
+        if args.adapters:
+            report.lora = _adapter_rounds(args, prompts, report)
         if args.compare_serve_args:
             report.compared = _compared_rounds(
                 args, prompts, report, compared_target, servers[-1].pid
@@ -478,6 +509,14 @@ def run(args: argparse.Namespace) -> int:
             f"constrained ({args.grammar}): {c['output_tokens_per_s']:.1f} tok/s, "
             f"TTFT p50 {c['ttft_p50_ms']:.0f} ms, ITL p50 {c['itl_p50_ms']:.0f} ms, "
             f"errors {c['errors']}; constrained / unconstrained = {c['over_unconstrained']}"
+            + (f" (median of {c['ratios']})" if len(c["ratios"]) > 1 else "")
+        )
+    if report.lora:
+        c = report.lora
+        print(
+            f"over adapters {c['adapters']}: {c['output_tokens_per_s']:.1f} tok/s, "
+            f"ITL p50 {c['itl_p50_ms']:.0f} ms, errors {c['errors']}; "
+            f"adapters / base = {c['over_base']}"
             + (f" (median of {c['ratios']})" if len(c["ratios"]) > 1 else "")
         )
     if report.compared:
@@ -502,7 +541,11 @@ def run(args: argparse.Namespace) -> int:
             )
     if args.json:
         Path(args.json).write_text(json.dumps(asdict(report), indent=2))
-    failed = [report.errors, (report.constrained or {}).get("errors")]
+    failed = [
+        report.errors,
+        (report.constrained or {}).get("errors"),
+        (report.lora or {}).get("errors"),
+    ]
     return 1 if any(failed) or (report.compared or {}).get("errors") else 0
 
 
@@ -631,6 +674,24 @@ def _constrained_rounds(args, prompts: list[str], first: Report) -> dict:
         **asdict(constrained),
         "ratios": ratios,
         "over_unconstrained": statistics.median(ratios),
+    }
+
+
+def _adapter_rounds(args, prompts: list[str], first: Report) -> dict:
+    """The load spread over --adapters, alternating with base loads for --rounds rounds,
+    each compared with the base load just before it; the median ratio."""
+    adapters = [a.strip() for a in args.adapters.split(",") if a.strip()]
+    base, ratios, spread = first, [], None
+    for round_ in range(args.rounds):
+        if round_:
+            base = asyncio.run(run_load(args, prompts))
+        spread = asyncio.run(run_load(args, prompts, adapters=adapters))
+        ratios.append(round(spread.output_tokens_per_s / base.output_tokens_per_s, 3))
+    return {
+        **asdict(spread),
+        "adapters": adapters,
+        "ratios": ratios,
+        "over_base": statistics.median(ratios),
     }
 
 

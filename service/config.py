@@ -252,6 +252,29 @@ def optional_port(text: str) -> int | None:
     return port_number(text) if text.strip() else None
 
 
+_ADAPTER_NAME = re.compile(r"^[\w.\-/:@]+$")
+
+
+def lora_adapter_list(text: str) -> tuple[tuple[str, str], ...]:
+    """TGI's `--lora-adapters`: comma-separated `id` (a Hub id or a folder, also its name)
+    or `name=path`; -> ((name, source), ...). Empty: none."""
+    adapters: list[tuple[str, str]] = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, source = item.partition("=")
+        name, source = name.strip(), source.strip() if sep else name.strip()
+        if not name or not source:
+            raise ValueError(f"{item!r}: use `id` or `name=path`")
+        if not _ADAPTER_NAME.match(name):
+            raise ValueError(f"adapter name {name!r}: letters, digits and . _ - / : @ only")
+        if any(name == n for n, _ in adapters):
+            raise ValueError(f"adapter name {name!r} is given twice")
+        adapters.append((name, source))
+    return tuple(adapters)
+
+
 def otlp_url(text: str) -> str | None:
     value = optional_text(text)
     if value is not None and not re.match(r"^(https?://)?[\w.\-\[\]:]+:\d+/?$", value):
@@ -347,6 +370,28 @@ class Settings:
         "shards this server starts itself, ranks 0..N-1 (default: all of --num-shard); the "
         "others are started elsewhere with `textgen shard --rank R` (several hosts)",
         optional_positive_int,
+    )
+    lora_adapters: tuple[tuple[str, str], ...] = option(
+        (),
+        "LoRA adapters served beside the base model, comma-separated `id` (a Hub id or a "
+        "folder made by peft) or `name=path`; a request picks one by name (TGI's "
+        "`adapter_id`, OpenAI's `model`; docs/lora.md)",
+        lora_adapter_list,
+        metavar="IDS",
+        env_aliases=("LORA_ADAPTERS",),
+    )
+    max_loras: int | None = option(
+        None,
+        "adapters resident at once: the slots of stacked LoRA weights a step reads, and so "
+        "the most adapters one step serves (default: the number of --lora-adapters; 0: no "
+        "LoRA, and none may be loaded at run time)",
+        non_negative_int,
+    )
+    max_lora_rank: int | None = option(
+        None,
+        "the largest LoRA rank served: each slot's size (default: the largest rank of "
+        "--lora-adapters, at least 16)",
+        positive_int,
     )
     max_concurrent_requests: int = option(
         128, "requests admitted at once; more get `overloaded`", positive_int
@@ -681,6 +726,8 @@ def settings_argv(settings: Settings) -> list[str]:
         flag = flag_name(f.name)
         if opt.switch:
             argv.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, tuple):  # --lora-adapters' (name, source) pairs
+            argv += [flag, ",".join(f"{name}={source}" for name, source in value)]
         elif value is not None:
             argv += [flag, format_value(value)]
     return argv

@@ -34,6 +34,7 @@ class Preflight:
     max_total_tokens: int
     device: str
     num_shard: int
+    lora: LoraPlan | None = None  # the LoRA slots, when adapters are served
 
 
 def preflight(settings: Settings) -> Preflight:
@@ -51,7 +52,8 @@ def preflight(settings: Settings) -> Preflight:
     max_input, max_total = settings.resolved_limits(context, settings.max_batch_total_tokens)
     check_kv_capacity(settings, max_total)
     shards = check_shards(settings, device, config)
-    return Preflight(model, context, max_input, max_total, device, shards)
+    lora = check_lora(settings, base_model_names(settings, model))
+    return Preflight(model, context, max_input, max_total, device, shards, lora)
 
 
 # files --------------------------------------------------------------------------------
@@ -400,6 +402,73 @@ def _is_local(host: str) -> bool:
     except OSError:
         return False
     return address.startswith("127.") or address in socket.gethostbyname_ex(socket.gethostname())[2]
+
+
+# LoRA adapters --------------------------------------------------------------------------
+
+DEFAULT_MAX_LORA_RANK = 16  # vLLM's default, when no adapter at start-up says more
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    """The LoRA slots the model's layers get (models/lora_layers.py)."""
+
+    slots: int  # --max-loras
+    max_rank: int  # --max-lora-rank
+
+
+def check_lora(settings: Settings, base_names: tuple[str, ...]) -> LoraPlan | None:
+    """--lora-adapters (each adapter's config: a LoRA textgen serves, trained on this model,
+    within --max-lora-rank), --max-loras and --max-lora-rank; -> the slots (None: no LoRA).
+    The weights are read and checked against the layers once the model is loaded."""
+    from .models.lora import (
+        AdapterError,
+        check_adapter_config,
+        read_adapter_config,
+        resolve_adapter,
+    )
+
+    adapters = settings.lora_adapters
+    slots = settings.max_loras if settings.max_loras is not None else len(adapters)
+    if slots == 0:
+        if adapters:
+            raise SettingError("--max-loras", 0, "leaves no slot for the --lora-adapters")
+        return None
+    if settings.deterministic:
+        raise SettingError(
+            "--deterministic",
+            None,
+            "is not supported with LoRA adapters (each adapter's rows are matmuls of their own)",
+        )
+    ranks = []
+    for name, source in adapters:
+        if name in base_names:
+            raise SettingError("--lora-adapters", name, "is the base model's name")
+        try:
+            config = read_adapter_config(resolve_adapter(source))
+            ranks.append(
+                check_adapter_config(
+                    config, max_rank=settings.max_lora_rank or 1 << 30, base_names=base_names
+                )
+            )
+        except AdapterError as exc:
+            raise SettingError("--lora-adapters", f"{name}={source}", str(exc)) from None
+    return LoraPlan(slots, settings.max_lora_rank or max([DEFAULT_MAX_LORA_RANK, *ranks]))
+
+
+def base_model_names(settings: Settings, model: str) -> tuple[str, ...]:
+    """What an adapter's base_model_name_or_path may call the served model: its id and,
+    for a local or embedded one, its folder."""
+    from .models.embedded import EMBEDDED_ALIASES, converted_embedded
+
+    names = [model]
+    if settings.model_id is None or settings.model_id in EMBEDDED_ALIASES:
+        folder = converted_embedded()
+        if folder is not None:
+            names.append(str(folder))
+    elif Path(model).expanduser().is_dir():
+        names.append(str(Path(model).expanduser().resolve()))
+    return tuple(names)
 
 
 def check_kv_capacity(settings: Settings, max_total_tokens: int) -> None:

@@ -49,7 +49,10 @@ class GenerateParameters:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     ignore_eos: bool = False
     max_time: float | None = None
-    adapter_id: str | None = None
+    adapter_id: str | None = None  # TGI's: a served LoRA adapter's name, or the base model's
+    # OpenAI's `model` as sent: the base model (its id, "tgi", or any name when no adapter
+    # is served) or a served adapter's name (validation.py decides)
+    model: str | None = None
     priority: int | None = None  # lower is served sooner; None: the face's default (0)
     # choices sampled from the one prompt (OpenAI's `n`, or its `best_of` when larger);
     # None: best_of's (TGI's), else 1

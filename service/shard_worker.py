@@ -15,14 +15,16 @@ from .app import (
     cap_cuda_memory,
     compile_settings,
     cuda_graph_settings,
+    load_adapters,
     load_options,
+    lora_plan,
 )
 from .config import Settings
 from .engine.block_manager import num_blocks_for_tokens
 from .engine.paged_core import build_runner
 from .engine.shards import ShardGroup, agree, follow_steps
 from .models import load_model
-from .models.loader import ModelShard
+from .models.loader import LoraSetup, ModelShard
 from .preflight import device_type
 from .shard_processes import join, leave, pin, placement
 
@@ -37,6 +39,7 @@ def run_shard(settings: Settings, rank: int, world_size: int, local_rank: int = 
     groups = join(rank, world_size, settings.master_addr, settings.master_port, kind)
     try:
         cap_cuda_memory(settings, str(place.device))
+        plan = lora_plan(settings)
         loaded = load_model(
             settings.model_id,
             settings.revision,
@@ -45,7 +48,10 @@ def run_shard(settings: Settings, rank: int, world_size: int, local_rank: int = 
             quantize=settings.quantize,
             shard=ModelShard(rank, world_size, groups.model),
             options=load_options(settings),
+            lora=LoraSetup(plan.slots, plan.max_rank) if plan else None,
         )
+        # the same adapters in the same order as rank 0: the same uids, sliced for this rank
+        adapters = load_adapters(settings, loaded, plan) if plan else None
         capacity = agree(0, groups.control)  # rank 0 sizes the pool; every rank the same
         _, max_total = settings.resolved_limits(loaded.max_position_embeddings, capacity)
         runner = build_runner(
@@ -55,6 +61,8 @@ def run_shard(settings: Settings, rank: int, world_size: int, local_rank: int = 
             cuda_graphs=cuda_graph_settings(settings, loaded, max_total),
             compile=compile_settings(settings, loaded),
             custom_kernels=not settings.disable_custom_kernels,
+            lora=loaded.lora,
+            adapters=adapters,
         )
         group = ShardGroup(
             rank,

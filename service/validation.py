@@ -13,10 +13,12 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from .engine.adapters import AdapterRegistry
 from .engine.block_manager import num_blocks_for_choices
 from .engine.types import EngineRequest, SamplingParams, StoppingParams
 from .errors import ErrorType
 from .grammar_compiler import GrammarCompiler, GrammarError
+from .models.lora import LoraAdapter
 from .request import GenerateParameters, GenerateRequest, Grammar
 
 # Below these, logits / temperature (or / penalty) overflow float32 to inf: the
@@ -77,11 +79,26 @@ class ValidRequest:
     validation_time: float  # seconds
 
 
+# `model` values that name the base model whatever it is called (TGI's OpenAI routes: "tgi").
+BASE_MODEL_ALIASES = frozenset({"", "tgi"})
+
+
 class Validator:
-    def __init__(self, tokenizer, limits: Limits, grammars: GrammarCompiler | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        limits: Limits,
+        grammars: GrammarCompiler | None = None,
+        adapters: AdapterRegistry | None = None,
+        base_names: tuple[str, ...] = (),
+    ) -> None:
+        """adapters: the served LoRA adapters (None: none); base_names: what names the
+        base model (its id first) in `adapter_id` and `model`."""
         self.tokenizer = tokenizer
         self.limits = limits
         self.grammars = grammars  # None: requests with a grammar are refused
+        self.adapters = adapters
+        self.base_names = base_names
 
     def validate(
         self, request: GenerateRequest, *, stream: bool, arrival_time: float | None = None
@@ -109,8 +126,7 @@ class Validator:
             raise check.error("max_time", "must be strictly positive")
         if p.watermark:
             raise check.error("watermark", "is not supported")
-        if p.adapter_id:
-            raise check.error("adapter_id", ": LoRA adapters are not supported")
+        adapter = self._adapter(check, p)
         grammar = self._grammar(check, request)
         if not request.inputs:
             raise check.error("inputs", "cannot be empty")
@@ -133,6 +149,8 @@ class Validator:
             grammar=grammar,
             priority=self._priority(check, p.priority),
             n=n,
+            adapter_id=adapter.name if adapter is not None else None,
+            adapter_uid=adapter.uid if adapter is not None else 0,
         )
         return ValidRequest(
             engine_request=engine_request,
@@ -317,6 +335,35 @@ class Validator:
             return compile_[kind](source)
         except GrammarError as exc:
             raise ValidationError(f"grammar is not valid: {exc}", check.name("grammar")) from exc
+
+    def _adapter(self, check: _Checker, p: GenerateParameters) -> LoraAdapter | None:
+        """The LoRA adapter TGI's `adapter_id` or OpenAI's `model` names (None: the base).
+        A `model` naming nothing served is the base model's when no adapter is served (as
+        OpenAI clients send any name), a validation error otherwise."""
+        field, name = ("adapter_id", p.adapter_id) if p.adapter_id else ("model", p.model)
+        if (
+            name is None
+            or name in self.base_names
+            or (field == "model" and name in BASE_MODEL_ALIASES)
+        ):
+            return None
+        serving = self.adapters is not None and self.adapters.max_loras > 0
+        if not serving:
+            if field == "model":
+                return None
+            raise check.error(
+                field, ": LoRA adapters are not served here (start with --lora-adapters)"
+            )
+        adapter = self.adapters.lookup(name)
+        if adapter is None:
+            served = [repr(n) for n in self.base_names[:1]]
+            served += [repr(a.name) for a in self.adapters.serving()]
+            more = ", ..." if len(served) > 10 else ""
+            raise check.error(
+                field,
+                f": unknown LoRA adapter {name!r} (served: {', '.join(served[:10])}{more})",
+            )
+        return adapter
 
     @staticmethod
     def _priority(check: _Checker, priority: int | None) -> int:

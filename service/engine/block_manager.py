@@ -5,7 +5,9 @@ A block holds `block_size` consecutive positions of one sequence; the tensors be
 block ids are kv_pool.py's.
 
 Prefix caching: once a block is full of computed tokens it gets a hash chained over the
-previous block's hash and its own token ids, so equal hashes mean equal prefixes. A new
+previous block's hash and its own token ids, so equal hashes mean equal prefixes. The chain
+starts from the sequence's LoRA adapter (its uid; nothing for the base model): K/V
+computed under one adapter never serve another. A new
 sequence whose leading full blocks hash to cached blocks shares them (ref count) instead of
 recomputing them. A block whose ref count drops to zero goes back to the free list but keeps
 its hash, so it is still reusable until the allocator evicts it (LRU over free blocks).
@@ -117,7 +119,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent = b""
+        parent = _chain_start(seq)
         for tokens in self._full_blocks(seq.token_ids, (seq.num_tokens - 1) // self.block_size):
             parent = _block_hash(parent, tokens)
             block_id = self._cached.get(parent)
@@ -225,7 +227,7 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         if num_full <= len(hashes):
             return
-        parent = hashes[-1] if hashes else b""
+        parent = hashes[-1] if hashes else _chain_start(seq)
         bs = self.block_size
         for index in range(len(hashes), num_full):
             parent = _block_hash(parent, seq.token_ids[index * bs : (index + 1) * bs])
@@ -264,6 +266,12 @@ class BlockManager:
         bs = self.block_size
         for index in range(num_blocks):
             yield token_ids[index * bs : (index + 1) * bs]
+
+
+def _chain_start(seq: Sequence) -> bytes:
+    """The hash a sequence's first block chains from: its adapter's, or none (base)."""
+    uid = seq.request.adapter_uid
+    return _block_hash(b"lora", [uid]) if uid else b""
 
 
 def _block_hash(parent: bytes, token_ids: list[int]) -> bytes:

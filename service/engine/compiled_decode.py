@@ -32,6 +32,7 @@ from unittest import mock
 import torch
 from tqdm import tqdm
 
+from ..models.lora_layers import bound_lora
 from .attention import BatchMetadata, bound_metadata
 from .runner import ModelRunner, StepInputs, StepRunner, decode_bucket
 
@@ -189,7 +190,9 @@ class CompiledRunner(StepRunner):
             inputs.block_tables + [[scratch]] * pad,
             eager.device,
         )
-        with bound_metadata(meta):
+        # the rows' LoRA adapters, read by the graph's textgen::lora_delta ops (padding
+        # rows, past the step's, read none)
+        with bound_metadata(meta), bound_lora(eager.prepare_lora(inputs)):
             logits = self._compiled(
                 eager.model,
                 torch.tensor([ids], dtype=torch.long, device=eager.device),

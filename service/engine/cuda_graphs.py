@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from ..models.lora_layers import LoraStep
 from . import attention
 from .attention import BatchMetadata
 from .runner import ModelRunner, StepInputs, StepRunner, decode_bucket
@@ -110,8 +111,9 @@ class _DecodeGraph:
         self.block_size = runner.pool.block_size
         self.scratch_block = runner.pool.scratch_block
         device = runner.device
-        # ids | positions | slots | block tables: one buffer, one host-to-device copy a step
-        size = 3 * batch + batch * max_blocks
+        # ids | positions | slots | LoRA slots | block tables: one buffer, one host-to-device
+        # copy a step
+        size = 4 * batch + batch * max_blocks
         self._inputs = torch.zeros(size, dtype=torch.long, device=device)
         pinned = device.type == "cuda"
         self._host = torch.zeros(size, dtype=torch.long, pin_memory=pinned)
@@ -124,8 +126,10 @@ class _DecodeGraph:
             runner.pool,
             slot_mapping=self._inputs[2 * b : 3 * b],
             positions=self.positions,
-            block_tables=self._inputs[3 * b :].view(b, max_blocks),
+            block_tables=self._inputs[4 * b :].view(b, max_blocks),
         )
+        # each row's LoRA slot (-1: none), read in place by the LoRA kernels
+        self.lora = LoraStep((), self._inputs[3 * b : 4 * b]) if runner.lora else None
         self._keep = torch.arange(b, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the graph's output, rewritten by each replay
@@ -144,9 +148,12 @@ class _DecodeGraph:
         b, n, bs = self.batch, len(inputs.query_lens), self.block_size
         host = self._host_rows
         ids, positions, slots = host[:b], host[b : 2 * b], host[2 * b : 3 * b]
-        tables = host[3 * b :].reshape(b, self.max_blocks)
+        lora_slots = host[3 * b : 4 * b]
+        tables = host[4 * b :].reshape(b, self.max_blocks)
         ids[n:], positions[n:], slots[n:] = 0, 0, self.scratch_block * bs
         tables[n:] = self.scratch_block
+        lora_slots[:] = -1
+        lora_slots[: len(inputs.lora_slots)] = inputs.lora_slots
         for row, (token, p, table) in enumerate(
             zip(inputs.token_ids, inputs.positions, inputs.block_tables, strict=True)
         ):
@@ -162,7 +169,9 @@ class _DecodeGraph:
 
     def _forward(self) -> torch.Tensor:
         self.meta.refresh_static()  # inside the graph: replays recompute masks and tables
-        return self.runner.forward(self.ids, self.positions.view(1, -1), self.meta, self._keep)
+        return self.runner.forward(
+            self.ids, self.positions.view(1, -1), self.meta, self._keep, self.lora
+        )
 
     def capture(self, pool) -> None:
         """Warm up on a side stream, then capture one forward into a CUDA graph."""
@@ -182,6 +191,8 @@ class _DecodeGraph:
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Logits `[rows, vocab]` of one decode step of the rows of `inputs` (a view of the
         graph's output: valid until the next run)."""
+        if self.runner.lora is not None:
+            self.runner.write_adapters(inputs)
         self._fill(inputs)
         if self.graph is not None:
             self.graph.replay()

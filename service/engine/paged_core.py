@@ -15,6 +15,8 @@ import time
 import torch
 
 from ..errors import ErrorType
+from ..models.lora_layers import LoraLayers
+from .adapters import AdapterRegistry, SlotTable
 from .block_manager import BlockManager, num_blocks_for_choices, num_blocks_for_tokens
 from .compiled_decode import CompiledRunner, CompileSettings
 from .core import StepOutput
@@ -55,6 +57,8 @@ class PagedCore:
         custom_kernels: bool = True,
         speculation: SpeculationSettings | None = None,
         proposer: Proposer | None = None,
+        lora: LoraLayers | None = None,
+        adapters: AdapterRegistry | None = None,
     ) -> None:
         """
         Args:
@@ -78,6 +82,8 @@ class PagedCore:
                 per step while at most `max_batch` sequences run (speculation.py); None: off.
             proposer: who proposes them (default: n-gram lookup, speculation.py's
                 NgramProposer; draft_model.py's DraftModelProposer for a draft model).
+            lora: the model's LoRA slots (models/lora_layers.py), serving the adapters of
+                `adapters` (engine/adapters.py); None: requests name no adapter.
         """
         if max_batch_total_tokens <= 0:
             raise ValueError(
@@ -89,13 +95,25 @@ class PagedCore:
             self.block_manager,
             max_batch_prefill_tokens=max_batch_prefill_tokens,
             max_batch_size=max_batch_size,
+            max_loras=lora.num_slots if lora is not None else 0,
         )
         self.runner: Runner = build_runner(
-            model, num_blocks, block_size, batch_invariant, cuda_graphs, compile, custom_kernels
+            model,
+            num_blocks,
+            block_size,
+            batch_invariant,
+            cuda_graphs,
+            compile,
+            custom_kernels,
+            lora,
+            adapters,
         )
         self.shards = shards
         if shards is not None:
             self.runner = ShardedRunner(self.runner, shards)
+        self.adapters = adapters
+        if lora is not None:
+            self.runner.slot_table = SlotTable(lora.num_slots)
         self.sampler = Sampler()
         self.grammars = grammars
         self.speculation = speculation
@@ -131,6 +149,14 @@ class PagedCore:
             raise EngineError("empty prompt", ErrorType.VALIDATION)
         if seq.request.grammar is not None and self.grammars is None:
             raise EngineError("this engine has no grammar support", ErrorType.VALIDATION)
+        uid = seq.request.adapter_uid
+        if uid:
+            if self.adapters is None or not self.adapters.acquire(uid):
+                raise EngineError(
+                    f"LoRA adapter {seq.request.adapter_id!r} is not loaded (unloaded meanwhile)",
+                    ErrorType.VALIDATION,
+                )
+            seq.holds_adapter = True
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -293,8 +319,12 @@ class PagedCore:
         return outputs, kept
 
     def _retire(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence: its blocks, and what the proposer keeps."""
+        """Drop a finished or aborted sequence: its blocks, its hold on its adapter (once),
+        and what the proposer keeps."""
         self.scheduler.finish(seq)
+        if seq.holds_adapter:
+            seq.holds_adapter = False
+            self.adapters.release(seq.request.adapter_uid)
         if self.proposer is not None:
             self.proposer.forget(seq)
 
@@ -321,6 +351,9 @@ class PagedCore:
                 if child.is_finished:  # aborted with its request
                     continue
                 self.scheduler.add_fork(seq, child)
+                if seq.holds_adapter:
+                    self.adapters.share(seq.request.adapter_uid)
+                    child.holds_adapter = True
                 child.prefill_logprobs = list(seq.prefill_logprobs)
                 if seq.grammar_state is not None:  # before seq's token moves it on
                     child.grammar_state = seq.grammar_state.deep_copy()
@@ -340,6 +373,8 @@ def build_runner(
     cuda_graphs: GraphSettings | None = None,
     compile: CompileSettings | None = None,
     custom_kernels: bool = True,
+    lora: LoraLayers | None = None,
+    adapters: AdapterRegistry | None = None,
 ) -> Runner:
     """The device side of a step (runner.py): the eager runner over a KV pool of
     `num_blocks`, wrapped in its decode strategy if any (every rank of a sharded model
@@ -350,7 +385,12 @@ def build_runner(
     # buckets): they write and read only there
     pool = KVCachePool(num_blocks, block_size, scratch_blocks=1)
     runner: Runner = ModelRunner(
-        model, pool, batch_invariant=batch_invariant, custom_kernels=custom_kernels
+        model,
+        pool,
+        batch_invariant=batch_invariant,
+        custom_kernels=custom_kernels,
+        lora=lora,
+        adapters=adapters,
     )
     if cuda_graphs is not None:
         return GraphedRunner(runner, cuda_graphs)

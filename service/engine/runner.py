@@ -16,6 +16,11 @@ is not one: eager), and shards.py's ShardedRunner by sending the inputs to the o
 which run the same device side on their slice of the model. The host side then picks the
 sampled rows and prompt logprobs out of the logits.
 
+LoRA adapters: each entry of StepInputs names the slot of stacked adapter weights its rows
+read (-1: the base model), and `lora_loads` the adapters the device side writes into slots
+before the forward; the host side keeps the slot table (engine/adapters.py), so every rank
+of a sharded model writes the same. models/lora_layers.py computes the deltas.
+
 Batch-invariant mode (`batch_invariant`): besides the attention's fixed key chunks, every
 matmul sees a row count that is a multiple of ROW_MULTIPLE. Padding tokens (token 0 at
 position 0 of the pool's scratch block, one 1-token query each, laid out with the decodes)
@@ -36,6 +41,8 @@ from typing import Protocol
 import torch
 from transformers import AttentionInterface
 
+from ..models.lora_layers import LoraLayers, LoraStep, bound_lora, register_layers
+from .adapters import AdapterRegistry, SlotTable
 from .attention import ATTENTION_NAME, METADATA_KWARG, BatchMetadata, paged_attention_forward
 from .invariant_attention import ROW_MULTIPLE
 from .invariant_linear import (
@@ -93,6 +100,9 @@ class StepInputs:
     # (source, destination) KV blocks to copy before the forward: a fork's first write into
     # the partial block it shares with its request's other choices (block_manager.py)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    lora_slots: list[int] = field(default_factory=list)  # [B] each entry's slot, -1: none
+    # (slot, adapter uid) to write before the forward, in order
+    lora_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_pure_decode(self) -> bool:
@@ -127,18 +137,22 @@ class StepRunner:
 
     pool: KVCachePool
     batch_invariant: bool
+    slot_table: SlotTable | None = None  # the LoRA slots' adapters (PagedCore sets it)
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         raise NotImplementedError
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+        slots, loads = self._lora_slots(batch)
         if self.batch_invariant:
-            layout = lay_out(batch, ROW_MULTIPLE, self.pool.scratch_block)
+            layout = lay_out(batch, ROW_MULTIPLE, self.pool.scratch_block, slots)
         else:
-            layout = lay_out(batch)
-        layout.block_copies = batch.block_copies
-        logits = self.run(layout.inputs)
+            layout = lay_out(batch, slots=slots)
+        inputs = layout.inputs
+        inputs.block_copies = batch.block_copies
+        inputs.lora_loads = loads
+        logits = self.run(inputs)
         if len(layout.sample_rows) == logits.shape[0]:
             sample_logits = logits
         else:
@@ -146,6 +160,15 @@ class StepRunner:
             sample_logits = logits[rows]
         prompt_logprobs = _prompt_logprobs(logits, layout.prompt_spans)
         return RunnerOutput(layout.sample_seqs, sample_logits, prompt_logprobs, layout.drafts)
+
+    def _lora_slots(self, batch: SchedulerOutput) -> tuple[dict[int, int], list]:
+        """The slot of each adapter the step uses, and the slot writes that takes."""
+        if self.slot_table is None:
+            return {}, []
+        uids = {seq.request.adapter_uid for seq, _ in batch.scheduled} - {0}
+        if not uids:
+            return {}, []
+        return self.slot_table.assign(uids)
 
 
 class ModelRunner(StepRunner):
@@ -156,12 +179,20 @@ class ModelRunner(StepRunner):
         *,
         batch_invariant: bool = False,
         custom_kernels: bool = True,
+        lora: LoraLayers | None = None,
+        adapters: AdapterRegistry | None = None,
     ) -> None:
         """batch_invariant: each sequence's logits bit for bit the same whatever else the
         step computes (CPU only; needs a pool with a scratch block for padding tokens).
         custom_kernels=False: attention never takes textgen's Triton kernel (on CUDA,
-        flash-attn or SDPA instead; --disable-custom-kernels)."""
+        flash-attn or SDPA instead; --disable-custom-kernels). lora: the model's LoRA slots
+        (models/lora_layers.py), filled from `adapters`."""
         check_model_supported(model)
+        if lora is not None and (adapters is None or batch_invariant):
+            raise ValueError(
+                "LoRA slots need an adapter registry, and don't run batch-invariant "
+                "(each adapter's rows are their own matmuls)"
+            )
         AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
         model.set_attn_implementation(ATTENTION_NAME)
         self.model = model.eval()
@@ -179,6 +210,10 @@ class ModelRunner(StepRunner):
         # batch-invariant matmuls: the model's Linear layers, over fixed blocks of rows
         self._linears = linear_modules(model) if batch_invariant else []
         self._min_rows = LINEAR_BLOCK_ROWS  # until warmup() probes this machine
+        self.lora = lora
+        self.adapters = adapters
+        if lora is not None:
+            register_layers(lora)
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -216,20 +251,41 @@ class ModelRunner(StepRunner):
             self._tensor([inputs.positions]),
             meta,
             self._tensor(inputs.keep),
+            self.prepare_lora(inputs),
         )
+
+    def prepare_lora(self, inputs: StepInputs) -> LoraStep | None:
+        """Write the step's new adapters into their slots; -> the step's LoRA rows (None:
+        none). The runner strategies call it for the steps they run themselves."""
+        if self.lora is None:
+            return None
+        self.write_adapters(inputs)
+        return LoraStep.build(
+            inputs.lora_slots, inputs.query_lens, self.device, kernel=self.device.type == "cuda"
+        )
+
+    def write_adapters(self, inputs: StepInputs) -> None:
+        """The adapters this step puts into slots, written before its forward."""
+        for slot, uid in inputs.lora_loads:
+            self.lora.write(slot, self.adapters.weights(uid))
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata, keep: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: BatchMetadata,
+        keep: torch.Tensor,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """-> logits `[len(keep), vocab]`. Public for runner strategies that lay out
         their own inputs (cuda_graphs.py)."""
         if keep.numel() == 0:  # a step of prefill chunks only: nothing to project
             keep = keep.new_zeros(1)
         linears = fixed_rows_linears(self._linears, self._min_rows) if self._linears else None
-        with linears or contextlib.nullcontext():
+        with linears or contextlib.nullcontext(), bound_lora(lora):
             out = self.model(
                 input_ids=ids,
                 position_ids=positions,
@@ -251,6 +307,7 @@ class Layout:
     query_lens: list[int] = field(default_factory=list)  # tokens computed this step
     context_lens: list[int] = field(default_factory=list)  # tokens cached after the step
     block_tables: list[list[int]] = field(default_factory=list)
+    lora_slots: list[int] = field(default_factory=list)  # LoRA slot, -1: none
     keep: list[int] = field(default_factory=list)  # batch positions whose logits we project
     sample_seqs: list[Sequence] = field(default_factory=list)  # reached their last token
     # rows in `keep` sampled: one per sample_seqs entry, then one per proposal it verifies
@@ -258,7 +315,7 @@ class Layout:
     drafts: list[list[int]] = field(default_factory=list)  # per sample_seqs entry
     # (seq, first row in `keep`, first position, chunk length) for prompt logprobs
     prompt_spans: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # StepInputs'
+    slot_of: dict[int, int] = field(default_factory=dict)  # adapter uid -> its LoRA slot
 
     @property
     def inputs(self) -> StepInputs:
@@ -269,7 +326,7 @@ class Layout:
             self.context_lens,
             self.block_tables,
             self.keep,
-            self.block_copies,
+            lora_slots=self.lora_slots,
         )
 
     def add(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> None:
@@ -287,6 +344,7 @@ class Layout:
         self.query_lens.append(num_new)
         self.context_lens.append(start + num_new)
         self.block_tables.append(seq.block_table)
+        self.lora_slots.append(self.slot_of.get(seq.request.adapter_uid, -1))
         if drafts:
             self.sample_rows.extend(range(len(self.keep), len(self.keep) + num_new))
             self.keep.extend(range(offset, offset + num_new))
@@ -310,25 +368,38 @@ class Layout:
             self.query_lens.append(1)
             self.context_lens.append(1)
             self.block_tables.append([scratch_block])
+            self.lora_slots.append(-1)
 
 
 def lay_out(
-    batch: SchedulerOutput, row_multiple: int = 1, scratch_block: int | None = None
+    batch: SchedulerOutput,
+    row_multiple: int = 1,
+    scratch_block: int | None = None,
+    slots: dict[int, int] | None = None,
 ) -> Layout:
     """The flattened batch; with row_multiple > 1, padded to a multiple of that many tokens
-    and logits rows (padding tokens go to `scratch_block`)."""
+    and logits rows (padding tokens go to `scratch_block`). slots: each adapter uid's LoRA
+    slot."""
     # Single-token queries first: they form the cheap decode groups of the attention (and
     # the padding tokens join them). Then the chunks, those that start their sequence
     # first. Each kind runs largest first, so that the attention can cut a run into groups
-    # where sizes fall far apart (attention.py, `_split_run`).
+    # where sizes fall far apart (attention.py, `_split_run`). With LoRA adapters, the
+    # decodes of one adapter run together (largest first within it): each adapter's rows
+    # are then one slice of the batch for the LoRA matmuls, not gathered and scattered.
     decodes = [e for e in batch.scheduled if e[1] == 1]
-    decodes.sort(key=attention_size, reverse=True)
+    if slots:
+        decodes.sort(
+            key=lambda e: (slots.get(e[0].request.adapter_uid, -1), attention_size(e)),
+            reverse=True,
+        )
+    else:
+        decodes.sort(key=attention_size, reverse=True)
     chunks = [e for e in batch.scheduled if e[1] > 1]
     chunks.sort(
         key=lambda entry: (entry[0].num_computed_tokens == 0, attention_size(entry)),
         reverse=True,
     )
-    layout = Layout()
+    layout = Layout(slot_of=slots or {})
     for seq, num_new in decodes:
         layout.add(seq, num_new)
     if row_multiple > 1:

@@ -12,11 +12,16 @@ one of its priority already running, so it can't preempt it).
    proposals never preempt anything: without room the decode goes on alone.
 2. Prefill chunks of running sequences whose prompt (or recompute) is not done yet, first
    first, within the per-step prefill budget `max_batch_prefill_tokens`.
-3. Admission of waiting sequences, first first, while the prefill budget, `max_batch_size`
-   and the free blocks allow. A long prompt is split into chunks across steps. A request of
-   n choices is admitted as one sequence that will be n (Sequence.width): the batch must
-   have room for all of them, and the pool for its prompt plus one block per other choice
-   (the copy of the shared partial block each will write into).
+3. Admission of waiting sequences, first first, while the prefill budget, `max_batch_size`,
+   the free blocks and `max_loras` allow. A long prompt is split into chunks across steps. A
+   request of n choices is admitted as one sequence that will be n (Sequence.width): the
+   batch must have room for all of them, and the pool for its prompt plus one block per
+   other choice (the copy of the shared partial block each will write into).
+
+LoRA adapters: every running sequence decodes in every step, so bounding the adapters of
+the running sequences by `max_loras` (the runner's slots) bounds every step's. A waiting
+sequence whose adapter would be one too many waits, first in rank as any other, until a
+running adapter's sequences end.
 
 Starvation policy. TGI's `waiting_served_ratio` / `max_waiting_tokens` exist because its
 prefill is a separate forward that stalls every running decode for the whole prompt, so it
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, num_blocks_for_tokens
@@ -71,8 +77,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, *, max_batch_prefill_tokens: int, max_batch_size: int
+        self,
+        block_manager: BlockManager,
+        *,
+        max_batch_prefill_tokens: int,
+        max_batch_size: int,
+        max_loras: int = 0,
     ) -> None:
+        """max_loras: distinct LoRA adapters among the running sequences (0: no adapters)."""
         if max_batch_prefill_tokens <= 0 or max_batch_size <= 0:
             raise ValueError("max_batch_prefill_tokens and max_batch_size must be positive")
         self.block_manager = block_manager
@@ -83,6 +95,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # cumulative
         self.num_prefill_tokens = 0  # prompt and recompute tokens scheduled, cumulative
+        self.max_loras = max_loras
+        self.running_adapters: Counter[int] = Counter()  # adapter uid -> running sequences
         self._arrivals = itertools.count()
 
     # queue management --------------------------------------------------------
@@ -98,7 +112,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Drop `seq` wherever it is and return its blocks (finished or aborted)."""
         if seq in self.running:
-            self.running.remove(seq)
+            self._remove_running(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
@@ -112,6 +126,8 @@ class Scheduler:
         child.arrival_order = parent.arrival_order
         child.first_scheduled_time = parent.first_scheduled_time
         _insert(self.running, child)
+        if child.request.adapter_uid:  # parent's adapter: already among the running ones
+            self.running_adapters[child.request.adapter_uid] += 1
 
     def preempt_all(self) -> None:
         """Preempt every running sequence (recompute), keeping their order."""
@@ -224,6 +240,8 @@ class Scheduler:
             needed = num_blocks_for_tokens(num_to_compute, bm.block_size) + len(seq.forks)
             if needed > free_blocks:
                 break
+            if not self._adapter_fits(seq):
+                break
             num_new = min(num_to_compute, budget)
             self.waiting.pop(0)
             bm.allocate(seq, hits)
@@ -231,6 +249,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             _insert(self.running, seq)
             occupied += seq.width
+            if seq.request.adapter_uid:
+                self.running_adapters[seq.request.adapter_uid] += 1
             out.scheduled.append((seq, num_new))
             out.num_prefill_tokens += num_new
             budget -= num_new
@@ -238,7 +258,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Recompute preemption: drop seq's K/V; its generated tokens stay in token_ids and
         are recomputed with the prompt when it is admitted again (at the queue's front)."""
-        self.running.remove(seq)
+        self._remove_running(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -246,6 +266,20 @@ class Scheduler:
         self.num_preemptions += 1
         _insert(self.waiting, seq)  # its rank is kept: ahead of what arrived after it
         out.preempted.append(seq)
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        uid = seq.request.adapter_uid
+        return (
+            not uid or uid in self.running_adapters or (len(self.running_adapters) < self.max_loras)
+        )
+
+    def _remove_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        uid = seq.request.adapter_uid
+        if uid:
+            self.running_adapters[uid] -= 1
+            if not self.running_adapters[uid]:
+                del self.running_adapters[uid]
 
 
 def _rank(seq: Sequence) -> tuple[int, int]:

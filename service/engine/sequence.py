@@ -44,6 +44,7 @@ class Sequence:
     # are forked from it (sharing its KV blocks) and sample their own first token from
     # its logits (paged_core.py). Empty once forked, or when n is 1.
     forks: list[Sequence] = field(default_factory=list)
+    holds_adapter: bool = False  # counted among its LoRA adapter's users (PagedCore)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -58,7 +58,7 @@ class ShardGroup:
         header = torch.zeros(HEADER_SIZE, dtype=torch.long)
         header[0] = op
         if inputs is not None:
-            header[1:6] = torch.tensor(_sizes(inputs))
+            header[1:7] = torch.tensor(_sizes(inputs))
         dist.broadcast(header, 0, group=self.control)
         if payload is not None:
             dist.broadcast(payload, 0, group=self.control)
@@ -70,7 +70,7 @@ class ShardGroup:
         op = Op(int(header[0]))
         if op is not Op.STEP:
             return op, None
-        sizes = header[1:6].tolist()
+        sizes = header[1:7].tolist()
         payload = torch.empty(_payload_length(*sizes), dtype=torch.long)
         dist.broadcast(payload, 0, group=self.control)
         return op, decode(payload, *sizes)
@@ -88,23 +88,28 @@ class ShardGroup:
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
 
-def _sizes(inputs: StepInputs) -> tuple[int, int, int, int, int]:
-    """(tokens, entries, kept rows, block-table entries, block copies)."""
+def _sizes(inputs: StepInputs) -> tuple[int, int, int, int, int, int]:
+    """(tokens, entries, kept rows, block-table entries, block copies, LoRA slot writes)."""
     return (
         len(inputs.token_ids),
         len(inputs.query_lens),
         len(inputs.keep),
         sum(len(t) for t in inputs.block_tables),
         len(inputs.block_copies),
+        len(inputs.lora_loads),
     )
 
 
-def _payload_length(tokens: int, entries: int, kept: int, table_entries: int, copies: int) -> int:
-    return 2 * tokens + 3 * entries + kept + table_entries + 2 * copies
+def _payload_length(
+    tokens: int, entries: int, kept: int, table_entries: int, copies: int, loads: int
+) -> int:
+    return 2 * tokens + 4 * entries + kept + table_entries + 2 * copies + 2 * loads
 
 
 def encode(inputs: StepInputs) -> torch.Tensor:
-    """ids | positions | query lens | context lens | table lens | tables | keep | copies."""
+    """ids | positions | query lens | context lens | table lens | tables | keep | block
+    copies (source, destination) | LoRA slots (one per entry, -1: none) | LoRA writes
+    (slot, uid)."""
     flat: list[int] = [*inputs.token_ids, *inputs.positions, *inputs.query_lens]
     flat += inputs.context_lens
     flat += [len(t) for t in inputs.block_tables]
@@ -113,11 +118,20 @@ def encode(inputs: StepInputs) -> torch.Tensor:
     flat += inputs.keep
     for source, destination in inputs.block_copies:
         flat += (source, destination)
+    flat += inputs.lora_slots or [-1] * len(inputs.query_lens)
+    for slot, uid in inputs.lora_loads:
+        flat += (slot, uid)
     return torch.tensor(flat, dtype=torch.long)
 
 
 def decode(
-    payload: torch.Tensor, tokens: int, entries: int, kept: int, table_entries: int, copies: int
+    payload: torch.Tensor,
+    tokens: int,
+    entries: int,
+    kept: int,
+    table_entries: int,
+    copies: int,
+    loads: int,
 ) -> StepInputs:
     values = payload.tolist()
     at = 0
@@ -131,10 +145,19 @@ def decode(
     token_ids, positions = take(tokens), take(tokens)
     query_lens, context_lens, table_lens = take(entries), take(entries), take(entries)
     tables = [take(n) for n in table_lens]
-    keep = take(kept)
-    pairs = take(2 * copies)
-    block_copies = list(zip(pairs[0::2], pairs[1::2], strict=True))
-    return StepInputs(token_ids, positions, query_lens, context_lens, tables, keep, block_copies)
+    keep, pairs = take(kept), take(2 * copies)
+    lora_slots, writes = take(entries), take(2 * loads)
+    return StepInputs(
+        token_ids,
+        positions,
+        query_lens,
+        context_lens,
+        tables,
+        keep,
+        block_copies=list(zip(pairs[0::2], pairs[1::2], strict=True)),
+        lora_slots=lora_slots,
+        lora_loads=list(zip(writes[0::2], writes[1::2], strict=True)),
+    )
 
 
 class ShardedRunner(StepRunner):

@@ -78,6 +78,11 @@ class EngineRequest:
             for i in range(1, self.n)
         )
 
+    # the LoRA adapter it runs with (engine/adapters.py): its name, and its uid (0: the base
+    # model), which keys its slots and its prefix-cache blocks
+    adapter_id: str | None = None
+    adapter_uid: int = 0
+
 
 @dataclass(frozen=True, slots=True)
 class TokenInfo:

@@ -40,7 +40,7 @@ class OpenAIRpcs:
                 await abort(context, exc.message, ErrorType.VALIDATION, exc.param)
             record.validated(valid)
             renderer = ChatRenderer(
-                self.served.info.model_id, f"textgen-{self.served.info.version}", chat
+                _model(self, valid), f"textgen-{self.served.info.version}", chat
             )
             async with self.admitted(context, valid):
                 if chat.stream:
@@ -88,7 +88,7 @@ class OpenAIRpcs:
             except ValidationError as exc:  # OpenAIRequestError included
                 await abort(context, exc.message, ErrorType.VALIDATION, exc.param)
             record.validated(valid[0])
-            renderer = CompletionRenderer(info.model_id, f"textgen-{info.version}", req)
+            renderer = CompletionRenderer(_model(self, valid[0]), f"textgen-{info.version}", req)
             streams = [self.engine.generate(v.engine_request) for v in valid]
             async with self.admitted(context, *valid):
                 if req.stream:
@@ -149,7 +149,7 @@ class OpenAIRpcs:
                 await abort(context, exc.message, ErrorType.VALIDATION, exc.param)
             record.validated(valid)
             renderer = ResponseRenderer(
-                self.served.info.model_id, req, id=new_response_id(_replica(context))
+                _model(self, valid), req, id=new_response_id(_replica(context))
             )
             async with self.admitted(context, valid):
                 if req.stream:
@@ -256,6 +256,11 @@ async def _merged(streams):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _model(servicer, valid) -> str:
+    """The `model` an answer names: the LoRA adapter that wrote it, or the base model."""
+    return valid.engine_request.adapter_id or servicer.served.info.model_id
 
 
 def _body(data: bytes) -> httpbody_pb2.HttpBody:

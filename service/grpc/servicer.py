@@ -24,6 +24,7 @@ from ..request import GenerateRequest
 from ..validation import ValidationError, Validator, ValidRequest
 from . import convert
 from .errors import abort, in_band_error
+from .lora_rpcs import LoraRpcs, LoraServing
 from .metrics_rpc import MetricsRpc
 from .openai_rpcs import OpenAIRpcs
 from .tokenize_rpcs import TokenizeRpcs
@@ -43,7 +44,7 @@ class ServedModel:
 
 
 class TextGenerationServicer(
-    OpenAIRpcs, TokenizeRpcs, MetricsRpc, svc_grpc.TextGenerationServiceServicer
+    OpenAIRpcs, TokenizeRpcs, MetricsRpc, LoraRpcs, svc_grpc.TextGenerationServiceServicer
 ):
     def __init__(
         self,
@@ -54,10 +55,13 @@ class TextGenerationServicer(
         recorder: RequestRecorder,
         validation_workers: Executor | None = None,
         responses_store: ResponseStore | None = None,
+        lora: LoraServing | None = None,
     ) -> None:
         """validation_workers: where long prompts and grammars are validated (None:
         asyncio's default executor); responses_store: the conversations /v1/responses
-        keeps for previous_response_id (None: the default bounds)."""
+        keeps for previous_response_id (None: the default bounds); lora: the LoRA
+        adapters served (None: none)."""
+        self.lora = lora
         self.engine = engine
         self.responses_store = responses_store or ResponseStore()
         self.validator = validator
@@ -207,6 +211,7 @@ class TextGenerationServicer(
     async def Info(self, request, context):
         info = svc_pb.InfoResponse()
         info.CopyFrom(self.served.info)
+        info.lora_adapters.extend(self.adapter_names())
         return info
 
     async def Version(self, request, context):
@@ -221,13 +226,7 @@ class TextGenerationServicer(
         return svc_pb.HealthResponse()
 
     async def ListModels(self, request, context):
-        model = svc_pb.Model(
-            id=self.served.info.model_id,
-            object="model",
-            created=self.served.created,
-            owned_by="textgen",
-        )
-        return svc_pb.ListModelsResponse(object="list", data=[model])
+        return svc_pb.ListModelsResponse(object="list", data=self.model_cards())
 
 
 # A request's priority when its parameters name none: set by a client or by a mesh's edge.

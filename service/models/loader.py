@@ -26,10 +26,12 @@ from .errors import ModelError
 from .hub import ResolvedModel, context_length, resolve_model
 from .quantize import check_quantize, quantize_model
 from .shard_layout import ShardLayout, shard_layout
-from .sharding import VocabSlice, install_collectives, localize, tp_plan_overrides
+from .sharding import VocabSlice, install_collectives, localize, lora_slices, tp_plan_overrides
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from .lora_layers import LoraLayers
 
 logger = logging.getLogger("textgen.models")
 
@@ -133,6 +135,13 @@ class LoadOptions:
     chat_template: str | dict | None = None  # replaces the tokenizer's (--tokenizer-config-path)
 
 
+class LoraSetup:
+    """LoRA slots to give the model's layers (lora_layers.py)."""
+
+    num_slots: int  # --max-loras
+    max_rank: int  # --max-lora-rank
+
+
 @dataclass
 class LoadedModel:
     resolved: ResolvedModel
@@ -146,6 +155,7 @@ class LoadedModel:
     shard: ModelShard | None = None  # this process holds one rank's slice of the model
     shard_layout: ShardLayout | None = None  # how its attention splits (sharded only)
     vocab: VocabSlice | None = None  # the vocabulary rows its lm_head projects (sharded)
+    lora: LoraLayers | None = None  # its layers' LoRA slots (--max-loras > 0)
 
 
 def load_model(
@@ -157,11 +167,13 @@ def load_model(
     quantize: str | None = None,
     shard: ModelShard | None = None,
     options: LoadOptions = LoadOptions(),
+    lora: LoraSetup | None = None,
 ) -> LoadedModel:
     """Resolve, then load model and tokenizer ready for inference; `quantize` (int8, int4,
     fp8) converts the Linear layers' weights after loading (quantize.py); `shard` loads
     one rank's slice of a tensor-parallel model (sharding.py); `options` says where the
-    files come from and what changes as they load."""
+    files come from and what changes as they load; `lora` wraps its decoder's linear
+    layers in LoRA slots (lora_layers.py), inside the shards' all-reduces."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = select_device(device)  # validate flags before any download or conversion
@@ -203,6 +215,12 @@ def load_model(
     params = sum(p.numel() for p in model.parameters())  # before quantizing repacks them
     if quantize is not None:
         quantize_model(model, quantize, dev)
+    lora_layers = None
+    if lora is not None:
+        from .lora_layers import LoraLayers
+
+        slices = lora_slices(model, shard.rank, shard.world_size, layout) if shard else None
+        lora_layers = LoraLayers(model, lora.num_slots, lora.max_rank, dt, dev, slices)
     vocab = None
     if shard is not None:
         vocab = install_collectives(model, shard.group, shard.rank, shard.world_size)
@@ -239,6 +257,7 @@ def load_model(
         shard=shard,
         shard_layout=layout,
         vocab=vocab,
+        lora=lora_layers,
     )
 
 

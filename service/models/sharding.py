@@ -134,6 +134,29 @@ class VocabSlice:
         return cls(vocab_size, chunk, start, min(start + chunk, vocab_size))
 
 
+def lora_slices(
+    model: torch.nn.Module, rank: int, world_size: int, layout: ShardLayout
+) -> dict[str, tuple[slice | None, slice | None]]:
+    """Per sharded Linear (after localize): the (output rows, input columns) of the full
+    weight this rank holds, so that a LoRA adapter's B and A are sliced the same way
+    (models/lora_layers.py). Even splits, as the plan's checks leave them."""
+    slices = {}
+    for name, style in resolved_plan(model).items():
+        module = model.get_submodule(name)
+        if not hasattr(module, "out_features"):  # the embedding
+            continue
+        if layout.kv_replicated and name.rsplit(".", 1)[-1] in KV_PROJECTIONS:
+            head = layout.kv_head_of(rank)
+            slices[name] = (slice(head * layout.head_dim, (head + 1) * layout.head_dim), None)
+        elif style == COLWISE:
+            n = module.out_features
+            slices[name] = (slice(rank * n, (rank + 1) * n), None)
+        elif style == ROWWISE:
+            n = module.in_features
+            slices[name] = (None, slice(rank * n, (rank + 1) * n))
+    return slices
+
+
 def resolved_plan(model: torch.nn.Module) -> dict[str, str]:
     """Module name -> style, for every module the model's plan names."""
     patterns = [

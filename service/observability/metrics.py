@@ -148,7 +148,42 @@ class Metrics:
             "Requests the client abandoned (TGI's `dropped`)",
             registry=r,
         )
+        # by LoRA adapter: labels only for the adapters loaded now (adapter_loaded/unloaded)
+        self.lora_requests = Counter(
+            "textgen_lora_requests",
+            "Requests that completed with a LoRA adapter, by adapter",
+            ["adapter"],
+            registry=r,
+        )
+        self.lora_generated_tokens = Counter(
+            "textgen_lora_generated_tokens",
+            "Tokens generated with a LoRA adapter, by adapter",
+            ["adapter"],
+            registry=r,
+        )
+        self._adapters: set[str] = set()
         self._engine_stats = None
+
+    def adapter_loaded(self, name: str) -> None:
+        """Count `name`'s requests from now on (at zero)."""
+        self._adapters.add(name)
+        self.lora_requests.labels(name)
+        self.lora_generated_tokens.labels(name)
+
+    def adapter_unloaded(self, name: str) -> None:
+        """Drop `name`'s series: only loaded adapters have labels, so they stay bounded."""
+        self._adapters.discard(name)
+        for counter in (self.lora_requests, self.lora_generated_tokens):
+            try:
+                counter.remove(name)
+            except KeyError:
+                pass
+
+    def count_adapter(self, name: str, generated_tokens: int) -> None:
+        """A request with adapter `name` completed (ignored once it is unloaded)."""
+        if name in self._adapters:
+            self.lora_requests.labels(name).inc()
+            self.lora_generated_tokens.labels(name).inc(generated_tokens)
 
     def _register(self, collector):
         self.registry.register(collector)

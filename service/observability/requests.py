@@ -39,6 +39,7 @@ class RequestRecord:
     max_new_tokens: int = 0
     validation_time: float = 0.0
     priority: int = 0
+    adapter: str | None = None  # the LoRA adapter's name
     finishes: tuple[FinishInfo, ...] = ()
 
     def validated(self, valid) -> None:
@@ -49,6 +50,7 @@ class RequestRecord:
         self.max_new_tokens = req.stopping.max_new_tokens
         self.validation_time = valid.validation_time
         self.priority = req.priority
+        self.adapter = req.adapter_id
 
     def finished(self, *finishes: FinishInfo) -> None:
         self.finishes = finishes
@@ -101,6 +103,8 @@ class RequestRecorder:
             m.generated_tokens.observe(f.generated_tokens)
             if f.generated_tokens:
                 m.mean_time_per_token.observe(f.inference_time / f.generated_tokens)
+        if record.adapter is not None:
+            m.count_adapter(record.adapter, sum(f.generated_tokens for f in record.finishes))
         self._spans(record)
 
     def _spans(self, record: RequestRecord) -> None:

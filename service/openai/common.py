@@ -28,9 +28,9 @@ SAMPLING_FIELDS = frozenset(
     }
 )  # fmt: skip
 # Accepted so that clients which always send them work, with no effect on the answer
-# (envoy/openapi.json says so): one model is served, no end-user id is kept, and
-# `prompt_cache_key` is read by the front proxy (envoy/affinity.py) to route a
-# conversation to the replica that cached it.
+# (envoy/openapi.json says so): no end-user id is kept, and `prompt_cache_key` is read by
+# the front proxy (envoy/affinity.py) to route a conversation to the replica that cached it.
+# `model` picks a LoRA adapter when the server serves some (sampling_parameters).
 COMPATIBLE_FIELDS = frozenset({"model", "user", "prompt_cache_key"})
 
 
@@ -92,6 +92,7 @@ def sampling_parameters(data: dict) -> tuple[dict, tuple[str, ...]]:
             raise OpenAIRequestError("`logit_bias` maps token ids to finite numbers", "logit_bias")
         logit_bias[int(token)] = float(bias)
     params["logit_bias"] = logit_bias
+    params["model"] = optional_field(data, "model", str)  # the base or a LoRA adapter
     return params, stop
 
 

@@ -28,7 +28,7 @@ from google.api import httpbody_pb2 as google_dot_api_dot_httpbody__pb2
 from . import generate_pb2 as textgen_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(textgen/v1/text_generation_service.proto\x12\ntextgen.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x19google/api/httpbody.proto\x1a\x19textgen/v1/generate.proto\"\r\n\x0bInfoRequest\"\x8c\x07\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\tmodel_sha\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x1f\n\x12model_pipeline_tag\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x1f\n\x17max_concurrent_requests\x18\x04 \x01(\r\x12\x13\n\x0bmax_best_of\x18\x05 \x01(\r\x12\x1a\n\x12max_stop_sequences\x18\x06 \x01(\r\x12\x18\n\x10max_input_tokens\x18\x07 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x08 \x01(\r\x12\x1a\n\x12validation_workers\x18\t \x01(\r\x12\x1d\n\x15max_client_batch_size\x18\n \x01(\r\x12\x0e\n\x06router\x18\x0b \x01(\t\x12\x0f\n\x07version\x18\x0c \x01(\t\x12\x10\n\x03sha\x18\r \x01(\tH\x02\x88\x01\x01\x12\x19\n\x0c\x64ocker_label\x18\x0e \x01(\tH\x03\x88\x01\x01\x12\x13\n\x0bmodel_dtype\x18\x0f \x01(\t\x12\x19\n\x11model_device_type\x18\x10 \x01(\t\x12 \n\x18max_batch_prefill_tokens\x18\x11 \x01(\r\x12\x1e\n\x16max_batch_total_tokens\x18\x12 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x13 \x01(\r\x12\x1b\n\x13kv_cache_block_size\x18\x14 \x01(\r\x12\x17\n\x0fkv_cache_blocks\x18\x15 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x16 \x01(\r\x12\x15\n\rtorch_threads\x18\x17 \x01(\r\x12\x15\n\rdeterministic\x18\x18 \x01(\x08\x12\x15\n\x08quantize\x18\x19 \x01(\tH\x04\x88\x01\x01\x12\x13\n\x0b\x63uda_graphs\x18\x1a \x01(\x08\x12\x0f\n\x07\x63ompile\x18\x1b \x01(\x08\x12\x16\n\x0e\x61rrival_gap_ms\x18\x1c \x01(\x01\x12\x11\n\tnum_shard\x18\x1d \x01(\r\x12\x11\n\tspeculate\x18\x1e \x01(\r\x12\x1c\n\x0fspeculate_model\x18\x1f \x01(\tH\x05\x88\x01\x01\x12\x1b\n\x13speculate_max_batch\x18  \x01(\rB\x0c\n\n_model_shaB\x15\n\x13_model_pipeline_tagB\x06\n\x04_shaB\x0f\n\r_docker_labelB\x0b\n\t_quantizeB\x12\n\x10_speculate_model\"U\n\x0fTokenizeRequest\x12\x0e\n\x06inputs\x18\x01 \x01(\t\x12\x32\n\nparameters\x18\x02 \x01(\x0b\x32\x1e.textgen.v1.GenerateParameters\"D\n\x0bSimpleToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0c\n\x04stop\x18\x04 \x01(\r\";\n\x10TokenizeResponse\x12\'\n\x06tokens\x18\x01 \x03(\x0b\x32\x17.textgen.v1.SimpleToken\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x10\n\x0eMetricsRequest\"\x13\n\x11ListModelsRequest\"F\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06object\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x05\x12\x10\n\x08owned_by\x18\x04 \x01(\t\"E\n\x12ListModelsResponse\x12\x0e\n\x06object\x18\x01 \x01(\t\x12\x1f\n\x04\x64\x61ta\x18\x02 \x03(\x0b\x32\x11.textgen.v1.Model\"A\n\x11\x44\x65tokenizeRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\x12\n\x05model\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x08\n\x06_model\"$\n\x12\x44\x65tokenizeResponse\x12\x0e\n\x06prompt\x18\x01 \x01(\t\"\x10\n\x0eVersionRequest\"B\n\x0fVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x13\n\x06\x63ommit\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\t\n\x07_commit\"\xc4\x01\n\x12GetResponseRequest\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x0f\n\x07include\x18\x02 \x03(\t\x12\x13\n\x06stream\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x1b\n\x0estarting_after\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12 \n\x13include_obfuscation\x18\x05 \x01(\x08H\x02\x88\x01\x01\x42\t\n\x07_streamB\x11\n\x0f_starting_afterB\x16\n\x14_include_obfuscation\",\n\x15\x44\x65leteResponseRequest\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\"\xbf\x01\n\x1dListResponseInputItemsRequest\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x12\n\x05limit\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\x05order\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x12\n\x05\x61\x66ter\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x13\n\x06\x62\x65\x66ore\x18\x05 \x01(\tH\x03\x88\x01\x01\x12\x0f\n\x07include\x18\x06 \x03(\tB\x08\n\x06_limitB\x08\n\x06_orderB\x08\n\x06_afterB\t\n\x07_before2\xfd\x0b\n\x15TextGenerationService\x12p\n\x0eGenerateStream\x12\x1b.textgen.v1.GenerateRequest\x1a\".textgen.v1.GenerateStreamResponse\"\x1b\x82\xd3\xe4\x93\x02\x15\"\x10/generate_stream:\x01*0\x01\x12[\n\x08Generate\x12\x1b.textgen.v1.GenerateRequest\x1a\x1c.textgen.v1.GenerateResponse\"\x14\x82\xd3\xe4\x93\x02\x0e\"\t/generate:\x01*\x12H\n\x04Info\x12\x17.textgen.v1.InfoRequest\x1a\x18.textgen.v1.InfoResponse\"\r\x82\xd3\xe4\x93\x02\x07\x12\x05/info\x12\x45\n\x08Tokenize\x12\x1b.textgen.v1.TokenizeRequest\x1a\x1c.textgen.v1.TokenizeResponse\x12P\n\x0cTokenizeBody\x12\x14.google.api.HttpBody\x1a\x14.google.api.HttpBody\"\x14\x82\xd3\xe4\x93\x02\x0e\"\t/tokenize:\x01*\x12\x63\n\nDetokenize\x12\x1d.textgen.v1.DetokenizeRequest\x1a\x1e.textgen.v1.DetokenizeResponse\"\x16\x82\xd3\xe4\x93\x02\x10\"\x0b/detokenize:\x01*\x12T\n\x07Version\x12\x1a.textgen.v1.VersionRequest\x1a\x1b.textgen.v1.VersionResponse\"\x10\x82\xd3\xe4\x93\x02\n\x12\x08/version\x12P\n\x06Health\x12\x19.textgen.v1.HealthRequest\x1a\x1a.textgen.v1.HealthResponse\"\x0f\x82\xd3\xe4\x93\x02\t\x12\x07/health\x12M\n\x07Metrics\x12\x1a.textgen.v1.MetricsRequest\x1a\x14.google.api.HttpBody\"\x10\x82\xd3\xe4\x93\x02\n\x12\x08/metrics\x12_\n\nListModels\x12\x1d.textgen.v1.ListModelsRequest\x1a\x1e.textgen.v1.ListModelsResponse\"\x12\x82\xd3\xe4\x93\x02\x0c\x12\n/v1/models\x12`\n\x0f\x43hatCompletions\x12\x14.google.api.HttpBody\x1a\x14.google.api.HttpBody\"\x1f\x82\xd3\xe4\x93\x02\x19\"\x14/v1/chat/completions:\x01*0\x01\x12W\n\x0b\x43ompletions\x12\x14.google.api.HttpBody\x1a\x14.google.api.HttpBody\"\x1a\x82\xd3\xe4\x93\x02\x14\"\x0f/v1/completions:\x01*0\x01\x12S\n\tResponses\x12\x14.google.api.HttpBody\x1a\x14.google.api.HttpBody\"\x18\x82\xd3\xe4\x93\x02\x12\"\r/v1/responses:\x01*0\x01\x12h\n\x0bGetResponse\x12\x1e.textgen.v1.GetResponseRequest\x1a\x14.google.api.HttpBody\"#\x82\xd3\xe4\x93\x02\x1d\x12\x1b/v1/responses/{response_id}\x12n\n\x0e\x44\x65leteResponse\x12!.textgen.v1.DeleteResponseRequest\x1a\x14.google.api.HttpBody\"#\x82\xd3\xe4\x93\x02\x1d*\x1b/v1/responses/{response_id}\x12\x8a\x01\n\x16ListResponseInputItems\x12).textgen.v1.ListResponseInputItemsRequest\x1a\x14.google.api.HttpBody\"/\x82\xd3\xe4\x93\x02)\x12\'/v1/responses/{response_id}/input_itemsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(textgen/v1/text_generation_service.proto\x12\ntextgen.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x19google/api/httpbody.proto\x1a\x19textgen/v1/generate.proto\"\r\n\x0bInfoRequest\"\xcd\x07\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\tmodel_sha\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x1f\n\x12model_pipeline_tag\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x1f\n\x17max_concurrent_requests\x18\x04 \x01(\r\x12\x13\n\x0bmax_best_of\x18\x05 \x01(\r\x12\x1a\n\x12max_stop_sequences\x18\x06 \x01(\r\x12\x18\n\x10max_input_tokens\x18\x07 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x08 \x01(\r\x12\x1a\n\x12validation_workers\x18\t \x01(\r\x12\x1d\n\x15max_client_batch_size\x18\n \x01(\r\x12\x0e\n\x06router\x18\x0b \x01(\t\x12\x0f\n\x07version\x18\x0c \x01(\t\x12\x10\n\x03sha\x18\r \x01(\tH\x02\x88\x01\x01\x12\x19\n\x0c\x64ocker_label\x18\x0e \x01(\tH\x03\x88\x01\x01\x12\x13\n\x0bmodel_dtype\x18\x0f \x01(\t\x12\x19\n\x11model_device_type\x18\x10 \x01(\t\x12 \n\x18max_batch_prefill_tokens\x18\x11 \x01(\r\x12\x1e\n\x16max_batch_total_tokens\x18\x12 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x13 \x01(\r\x12\x1b\n\x13kv_cache_block_size\x18\x14 \x01(\r\x12\x17\n\x0fkv_cache_blocks\x18\x15 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x16 \x01(\r\x12\x15\n\rtorch_threads\x18\x17 \x01(\r\x12\x15\n\rdeterministic\x18\x18 \x01(\x08\x12\x15\n\x08quantize\x18\x19 \x01(\tH\x04\x88\x01\x01\x12\x13\n\x0b\x63uda_graphs\x18\x1a \x01(\x08\x12\x0f\n\x07\x63ompile\x18\x1b \x01(\x08\x12\x16\n\x0e\x61rrival_gap_ms\x18\x1c \x01(\x01\x12\x11\n\tnum_shard\x18\x1d \x01(\r\x12\x11\n\tspeculate\x18\x1e \x01(\r\x12\x1c\n\x0fspeculate_model\x18\x1f \x01(\tH\x05\x88\x01\x01\x12\x1b\n\x13speculate_max_batch\x18  \x01(\r\x12\x15\n\rlora_adapters\x18( \x03(\t\x12\x11\n\tmax_loras\x18) \x01(\r\x12\x15\n\rmax_lora_rank\x18* \x01(\rB\x0c\n\n_model_shaB\x15\n\x13_model_pipeline_tagB\x06\n\x04_shaB\x0f\n\r_docker_labelB\x0b\n\t_quantizeB\x12\n\x10_speculate_model\"U\n\x0fTokenizeRequest\x12\x0e\n\x06inputs\x18\x01 \x01(\t\x12\x32\n\nparameters\x18\x02 \x01(\x0b\x32\x1e.textgen.v1.GenerateParameters\"D\n\x0bSimpleToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0c\n\x04stop\x18\x04 \x01(\r\";\n\x10TokenizeResponse\x12\'\n\x06tokens\x18\x01 \x03(\x0b\x32\x17.textgen.v1.SimpleToken\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x10\n\x0eMetricsRequest\"\x13\n\x11ListModelsRequest\"\x82\x01\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06object\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x05\x12\x10\n\x08owned_by\x18\x04 \x01(\t\x12\x11\n\x04root\x18\x05 \x01(\tH\x00\x88\x01\x01\x12\x13\n\x06parent\x18\x06 \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05_rootB\t\n\x07_parent\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"=\n\x13LoraAdapterResponse\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x15\n\rlora_adapters\x18\x02 \x03(\t\"E\n\x12ListModelsResponse\x12\x0e\n\x06object\x18\x01 \x01(\t\x12\x1f\n\x04\x64\x61ta\x18\x02 \x03(\x0b\x32\x11.textgen.v1.Model\"A\n\x11\x44\x65tokenizeRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\x12\n\x05model\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x08\n\x06_model\"$\n\x12\x44\x65tokenizeResponse\x12\x0e\n\x06prompt\x18\x01 \x01(\t\"\x10\n\x0eVersionRequest\"B\n\x0fVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x13\n\x06\x63ommit\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\t\n\x07_commit\"\xc4\x01\n\x12GetResponseRequest\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x0f\n\x07include\x18\x02 \x03(\t\x12\x13\n\x06stream\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x1b\n\x0estarting_after\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12 \n\x13include_obfuscation\x18\x05 \x01(\x08H\x02\x88\x01\x01\x42\t\n\x07_streamB\x11\n\x0f_starting_afterB\x16\n\x14_include_obfuscation\",\n\x15\x44\x65leteResponseRequest\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\"\xbf\x01\n\x1dListResponseInputItemsRequest\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x12\n\x05limit\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\x05order\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x12\n\x05\x61\x66ter\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x13\n\x06\x62\x65\x66ore\x18\x05 \x01(\tH\x03\x88\x01\x01\x12\x0f\n\x07include\x18\x06 \x03(\tB\x08\n\x06_limitB\x08\n\x06_orderB\x08\n\x06_afterB\t\n\x07_before2\xf7\r\n\x15TextGenerationService\x12p\n\x0eGenerateStream\x12\x1b.textgen.v1.GenerateRequest\x1a\".textgen.v1.GenerateStreamResponse\"\x1b\x82\xd3\xe4\x93\x02\x15\"\x10/generate_stream:\x01*0\x01\x12[\n\x08Generate\x12\x1b.textgen.v1.GenerateRequest\x1a\x1c.textgen.v1.GenerateResponse\"\x14\x82\xd3\xe4\x93\x02\x0e\"\t/generate:\x01*\x12H\n\x04Info\x12\x17.textgen.v1.InfoRequest\x1a\x18.textgen.v1.InfoResponse\"\r\x82\xd3\xe4\x93\x02\x07\x12\x05/info\x12\x45\n\x08Tokenize\x12\x1b.textgen.v1.TokenizeRequest\x1a\x1c.textgen.v1.TokenizeResponse\x12P\n\x0cTokenizeBody\x12\x14.google.api.HttpBody\x1a\x14.google.api.HttpBody\"\x14\x82\xd3\xe4\x93\x02\x0e\"\t/tokenize:\x01*\x12\x63\n\nDetokenize\x12\x1d.textgen.v1.DetokenizeRequest\x1a\x1e.textgen.v1.DetokenizeResponse\"\x16\x82\xd3\xe4\x93\x02\x10\"\x0b/detokenize:\x01*\x12T\n\x07Version\x12\x1a.textgen.v1.VersionRequest\x1a\x1b.textgen.v1.VersionResponse\"\x10\x82\xd3\xe4\x93\x02\n\x12\x08/version\x12P\n\x06Health\x12\x19.textgen.v1.HealthRequest\x1a\x1a.textgen.v1.HealthResponse\"\x0f\x82\xd3\xe4\x93\x02\t\x12\x07/health\x12M\n\x07Metrics\x12\x1a.textgen.v1.MetricsRequest\x1a\x14.google.api.HttpBody\"\x10\x82\xd3\xe4\x93\x02\n\x12\x08/metrics\x12_\n\nListModels\x12\x1d.textgen.v1.ListModelsRequest\x1a\x1e.textgen.v1.ListModelsResponse\"\x12\x82\xd3\xe4\x93\x02\x0c\x12\n/v1/models\x12`\n\x0f\x43hatCompletions\x12\x14.google.api.HttpBody\x1a\x14.google.api.HttpBody\"\x1f\x82\xd3\xe4\x93\x02\x19\"\x14/v1/chat/completions:\x01*0\x01\x12W\n\x0b\x43ompletions\x12\x14.google.api.HttpBody\x1a\x14.google.api.HttpBody\"\x1a\x82\xd3\xe4\x93\x02\x14\"\x0f/v1/completions:\x01*0\x01\x12x\n\x0fLoadLoraAdapter\x12\".textgen.v1.LoadLoraAdapterRequest\x1a\x1f.textgen.v1.LoraAdapterResponse\" \x82\xd3\xe4\x93\x02\x1a\"\x15/v1/load_lora_adapter:\x01*\x12~\n\x11UnloadLoraAdapter\x12$.textgen.v1.UnloadLoraAdapterRequest\x1a\x1f.textgen.v1.LoraAdapterResponse\"\"\x82\xd3\xe4\x93\x02\x1c\"\x17/v1/unload_lora_adapter:\x01*\x12S\n\tResponses\x12\x14.google.api.HttpBody\x1a\x14.google.api.HttpBody\"\x18\x82\xd3\xe4\x93\x02\x12\"\r/v1/responses:\x01*0\x01\x12h\n\x0bGetResponse\x12\x1e.textgen.v1.GetResponseRequest\x1a\x14.google.api.HttpBody\"#\x82\xd3\xe4\x93\x02\x1d\x12\x1b/v1/responses/{response_id}\x12n\n\x0e\x44\x65leteResponse\x12!.textgen.v1.DeleteResponseRequest\x1a\x14.google.api.HttpBody\"#\x82\xd3\xe4\x93\x02\x1d*\x1b/v1/responses/{response_id}\x12\x8a\x01\n\x16ListResponseInputItems\x12).textgen.v1.ListResponseInputItemsRequest\x1a\x14.google.api.HttpBody\"/\x82\xd3\xe4\x93\x02)\x12\'/v1/responses/{response_id}/input_itemsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -57,6 +57,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TEXTGENERATIONSERVICE'].methods_by_name['ChatCompletions']._serialized_options = b'\202\323\344\223\002\031\"\024/v1/chat/completions:\001*'
   _globals['_TEXTGENERATIONSERVICE'].methods_by_name['Completions']._loaded_options = None
   _globals['_TEXTGENERATIONSERVICE'].methods_by_name['Completions']._serialized_options = b'\202\323\344\223\002\024\"\017/v1/completions:\001*'
+  _globals['_TEXTGENERATIONSERVICE'].methods_by_name['LoadLoraAdapter']._loaded_options = None
+  _globals['_TEXTGENERATIONSERVICE'].methods_by_name['LoadLoraAdapter']._serialized_options = b'\202\323\344\223\002\032\"\025/v1/load_lora_adapter:\001*'
+  _globals['_TEXTGENERATIONSERVICE'].methods_by_name['UnloadLoraAdapter']._loaded_options = None
+  _globals['_TEXTGENERATIONSERVICE'].methods_by_name['UnloadLoraAdapter']._serialized_options = b'\202\323\344\223\002\034\"\027/v1/unload_lora_adapter:\001*'
   _globals['_TEXTGENERATIONSERVICE'].methods_by_name['Responses']._loaded_options = None
   _globals['_TEXTGENERATIONSERVICE'].methods_by_name['Responses']._serialized_options = b'\202\323\344\223\002\022\"\r/v1/responses:\001*'
   _globals['_TEXTGENERATIONSERVICE'].methods_by_name['GetResponse']._loaded_options = None
@@ -68,39 +72,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=140
   _globals['_INFOREQUEST']._serialized_end=153
   _globals['_INFORESPONSE']._serialized_start=156
-  _globals['_INFORESPONSE']._serialized_end=1064
-  _globals['_TOKENIZEREQUEST']._serialized_start=1066
-  _globals['_TOKENIZEREQUEST']._serialized_end=1151
-  _globals['_SIMPLETOKEN']._serialized_start=1153
-  _globals['_SIMPLETOKEN']._serialized_end=1221
-  _globals['_TOKENIZERESPONSE']._serialized_start=1223
-  _globals['_TOKENIZERESPONSE']._serialized_end=1282
-  _globals['_HEALTHREQUEST']._serialized_start=1284
-  _globals['_HEALTHREQUEST']._serialized_end=1299
-  _globals['_HEALTHRESPONSE']._serialized_start=1301
-  _globals['_HEALTHRESPONSE']._serialized_end=1317
-  _globals['_METRICSREQUEST']._serialized_start=1319
-  _globals['_METRICSREQUEST']._serialized_end=1335
-  _globals['_LISTMODELSREQUEST']._serialized_start=1337
-  _globals['_LISTMODELSREQUEST']._serialized_end=1356
-  _globals['_MODEL']._serialized_start=1358
-  _globals['_MODEL']._serialized_end=1428
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1430
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1499
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1501
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1566
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1568
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1604
-  _globals['_VERSIONREQUEST']._serialized_start=1606
-  _globals['_VERSIONREQUEST']._serialized_end=1622
-  _globals['_VERSIONRESPONSE']._serialized_start=1624
-  _globals['_VERSIONRESPONSE']._serialized_end=1690
-  _globals['_GETRESPONSEREQUEST']._serialized_start=1693
-  _globals['_GETRESPONSEREQUEST']._serialized_end=1889
-  _globals['_DELETERESPONSEREQUEST']._serialized_start=1891
-  _globals['_DELETERESPONSEREQUEST']._serialized_end=1935
-  _globals['_LISTRESPONSEINPUTITEMSREQUEST']._serialized_start=1938
-  _globals['_LISTRESPONSEINPUTITEMSREQUEST']._serialized_end=2129
-  _globals['_TEXTGENERATIONSERVICE']._serialized_start=2132
-  _globals['_TEXTGENERATIONSERVICE']._serialized_end=3665
+  _globals['_INFORESPONSE']._serialized_end=1129
+  _globals['_TOKENIZEREQUEST']._serialized_start=1131
+  _globals['_TOKENIZEREQUEST']._serialized_end=1216
+  _globals['_SIMPLETOKEN']._serialized_start=1218
+  _globals['_SIMPLETOKEN']._serialized_end=1286
+  _globals['_TOKENIZERESPONSE']._serialized_start=1288
+  _globals['_TOKENIZERESPONSE']._serialized_end=1347
+  _globals['_HEALTHREQUEST']._serialized_start=1349
+  _globals['_HEALTHREQUEST']._serialized_end=1364
+  _globals['_HEALTHRESPONSE']._serialized_start=1366
+  _globals['_HEALTHRESPONSE']._serialized_end=1382
+  _globals['_METRICSREQUEST']._serialized_start=1384
+  _globals['_METRICSREQUEST']._serialized_end=1400
+  _globals['_LISTMODELSREQUEST']._serialized_start=1402
+  _globals['_LISTMODELSREQUEST']._serialized_end=1421
+  _globals['_MODEL']._serialized_start=1424
+  _globals['_MODEL']._serialized_end=1554
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1556
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1618
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1620
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1665
+  _globals['_LORAADAPTERRESPONSE']._serialized_start=1667
+  _globals['_LORAADAPTERRESPONSE']._serialized_end=1728
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1730
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1799
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1801
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1866
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1868
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1904
+  _globals['_VERSIONREQUEST']._serialized_start=1906
+  _globals['_VERSIONREQUEST']._serialized_end=1922
+  _globals['_VERSIONRESPONSE']._serialized_start=1924
+  _globals['_VERSIONRESPONSE']._serialized_end=1990
+  _globals['_GETRESPONSEREQUEST']._serialized_start=1993
+  _globals['_GETRESPONSEREQUEST']._serialized_end=2189
+  _globals['_DELETERESPONSEREQUEST']._serialized_start=2191
+  _globals['_DELETERESPONSEREQUEST']._serialized_end=2235
+  _globals['_LISTRESPONSEINPUTITEMSREQUEST']._serialized_start=2238
+  _globals['_LISTRESPONSEINPUTITEMSREQUEST']._serialized_end=2429
+  _globals['_TEXTGENERATIONSERVICE']._serialized_start=2432
+  _globals['_TEXTGENERATIONSERVICE']._serialized_end=4215
 # @@protoc_insertion_point(module_scope)

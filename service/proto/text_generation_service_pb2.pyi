@@ -15,7 +15,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "model_sha", "model_pipeline_tag", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_input_tokens", "max_total_tokens", "validation_workers", "max_client_batch_size", "router", "version", "sha", "docker_label", "model_dtype", "model_device_type", "max_batch_prefill_tokens", "max_batch_total_tokens", "max_batch_size", "kv_cache_block_size", "kv_cache_blocks", "max_position_embeddings", "torch_threads", "deterministic", "quantize", "cuda_graphs", "compile", "arrival_gap_ms", "num_shard", "speculate", "speculate_model", "speculate_max_batch")
+    __slots__ = ("model_id", "model_sha", "model_pipeline_tag", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_input_tokens", "max_total_tokens", "validation_workers", "max_client_batch_size", "router", "version", "sha", "docker_label", "model_dtype", "model_device_type", "max_batch_prefill_tokens", "max_batch_total_tokens", "max_batch_size", "kv_cache_block_size", "kv_cache_blocks", "max_position_embeddings", "torch_threads", "deterministic", "quantize", "cuda_graphs", "compile", "arrival_gap_ms", "num_shard", "speculate", "speculate_model", "speculate_max_batch", "lora_adapters", "max_loras", "max_lora_rank")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA_FIELD_NUMBER: _ClassVar[int]
     MODEL_PIPELINE_TAG_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,9 @@ class InfoResponse(_message.Message):
     SPECULATE_FIELD_NUMBER: _ClassVar[int]
     SPECULATE_MODEL_FIELD_NUMBER: _ClassVar[int]
     SPECULATE_MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_sha: str
     model_pipeline_tag: str
@@ -80,7 +83,10 @@ class InfoResponse(_message.Message):
     speculate: int
     speculate_model: str
     speculate_max_batch: int
-    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_pipeline_tag: _Optional[str] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., validation_workers: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., router: _Optional[str] = ..., version: _Optional[str] = ..., sha: _Optional[str] = ..., docker_label: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., kv_cache_block_size: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., torch_threads: _Optional[int] = ..., deterministic: _Optional[bool] = ..., quantize: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., compile: _Optional[bool] = ..., arrival_gap_ms: _Optional[float] = ..., num_shard: _Optional[int] = ..., speculate: _Optional[int] = ..., speculate_model: _Optional[str] = ..., speculate_max_batch: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    max_loras: int
+    max_lora_rank: int
+    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_pipeline_tag: _Optional[str] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., validation_workers: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., router: _Optional[str] = ..., version: _Optional[str] = ..., sha: _Optional[str] = ..., docker_label: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., kv_cache_block_size: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., torch_threads: _Optional[int] = ..., deterministic: _Optional[bool] = ..., quantize: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., compile: _Optional[bool] = ..., arrival_gap_ms: _Optional[float] = ..., num_shard: _Optional[int] = ..., speculate: _Optional[int] = ..., speculate_model: _Optional[str] = ..., speculate_max_batch: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("inputs", "parameters")
@@ -125,16 +131,42 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Model(_message.Message):
-    __slots__ = ("id", "object", "created", "owned_by")
+    __slots__ = ("id", "object", "created", "owned_by", "root", "parent")
     ID_FIELD_NUMBER: _ClassVar[int]
     OBJECT_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     OWNED_BY_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     id: str
     object: str
     created: int
     owned_by: str
-    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., created: _Optional[int] = ..., owned_by: _Optional[str] = ...) -> None: ...
+    root: str
+    parent: str
+    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., created: _Optional[int] = ..., owned_by: _Optional[str] = ..., root: _Optional[str] = ..., parent: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoraAdapterResponse(_message.Message):
+    __slots__ = ("message", "lora_adapters")
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, message: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("object", "data")

@@ -100,6 +100,16 @@ class TextGenerationServiceStub:
                 request_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/textgen.v1.TextGenerationService/LoadLoraAdapter',
+                request_serializer=textgen_dot_v1_dot_text__generation__service__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_text__generation__service__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/textgen.v1.TextGenerationService/UnloadLoraAdapter',
+                request_serializer=textgen_dot_v1_dot_text__generation__service__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_text__generation__service__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
         self.Responses = channel.unary_stream(
                 '/textgen.v1.TextGenerationService/Responses',
                 request_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
@@ -235,6 +245,27 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Load a LoRA adapter at run time (vLLM's /v1/load_lora_adapter): read and checked as at
+        start-up, then served under `lora_name`. Needs a server started with LoRA slots
+        (--lora-adapters or --max-loras).
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Stop serving a LoRA adapter (vLLM's /v1/unload_lora_adapter): new requests can't name
+        it at once; the requests already running with it finish with it.
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Responses(self, request, context):
         """OpenAI's Responses API, written the same way as ChatCompletions: one
         application/json `response` object, or text/event-stream frames of OpenAI's
@@ -340,6 +371,16 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.Completions,
                     request_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=textgen_dot_v1_dot_text__generation__service__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_text__generation__service__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=textgen_dot_v1_dot_text__generation__service__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_text__generation__service__pb2.LoraAdapterResponse.SerializeToString,
             ),
             'Responses': grpc.unary_stream_rpc_method_handler(
                     servicer.Responses,
@@ -689,6 +730,60 @@ class TextGenerationService:
             '/textgen.v1.TextGenerationService/Completions',
             google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGenerationService/LoadLoraAdapter',
+            textgen_dot_v1_dot_text__generation__service__pb2.LoadLoraAdapterRequest.SerializeToString,
+            textgen_dot_v1_dot_text__generation__service__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGenerationService/UnloadLoraAdapter',
+            textgen_dot_v1_dot_text__generation__service__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            textgen_dot_v1_dot_text__generation__service__pb2.LoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -108,6 +108,18 @@ def refused(path: str, body: dict):
     return probe
 
 
+def base_model(path: str, body: dict):
+    """A server without LoRA adapters takes any `model` as its base model and names the
+    base in the answer (tests/integration/test_lora.py picks adapters by it)."""
+
+    def probe(server):
+        status, out = post(server, path, body)
+        info = requests.get(f"{server.http_url}/info", timeout=30).json()
+        assert status == 200 and out["model"] == info["model_id"], out
+
+    return probe
+
+
 def checks(path: str, body: dict, predicate):
     def probe(server):
         status, out = post(server, path, body)
@@ -384,6 +396,7 @@ PROBES = {
         "watermark": refused("/generate", tgi(watermark=True)),
     },
     "ChatRequest": {
+        "model": base_model("/v1/chat/completions", chat(model="gpt-4o")),
         "frequency_penalty": differs(
             "/v1/chat/completions",
             chat(ignore_eos=True, max_tokens=32),
@@ -464,6 +477,7 @@ PROBES = {
         "top_p": differs("/v1/chat/completions", chat(**HOT), chat(**HOT, top_p=0.01)),
     },
     "ResponsesRequest": {
+        "model": base_model(RESPONSES, response(model="gpt-4o")),
         "ignore_eos": responses_ignore_eos,
         "include": checks(
             RESPONSES,
@@ -525,6 +539,7 @@ PROBES = {
         "truncation": refused(RESPONSES, response(truncation="auto")),
     },
     "CompletionRequest": {
+        "model": base_model("/v1/completions", completion(model="gpt-4o")),
         "best_of": checks(  # three sampled, the likeliest answered
             "/v1/completions",
             completion(**HOT, best_of=3, ignore_eos=True),

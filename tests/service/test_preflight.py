@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,11 @@ BAD = [
     (["--rope-factor", "-2"], ("--rope-factor", "positive")),
     (["--tokenizer-config-path", "/nonexistent"], ("--tokenizer-config-path", "cannot be read")),
     (["--weights-cache-override", "/nonexistent"], ("--weights-cache-override", "not a folder")),
+    (["--lora-adapters", "a,b,a"], ("--lora-adapters", "'a' is given twice")),
+    (["--lora-adapters", "x=/nonexistent/a"], ("--lora-adapters x=/nonexistent/a", "neither")),
+    (["--lora-adapters", "x=/tmp"], ("--lora-adapters x=/tmp", "no adapter_config.json")),
+    (["--lora-adapters", "x=/tmp", "--max-loras", "0"], ("--max-loras 0", "no slot")),
+    (["--max-loras", "2", "--deterministic"], ("--deterministic", "LoRA")),
     (["--no-such-flag"], ("--no-such-flag",)),
 ]
 
@@ -233,3 +239,33 @@ def test_the_embedded_context_is_its_config():
 def test_the_settings_doc_is_the_table():
     doc = (ROOT / "docs" / "settings.md").read_text()
     assert settings_table() in doc, "docs/settings.md is stale: python scripts/make_settings_doc.py"
+
+
+def test_lora_adapters_are_checked_before_loading(tiny_model_dir, tmp_path):
+    """An adapter's config is read before the model loads: its rank against
+    --max-lora-rank, its base model against the served one; a good one sizes the slots."""
+    import json
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    get_peft_model(model, LoraConfig(r=32, target_modules=["q_proj"])).save_pretrained(
+        tmp_path / "a"
+    )
+    adapter = f"a={tmp_path / 'a'}"
+    status, lines, took = serve(
+        "--model-id", str(tiny_model_dir), "--lora-adapters", adapter, "--max-lora-rank", "16"
+    )
+    assert status == 2 and refused(lines, f"--lora-adapters {adapter}", "rank 32"), lines
+    assert took < NO_LOAD_S
+    settings = Settings(model_id=str(tiny_model_dir), grpc_port=0, port=0, no_envoy=True)
+    checked = preflight(replace(settings, lora_adapters=(("a", str(tmp_path / "a")),)))
+    assert (checked.lora.slots, checked.lora.max_rank) == (1, 32)
+    assert preflight(replace(settings, max_loras=4)).lora.max_rank == 16  # run-time loads only
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "Qwen/Qwen3-8B"
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(SettingError, match="trained on 'Qwen/Qwen3-8B'"):
+        preflight(replace(settings, lora_adapters=(("a", str(tmp_path / "a")),)))

@@ -53,7 +53,7 @@ def tgi(**parameters) -> GenerateRequest:
         ({"best_of": 2}, "you must use sampling when `best_of` is > 1", "best_of"),
         ({"logit_bias": {400: 1.0}}, "`logit_bias` token id 400 is outside", "logit_bias"),
         ({"watermark": True}, "`watermark` is not supported", "watermark"),
-        ({"adapter_id": "lora"}, "`adapter_id`: LoRA adapters are not supported", "adapter_id"),
+        ({"adapter_id": "lora"}, "`adapter_id`: LoRA adapters are not served here", "adapter_id"),
         ({"max_time": 0.0}, "`max_time` must be strictly positive", "max_time"),
         ({"truncate": 64}, "`truncate` must be strictly positive and less than 63", "truncate"),
         (
@@ -207,3 +207,36 @@ def test_openai_top_p_is_within_zero_and_one(tokenizer, top_p):
     assert (
         parse_chat_request(chat_body(', "top_p": 1'), tokenizer).generate.parameters.top_p is None
     )
+
+
+def test_adapter_id_and_model_pick_a_served_adapter_or_the_base(tokenizer):
+    """TGI's `adapter_id` and OpenAI's `model` name a served adapter (its uid goes to the
+    engine), the base model by its id (or "tgi" and nothing, for `model`); another name is
+    refused naming the field. Without adapters, `model` is any name (the base)."""
+    from pathlib import Path
+
+    from textgen.service.engine.adapters import AdapterRegistry
+    from textgen.service.models.lora import LoraAdapter
+
+    registry = AdapterRegistry(max_loras=2, max_rank=8)
+    sql = registry.add(LoraAdapter("sql", "/a/sql", Path("/a/sql"), 8, None, {}))
+    with_lora = Validator(tokenizer, LIMITS, adapters=registry, base_names=("org/base", "/m"))
+    plain = Validator(tokenizer, LIMITS, base_names=("org/base",))
+
+    def adapter(v, **parameters):
+        request = v.validate(tgi(**parameters), stream=False).engine_request
+        return request.adapter_id, request.adapter_uid
+
+    assert adapter(with_lora, adapter_id="sql") == ("sql", sql.uid)
+    assert adapter(with_lora, model="sql") == ("sql", sql.uid)
+    for base in ({}, {"adapter_id": ""}, {"adapter_id": "org/base"}, {"model": "tgi"}):
+        assert adapter(with_lora, **base) == (None, 0)
+    assert adapter(plain, model="gpt-4o") == (None, 0)
+    for field in ("adapter_id", "model"):
+        error = refused(with_lora, tgi(**{field: "sqll"}))
+        assert error.param == field
+        assert error.message == (
+            f"`{field}`: unknown LoRA adapter 'sqll' (served: 'org/base', 'sql')"
+        )
+    registry.unload("sql")
+    assert refused(with_lora, tgi(model="sql")).param == "model"

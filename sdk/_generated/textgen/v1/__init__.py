@@ -22,6 +22,8 @@ __all__ = (
     "ListModelsRequest",
     "ListModelsResponse",
     "ListResponseInputItemsRequest",
+    "LoadLoraAdapterRequest",
+    "LoraAdapterResponse",
     "MetricsRequest",
     "Model",
     "PrefillToken",
@@ -31,6 +33,7 @@ __all__ = (
     "Token",
     "TokenizeRequest",
     "TokenizeResponse",
+    "UnloadLoraAdapterRequest",
     "VersionRequest",
     "VersionResponse",
 )
@@ -340,7 +343,8 @@ class GenerateParameters(betterproto2.Message):
 
     adapter_id: "str | None" = betterproto2.field(23, betterproto2.TYPE_STRING, optional=True)
     """
-    TGI's LoRA adapter id. No adapters are served: a non-empty id is refused.
+    TGI's LoRA adapter id: a served adapter's name (Info lists them) or the base model's
+    id; unset or empty: the base model. Any other name is refused.
     """
 
     priority: "int | None" = betterproto2.field(24, betterproto2.TYPE_INT32, optional=True)
@@ -736,6 +740,22 @@ class InfoResponse(betterproto2.Message):
     Steps with more running sequences than this don't speculate (--speculate-max-batch).
     """
 
+    lora_adapters: "list[str]" = betterproto2.field(40, betterproto2.TYPE_STRING, repeated=True)
+    """
+    The LoRA adapters served beside the base model, by the names requests give them
+    (`adapter_id`, OpenAI's `model`), in load order.
+    """
+
+    max_loras: "int" = betterproto2.field(41, betterproto2.TYPE_UINT32)
+    """
+    Adapters resident at once (--max-loras): the most one batch mixes; 0: no LoRA.
+    """
+
+    max_lora_rank: "int" = betterproto2.field(42, betterproto2.TYPE_UINT32)
+    """
+    The largest LoRA rank served (--max-lora-rank).
+    """
+
 
 default_message_pool.register_message("textgen.v1", "InfoResponse", InfoResponse)
 
@@ -816,6 +836,48 @@ default_message_pool.register_message(
 
 
 @dataclass(eq=False, repr=False)
+class LoadLoraAdapterRequest(betterproto2.Message):
+    """
+    Load a LoRA adapter (vLLM's body).
+    """
+
+    lora_name: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The name requests will give it.
+    """
+
+    lora_path: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    A folder made by peft (adapter_config.json, adapter_model.safetensors) or a Hub id.
+    """
+
+
+default_message_pool.register_message(
+    "textgen.v1", "LoadLoraAdapterRequest", LoadLoraAdapterRequest
+)
+
+
+@dataclass(eq=False, repr=False)
+class LoraAdapterResponse(betterproto2.Message):
+    """
+    What a load or unload did.
+    """
+
+    message: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    One line for a person, e.g. "Success: LoRA adapter 'x' added successfully."
+    """
+
+    lora_adapters: "list[str]" = betterproto2.field(2, betterproto2.TYPE_STRING, repeated=True)
+    """
+    The adapters served after it, by name.
+    """
+
+
+default_message_pool.register_message("textgen.v1", "LoraAdapterResponse", LoraAdapterResponse)
+
+
+@dataclass(eq=False, repr=False)
 class MetricsRequest(betterproto2.Message):
     """
     Metrics takes no parameters.
@@ -851,6 +913,16 @@ class Model(betterproto2.Message):
     owned_by: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
     """
     Always "textgen".
+    """
+
+    root: "str | None" = betterproto2.field(5, betterproto2.TYPE_STRING, optional=True)
+    """
+    What it was loaded from: the base model's id, a LoRA adapter's folder or Hub id (vLLM's).
+    """
+
+    parent: "str | None" = betterproto2.field(6, betterproto2.TYPE_STRING, optional=True)
+    """
+    A LoRA adapter's base model (vLLM's); absent for the base model.
     """
 
 
@@ -1055,6 +1127,23 @@ class TokenizeResponse(betterproto2.Message):
 
 
 default_message_pool.register_message("textgen.v1", "TokenizeResponse", TokenizeResponse)
+
+
+@dataclass(eq=False, repr=False)
+class UnloadLoraAdapterRequest(betterproto2.Message):
+    """
+    Unload a LoRA adapter (vLLM's body).
+    """
+
+    lora_name: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The adapter's name.
+    """
+
+
+default_message_pool.register_message(
+    "textgen.v1", "UnloadLoraAdapterRequest", UnloadLoraAdapterRequest
+)
 
 
 @dataclass(eq=False, repr=False)
