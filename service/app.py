@@ -24,9 +24,11 @@ from .engine.block_manager import num_blocks_for_tokens
 from .engine.compiled_decode import CompileSettings
 from .engine.cuda_graphs import GraphSettings, unavailable_reason
 from .engine.grammar import GrammarMasks
+from .engine.kv_pool import KV_CACHE_DTYPES
 from .engine.loop import EngineLoop
 from .engine.paged_core import PagedCore
 from .engine.shards import ShardGroup, agree
+from .engine.watermark import Watermark
 from .errors import ErrorType
 from .grammar_compiler import GrammarCompiler
 from .grpc.interceptors import ApiKeyInterceptor, DecodingInterceptor
@@ -139,16 +141,22 @@ def free_memory_bytes(device: torch.device) -> int:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
+def kv_cache_dtype(settings: Settings, loaded: LoadedModel) -> torch.dtype:
+    """The KV pool's storage dtype: --kv-cache-dtype, else the model's."""
+    return KV_CACHE_DTYPES[settings.kv_cache_dtype] if settings.kv_cache_dtype else loaded.dtype
+
+
 def kv_capacity_tokens(settings: Settings, loaded: LoadedModel, max_total_tokens: int) -> int:
-    """--max-batch-total-tokens, or what a share of free memory holds: at least one
-    full-length request either way (a smaller pool is refused at startup, so that
-    validation's bound, max_total_tokens, is the only one a request meets)."""
+    """--max-batch-total-tokens, or what a share of free memory holds in the pool's dtype
+    (--kv-cache-dtype): at least one full-length request either way (a smaller pool is
+    refused at startup, so that validation's bound, max_total_tokens, is the only one a
+    request meets)."""
     if settings.max_batch_total_tokens:
         check_kv_capacity(settings, max_total_tokens)
         return settings.max_batch_total_tokens
     layout = loaded.shard_layout
     per_token = kv_bytes_per_token(
-        loaded.model, loaded.dtype, layout.kv_heads_per_rank if layout else None
+        loaded.model, kv_cache_dtype(settings, loaded), layout.kv_heads_per_rank if layout else None
     )
     fraction = KV_MEMORY_FRACTION.get(loaded.device.type, 0.1)
     fits = int(free_memory_bytes(loaded.device) * fraction) // per_token
@@ -202,6 +210,8 @@ def build_core(
         cuda_graphs=graphs,
         compile=compiled,
         shards=shards,
+        kv_cache_dtype=KV_CACHE_DTYPES.get(settings.kv_cache_dtype),
+        watermark=Watermark(settings.watermark_gamma, settings.watermark_delta),
     )
 
 

@@ -13,6 +13,7 @@ import logging
 from .app import KV_BLOCK_SIZE, compile_settings, cuda_graph_settings
 from .config import Settings
 from .engine.block_manager import num_blocks_for_tokens
+from .engine.kv_pool import KV_CACHE_DTYPES
 from .engine.paged_core import build_runner
 from .engine.shards import ShardGroup, agree, follow_steps
 from .models import load_model
@@ -46,6 +47,7 @@ def run_shard(settings: Settings, rank: int, world_size: int, local_rank: int = 
             KV_BLOCK_SIZE,
             cuda_graphs=cuda_graph_settings(settings, loaded, max_total),
             compile=compile_settings(settings, loaded),
+            kv_cache_dtype=KV_CACHE_DTYPES.get(settings.kv_cache_dtype),
         )
         group = ShardGroup(
             rank,

@@ -26,6 +26,7 @@ from .sequence import Sequence
 from .shards import ShardedRunner, ShardGroup
 from .stopping import token_stop_reason
 from .types import EngineError, EngineStats
+from .watermark import Watermark
 
 
 class PagedCore:
@@ -43,6 +44,8 @@ class PagedCore:
         cuda_graphs: GraphSettings | None = None,
         compile: CompileSettings | None = None,
         shards: ShardGroup | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
+        watermark: Watermark | None = None,
     ) -> None:
         """
         Args:
@@ -61,6 +64,10 @@ class PagedCore:
                 by warm_up() (compiled_decode.py; CPU only, so never with cuda_graphs).
             shards: this is rank 0 of a sharded model (`model` is its slice): every step
                 runs on all ranks, which follow in engine/shards.py's follow_steps().
+            kv_cache_dtype: the KV pool's storage dtype (an 8-bit float, upcast in
+                attention); None: the model's K/V dtype.
+            watermark: the green lists of requests with `watermark` (watermark.py);
+                None: TGI's gamma and delta.
         """
         if max_batch_total_tokens <= 0:
             raise ValueError(
@@ -74,12 +81,12 @@ class PagedCore:
             max_batch_size=max_batch_size,
         )
         self.runner: Runner = build_runner(
-            model, num_blocks, block_size, batch_invariant, cuda_graphs, compile
+            model, num_blocks, block_size, batch_invariant, cuda_graphs, compile, kv_cache_dtype
         )
         self.shards = shards
         if shards is not None:
             self.runner = ShardedRunner(self.runner, shards)
-        self.sampler = Sampler()
+        self.sampler = Sampler(watermark)
         self.grammars = grammars
         self._steps = 0
 
@@ -243,15 +250,16 @@ def build_runner(
     batch_invariant: bool = False,
     cuda_graphs: GraphSettings | None = None,
     compile: CompileSettings | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> Runner:
     """The device side of a step (runner.py): the eager runner over a KV pool of
-    `num_blocks`, wrapped in its decode strategy if any (every rank of a sharded model
-    builds the same)."""
+    `num_blocks` (stored as `kv_cache_dtype`, None: the model's), wrapped in its decode
+    strategy if any (every rank of a sharded model builds the same)."""
     if cuda_graphs is not None and compile is not None:
         raise ValueError("cuda_graphs and compile are two runner strategies (CUDA, CPU): pick one")
     # one scratch block for padding tokens (batch-invariant steps, graph buckets, compiled
     # buckets): they write and read only there
-    pool = KVCachePool(num_blocks, block_size, scratch_blocks=1)
+    pool = KVCachePool(num_blocks, block_size, scratch_blocks=1, dtype=kv_cache_dtype)
     runner: Runner = ModelRunner(model, pool, batch_invariant=batch_invariant)
     if cuda_graphs is not None:
         return GraphedRunner(runner, cuda_graphs)
