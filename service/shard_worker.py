@@ -58,7 +58,13 @@ def run_shard(settings: Settings, rank: int, world_size: int, local_rank: int = 
             loaded.vocab.chunk,
             loaded.device,
         )
-        log.info("shard %d of %d ready on %s", rank, world_size, loaded.device)
+        log.info(
+            "shard %d of %d ready on %s (KV cache %s)",
+            rank,
+            world_size,
+            loaded.device,
+            str(runner.pool.dtype or loaded.dtype).removeprefix("torch."),
+        )
         follow_steps(runner, group)
     except Exception:
         log.exception("shard %d failed", rank)

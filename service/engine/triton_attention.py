@@ -24,6 +24,9 @@ import triton.language as tl
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # 8-bit pools (--kv-cache-dtype): each tile is widened to the query's dtype as it loads
 KV_8BIT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Triton converts float8_e4m3fn on compute capability 8.9+ only (compiling the kernel for
+# sm_80 fails; e5m2 compiles there): older GPUs take the SDPA path for such pools
+E4M3_MIN_CAPABILITY = (8, 9)
 MAX_HEAD_DIM = 256  # the tiles of a larger head would not fit in shared memory
 # keys per inner-loop tile: a multiple of 16 (tl.dot's minimum) and independent of the block
 # size, since every key looks its block up itself
@@ -38,10 +41,18 @@ def supports(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tens
         query.dtype in SUPPORTED_DTYPES
         and key_pool.dtype == value_pool.dtype
         and key_pool.dtype in (query.dtype, *KV_8BIT_DTYPES)
+        and (key_pool.dtype != torch.float8_e4m3fn or _converts_e4m3(key_pool.device))
         and num_heads % num_kv_heads == 0
         and max(query.shape[-1], value_pool.shape[-1]) <= MAX_HEAD_DIM
         and key_pool.shape[-1] == query.shape[-1]
     )
+
+
+def _converts_e4m3(device: torch.device) -> bool:
+    """Whether the kernel can widen float8_e4m3fn on `device` (the interpreter can)."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= E4M3_MIN_CAPABILITY
 
 
 def paged_attention(

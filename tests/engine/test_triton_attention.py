@@ -224,6 +224,17 @@ def test_refuses_what_it_does_not_handle():
     assert not triton_attention.supports(torch.zeros(5, 4, 512), big, big)
 
 
+def test_e4m3_pools_go_to_sdpa_on_gpus_before_ada(monkeypatch):
+    """Triton widens float8_e4m3fn on compute capability 8.9+ only (sm_80 fails to compile)."""
+    capability = {"value": (8, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability["value"])
+    cuda = torch.device("cuda")
+    assert not triton_attention._converts_e4m3(cuda)
+    capability["value"] = (8, 9)
+    assert triton_attention._converts_e4m3(cuda)
+    assert triton_attention._converts_e4m3(CPU)  # the interpreter
+
+
 # the CUDA dispatch ---------------------------------------------------------------
 
 
@@ -251,6 +262,21 @@ def test_kernel_order(use_flash, use_triton, block_size, dtype, expected):
     states = torch.zeros(1, 2, 1, 64, dtype=dtype)
     cache = pool.layer(0, states, states)
     query = torch.zeros(1, 4, 1, 64, dtype=dtype)
+    assert attention._pick_kernel(meta, query, cache).__name__ == expected
+
+
+@pytest.mark.parametrize(
+    "use_triton, expected", [(True, "_triton_attention"), (False, "_sdpa_attention")]
+)
+def test_flash_attn_never_reads_an_8_bit_pool(use_triton, expected):
+    """flash-attn 2 takes K/V of the query's dtype: an 8-bit pool goes to Triton (or SDPA),
+    even at the block size flash-attn would read in place."""
+    pool = KVCachePool(num_blocks=2, block_size=256, dtype=torch.float8_e4m3fn)
+    meta = attention.BatchMetadata.build(pool, [1], [1], [[1]], CPU)
+    meta.use_flash, meta.use_triton = True, use_triton
+    states = torch.zeros(1, 2, 1, 64, dtype=torch.bfloat16)
+    cache = pool.layer(0, states, states)
+    query = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
     assert attention._pick_kernel(meta, query, cache).__name__ == expected
 
 

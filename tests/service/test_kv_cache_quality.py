@@ -2,7 +2,7 @@
 chapter (tests/data/pride-and-prejudice-ch1.txt, as test_quantize_quality.py) through the
 engine's runner, the chapter fed as prefill chunks so that every chunk attends the earlier
 ones from the KV pool, with the pool in the model's dtype and in each 8-bit dtype. The
-figures are in docs/performance.md, "KV cache in 8 bits"."""
+figures are in docs/quantization.md."""
 
 from __future__ import annotations
 
