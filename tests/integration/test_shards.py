@@ -2,8 +2,8 @@
 (gloo on CPU), and every request's greedy tokens equal those of one unsharded server
 (float32), for mixed batches, prefix-cache hits, preemption, aborts and a grammar; the
 architectures whose attention differs (GQA with a replicated KV head and q/k/v biases,
-sliding windows, softcapping), an 8-bit KV cache, and the embedded model on 3 shards; a shard killed under load
-ends the streams typed and the server exits non-zero."""
+sliding windows, softcapping), an 8-bit KV cache, and the embedded model on 3 shards; a
+shard killed under load ends the streams typed and the server exits non-zero."""
 
 from __future__ import annotations
 
