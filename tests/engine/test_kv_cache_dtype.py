@@ -155,3 +155,20 @@ def test_greedy_through_an_8_bit_pool(tiny_llama, kv_dtype, strategy):
     reference = small_core(tiny_llama)
     reference.runner.pool = RoundingPool(12, 8, scratch_blocks=1, rounding=kv_dtype)
     assert greedy_outputs(core, prompts) == greedy_outputs(reference, prompts)
+
+
+@pytest.mark.parametrize("model_dtype, factor", [(torch.bfloat16, 2), (torch.float32, 4)])
+def test_the_same_memory_holds_more_blocks(tiny_llama, monkeypatch, model_dtype, factor):
+    """app.kv_capacity_tokens sizes the pool in its stored dtype: 8 bits a value."""
+    from types import SimpleNamespace
+
+    from textgen.service import app
+    from textgen.service.config import Settings
+
+    monkeypatch.setattr(app, "free_memory_bytes", lambda device: 64 * 2**20)
+    loaded = SimpleNamespace(
+        model=tiny_llama, dtype=model_dtype, device=torch.device("cpu"), shard_layout=None
+    )
+    wide = app.kv_capacity_tokens(Settings(), loaded, 512)
+    narrow = app.kv_capacity_tokens(Settings(kv_cache_dtype="fp8_e4m3fn"), loaded, 512)
+    assert wide < 1 << 20 and narrow == factor * wide
