@@ -73,8 +73,6 @@ class LibraryQuantization:
     # what from_pretrained takes as quantization_config: a load-time quantizer's config,
     # or overrides of a checkpoint's (the Marlin backend); None: the checkpoint's own
     load_config: object | None = None
-    # the library widens the weights at load (no kernel for the format on this device)
-    decompressed: bool = False
 
 
 def checkpoint_method(config: dict) -> str | None:
@@ -143,10 +141,7 @@ def _prequantized(
     _check_packages(kernel)
     compute = _compute_dtype(kernel, device, dtype, flag)
     load_config = {"backend": "marlin"} if kernel == "marlin" else None
-    decompressed = device.type == "cpu" and checkpoint in ("compressed-tensors", "fp8")
-    if device.type == "cuda" and checkpoint == "compressed-tensors":
-        decompressed = torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY
-    return LibraryQuantization(kernel, True, compute, load_config, decompressed)
+    return LibraryQuantization(kernel, True, compute, load_config)
 
 
 def _check_device(method: str, device: torch.device) -> None:
@@ -217,8 +212,8 @@ def finish_loading(model: torch.nn.Module, quant: LibraryQuantization) -> None:
     if quant.method == "bitsandbytes":
         # its 8-bit matmul logs a warning at every call whose input isn't float16
         logging.getLogger("bitsandbytes.autograd._functions").addFilter(_Once("will be cast"))
-    kinds = sorted({type(m).__name__ for m in model.modules() if _is_quantized_layer(m)})
-    if quant.decompressed:
+    kinds = sorted({type(m).__name__ for m in model.modules() if _holds_quantized(m)})
+    if not kinds:
         logger.warning(
             "%s checkpoint: no %s kernel for its format here, its weights were widened to "
             "%s at load (same outputs, a dense model's memory)",
@@ -231,8 +226,23 @@ def finish_loading(model: torch.nn.Module, quant: LibraryQuantization) -> None:
             "%s %s: layers %s",
             quant.method,
             "checkpoint" if quant.prequantized else "quantized at load",
-            ", ".join(kinds) or "none",
+            ", ".join(kinds),
         )
+
+
+def stays_quantized(model: torch.nn.Module) -> bool:
+    """Whether some layer still holds quantized weights (False: the library widened them)."""
+    return any(_holds_quantized(m) for m in model.modules())
+
+
+# what quantized weights are stored as: packed ints, int8, uint8 (bitsandbytes' 4-bit), fp8
+_QUANTIZED_DTYPES = (torch.int32, torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _holds_quantized(module: torch.nn.Module) -> bool:
+    """A layer whose own weights are stored quantized."""
+    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    return any(t.dtype in _QUANTIZED_DTYPES and t.dim() >= 2 for t in tensors)
 
 
 class _Once(logging.Filter):
@@ -247,11 +257,3 @@ class _Once(logging.Filter):
             return True
         seen, self.seen = self.seen, True
         return not seen
-
-
-def _is_quantized_layer(module: torch.nn.Module) -> bool:
-    """A Linear-like layer from a quantization library (not torch's own Linear)."""
-    kind = type(module)
-    return kind is not torch.nn.Linear and (
-        hasattr(module, "qweight") or kind.__module__.startswith(("bitsandbytes", "eetq"))
-    )

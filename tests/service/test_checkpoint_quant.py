@@ -53,7 +53,12 @@ def served_tokens(settings) -> tuple[list[int], list[int], object]:
             )
             out = stub.Generate(pb.GenerateRequest(inputs=PROMPT, parameters=params), timeout=120)
         loaded = server.replica.loaded
-        info = (loaded.quantize, loaded.dtype, type(loaded.model.model.layers[0].mlp.up_proj))
+        info = (
+            loaded.quantize,
+            loaded.dtype,
+            type(loaded.model.model.layers[0].mlp.up_proj),
+            cq.stays_quantized(loaded.model),
+        )
     finally:
         server.stop()
     prompt = [t.id for t in out.details.prefill]
@@ -95,10 +100,11 @@ def test_served_greedy_tokens_are_the_librarys(
     path = build(kind, tiny_model_dir, tmp_path / kind)
     assert "quantization_config" in json.loads((path / "config.json").read_text())
     # no --quantize: the checkpoint's format applies; --dtype auto (float32 on this CPU)
-    prompt, served, (quantize, loaded_dtype, layer_type) = served_tokens(
+    prompt, served, (quantize, loaded_dtype, layer_type, packed) = served_tokens(
         tiny_settings(path, dtype="auto")
     )
     assert (quantize, loaded_dtype, layer_type.__name__) == (method, dtype, layer)
+    assert packed == (layer != "Linear")  # else widened at load: no CPU kernel
     assert served == library_generate(path, prompt, dtype)
     # naming the checkpoint's format is the same
     assert served_tokens(tiny_settings(path, dtype="auto", quantize=method))[1] == served
@@ -108,9 +114,10 @@ def test_served_greedy_tokens_are_the_librarys(
 def test_bitsandbytes_quantizes_a_dense_checkpoint_as_it_loads(method, tiny_model_dir):
     from transformers import BitsAndBytesConfig
 
-    prompt, served, (quantize, _, layer_type) = served_tokens(
+    prompt, served, (quantize, _, layer_type, packed) = served_tokens(
         tiny_settings(tiny_model_dir, quantize=method)
     )
+    assert packed
     assert quantize == method
     assert layer_type.__module__.startswith("bitsandbytes")
     kind = method.removeprefix("bitsandbytes").lstrip("-")
@@ -262,9 +269,6 @@ def test_cuda_capability_rules(monkeypatch):
     capability["value"] = (8, 0)
     marlin = cq.plan("marlin", "gptq", cuda, torch.float16, "auto")
     assert (marlin.method, marlin.load_config) == ("marlin", {"backend": "marlin"})
-    assert cq.plan(None, "compressed-tensors", cuda, torch.float16, "auto").decompressed
-    capability["value"] = (9, 0)
-    assert not cq.plan(None, "compressed-tensors", cuda, torch.float16, "auto").decompressed
 
 
 # --------------------------------------------------------------- CUDA-only kernels
@@ -281,9 +285,10 @@ def test_marlin_serves_a_gptq_checkpoint_as_the_library_does(gptq_dir):
         pytest.skip("Marlin needs compute capability 8.0+")
     from transformers import GPTQConfig
 
-    prompt, served, (quantize, _, _) = served_tokens(
+    prompt, served, (quantize, _, _, packed) = served_tokens(
         tiny_settings(gptq_dir, dtype="float16", device="cuda", quantize="marlin")
     )
+    assert packed
     assert quantize == "marlin"
     config = GPTQConfig(bits=4, backend="marlin")
     expected = library_generate(
@@ -297,8 +302,8 @@ def test_fp8_checkpoint_runs_on_fp8_gpus(tiny_model_dir, tmp_path):
     if torch.cuda.get_device_capability() < cq.FP8_MIN_CAPABILITY:
         pytest.skip("FP8 matmuls need compute capability 8.9+")
     path = checkpoints.build_fp8(tiny_model_dir, tmp_path / "fp8")
-    prompt, served, (quantize, _, layer) = served_tokens(
+    prompt, served, (quantize, _, _, packed) = served_tokens(
         tiny_settings(path, dtype="bfloat16", device="cuda")
     )
-    assert quantize == "fp8" and layer is not torch.nn.Linear
+    assert quantize == "fp8" and packed  # fp8 weights on the GPU, not widened
     assert served == library_generate(path, prompt, torch.bfloat16, device_map="cuda")
