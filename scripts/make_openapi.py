@@ -219,9 +219,8 @@ def generate_parameters(tgi: dict) -> dict:
         exclusiveMinimum=True,
     )
     props["watermark"].update(
-        description="Accepted for TGI compatibility; watermarking is not implemented and"
-        " `true` is refused with 422.",
-        enum=[False],
+        description="Green-list watermark (Kirchenbauer et al.) with the server's"
+        " --watermark-gamma and --watermark-delta: transformers' WatermarkDetector detects it.",
         default=False,
         example=False,
     )

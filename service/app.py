@@ -26,10 +26,12 @@ from .engine.compiled_decode import CompileSettings
 from .engine.cuda_graphs import GraphSettings, unavailable_reason
 from .engine.draft_model import DraftModelProposer, TokenizerMismatch, check_same_tokenizer
 from .engine.grammar import GrammarMasks
+from .engine.kv_pool import KV_CACHE_DTYPES
 from .engine.loop import EngineLoop
 from .engine.paged_core import PagedCore
 from .engine.shards import ShardGroup, agree
 from .engine.speculation import SpeculationSettings
+from .engine.watermark import Watermark
 from .errors import ErrorType
 from .grammar_compiler import GrammarCompiler
 from .grpc.interceptors import ApiKeyInterceptor, DecodingInterceptor
@@ -172,18 +174,22 @@ def kv_floor(settings: Settings, context: int) -> int:
     if settings.max_batch_total_tokens:
         return min(context, settings.max_batch_total_tokens)
     return min(context, max(DEFAULT_MAX_TOTAL_TOKENS, (settings.max_input_tokens or 0) + 1))
+def kv_cache_dtype(settings: Settings, loaded: LoadedModel) -> torch.dtype:
+    """The KV pool's storage dtype: --kv-cache-dtype, else the model's."""
+    return KV_CACHE_DTYPES[settings.kv_cache_dtype] if settings.kv_cache_dtype else loaded.dtype
 
 
 def kv_capacity_tokens(settings: Settings, loaded: LoadedModel, max_total_tokens: int) -> int:
-    """--max-batch-total-tokens, or what a share of free memory holds: at least one
-    full-length request either way (a smaller pool is refused at startup, so that
-    validation's bound, max_total_tokens, is the only one a request meets)."""
+    """--max-batch-total-tokens, or what a share of free memory holds in the pool's dtype
+    (--kv-cache-dtype): at least one full-length request either way (a smaller pool is
+    refused at startup, so that validation's bound, max_total_tokens, is the only one a
+    request meets)."""
     if settings.max_batch_total_tokens:
         check_kv_capacity(settings, max_total_tokens)
         return settings.max_batch_total_tokens
     layout = loaded.shard_layout
     per_token = kv_bytes_per_token(
-        loaded.model, loaded.dtype, layout.kv_heads_per_rank if layout else None
+        loaded.model, kv_cache_dtype(settings, loaded), layout.kv_heads_per_rank if layout else None
     )
     fraction = KV_MEMORY_FRACTION.get(loaded.device.type, 0.1)
     free = free_memory_bytes(loaded.device, settings.cuda_memory_fraction)
@@ -298,6 +304,8 @@ def build_core(
         proposer=proposer,
         lora=loaded.lora,
         adapters=adapters,
+        kv_cache_dtype=KV_CACHE_DTYPES.get(settings.kv_cache_dtype),
+        watermark=Watermark(settings.watermark_gamma, settings.watermark_delta),
     )
 
 
@@ -631,10 +639,11 @@ async def serve(settings: Settings) -> None:
             await replica.stop()
             raise
     log.info(
-        "textgen ready: model=%s dtype=%s%s device=%s grpc=%s:%d%s (%.1fs)",
+        "textgen ready: model=%s dtype=%s%s%s device=%s grpc=%s:%d%s (%.1fs)",
         replica.loaded.resolved.model_id,
         replica.servicer.served.info.model_dtype,
         f" quantize={replica.loaded.quantize}" if replica.loaded.quantize else "",
+        f" kv_cache_dtype={settings.kv_cache_dtype}" if settings.kv_cache_dtype else "",
         replica.loaded.device,
         settings.grpc_host,
         replica.grpc_port,

@@ -28,8 +28,14 @@ from dataclasses import dataclass, field
 from textgen.sdk.keepalive import Keepalive
 
 ENV_PREFIX = "TEXTGEN_"
-# --quantize values (TGI's flag): those service/models/quantize.py implements
-QUANTIZE_METHODS = ("int8", "int4", "fp8")
+# --quantize values (TGI's flag): those service/models/quantize.py knows (each runs where
+# its kernels do, or is refused at startup with the reason)
+QUANTIZE_METHODS = (
+    "int8", "int4", "fp8", "gptq", "awq", "compressed-tensors", "bitsandbytes",
+    "bitsandbytes-nf4", "bitsandbytes-fp4", "eetq", "marlin", "exl2",
+)  # fmt: skip
+# --kv-cache-dtype values (TGI's): the KV pool stored in 8 bits (engine/kv_pool.py)
+KV_CACHE_DTYPES = ("fp8_e4m3fn", "fp8_e5m2")
 # --dtype values; the aliases are torch's own names for the same types
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -275,6 +281,22 @@ def lora_adapter_list(text: str) -> tuple[tuple[str, str], ...]:
     return tuple(adapters)
 
 
+def kv_cache_dtype_name(text: str) -> str | None:
+    value = text.strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"use one of {', '.join(KV_CACHE_DTYPES)} (or auto: the model's dtype)")
+    return value
+
+
+def green_share(text: str) -> float:
+    value = _number(text)
+    if not 0.0 < value < 1.0:
+        raise ValueError("must be > 0 and < 1 (the green share of the vocabulary)")
+    return value
+
+
 def otlp_url(text: str) -> str | None:
     value = optional_text(text)
     if value is not None and not re.match(r"^(https?://)?[\w.\-\[\]:]+:\d+/?$", value):
@@ -335,9 +357,20 @@ class Settings:
     device: str = option("auto", "auto | cpu | cuda | cuda:N", device_name)
     quantize: str | None = option(
         None,
-        "weight-only quantization at load: int8 | int4 (CPU and CUDA; on CPU they compute in "
-        "bfloat16) | fp8 (CUDA, compute capability 8.9+)",
+        "weights in fewer bits. Quantized at load: int8 | int4 (CPU, in bfloat16, and CUDA) | "
+        "fp8 (CUDA 8.9+) with torchao; bitsandbytes (8-bit) | bitsandbytes-nf4 | "
+        "bitsandbytes-fp4 (CPU and CUDA) | eetq (CUDA). A checkpoint that arrives quantized "
+        "(config.json's quantization_config: gptq, awq, compressed-tensors, fp8, bitsandbytes) "
+        "loads in its format without this flag; naming another is refused, `marlin` picks the "
+        "Marlin kernel for GPTQ/AWQ (CUDA 8.0+), exl2 is refused (docs/quantization.md)",
         quantize_method,
+    )
+    kv_cache_dtype: str | None = option(
+        None,
+        "KV cache storage: fp8_e4m3fn | fp8_e5m2 (8 bits a value, upcast in attention: twice "
+        "the KV blocks of bfloat16 in the same memory, four times float32's) | auto (the "
+        "model's dtype)",
+        kv_cache_dtype_name,
     )
     num_shard: int | None = option(
         None,
@@ -541,6 +574,18 @@ class Settings:
     )
     speculate_ngram_max: int = option(
         4, "the longest n-gram the n-gram lookup matches (the longest match wins)", positive_int
+    )
+    watermark_gamma: float = option(
+        0.5,
+        "share of the vocabulary on the green list of requests with `watermark: true` "
+        "(Kirchenbauer et al.; transformers' WatermarkDetector with greenlist_ratio=gamma "
+        "detects it)",
+        green_share,
+    )
+    watermark_delta: float = option(
+        2.0,
+        "bias added to the green tokens' logits of requests with `watermark: true`",
+        non_negative_float,
     )
     api_key: str | None = option(
         None, "require `authorization: Bearer KEY` on every call", optional_text, metavar="KEY"

@@ -47,6 +47,7 @@ def preflight(settings: Settings) -> Preflight:
     check_speculation(settings)
     model, config = model_config(settings)
     check_remote_code(settings, model, config)
+    check_quantization(settings, device, config)
     context = settings.context_length(_context(model, config))
     # with --full-context the limits are bounded by the KV cache: here by the one given
     max_input, max_total = settings.resolved_limits(context, settings.max_batch_total_tokens)
@@ -219,24 +220,57 @@ def check_device(settings: Settings) -> str:
             raise SettingError(
                 "--device", wanted, f"does not exist ({torch.cuda.device_count()} GPUs visible)"
             )
-    if settings.quantize is not None:
-        _check_quantize(settings, kind, wanted)
     return kind
 
 
-def _check_quantize(settings: Settings, kind: str, wanted: str) -> None:
-    """The quantization rules of models/quantize.py, for the device found above."""
+def check_quantization(settings: Settings, kind: str, config: dict) -> None:
+    """The quantization rules of models/quantize.py and checkpoint_quant.py for --quantize
+    and the checkpoint's own quantization_config, on the device found above; and what
+    a quantized checkpoint can't be served with."""
+    from .models.checkpoint_quant import checkpoint_method
+
+    if settings.quantize is None and not _quantized_checkpoint(config):
+        return
     import torch
 
+    from .models.errors import ModelError
     from .models.loader import select_dtype
-    from .models.quantize import QuantizationError, check_quantize
+    from .models.quantize import QuantizationError, resolve_quantization
 
+    wanted = settings.device
     dev = torch.device(kind if wanted == "auto" else wanted)
+    flag, value = ("--quantize", settings.quantize) if settings.quantize else ("--model-id", None)
     try:
-        check_quantize(settings.quantize, dev, settings.dtype, select_dtype(settings.dtype, dev))
-    except QuantizationError as exc:
-        rule = str(exc).removeprefix(f"--quantize {settings.quantize} ")
-        raise SettingError("--quantize", settings.quantize, rule) from None
+        _, library = resolve_quantization(
+            settings.quantize, config, dev, settings.dtype, select_dtype(settings.dtype, dev)
+        )
+    except (QuantizationError, ModelError) as exc:
+        rule = str(exc).removeprefix(f"--quantize {settings.quantize}").lstrip(": ")
+        raise SettingError(flag, value, rule) from None
+    if library is None:
+        return
+    what = f"{library.method} weights ({'the checkpoint' if checkpoint_method(config) else flag})"
+    if settings.deterministic:
+        raise SettingError(
+            "--deterministic",
+            None,
+            f"is not supported with {what}: its batch-invariant matmuls are torch's Linear "
+            "layers', not a quantization library's kernels",
+        )
+    if settings.compile:
+        raise SettingError(
+            "--compile",
+            None,
+            f"is not supported with {what}: the compiled decode step is built and tested "
+            "over torch's and torchao's layers only",
+        )
+
+
+def _quantized_checkpoint(config: dict) -> bool:
+    return bool(
+        config.get("quantization_config")
+        or (config.get("text_config") or {}).get("quantization_config")
+    )
 
 
 def check_strategies(settings: Settings, kind: str) -> None:
@@ -381,6 +415,16 @@ def check_shards(settings: Settings, kind: str, config: dict) -> int:
     if settings.deterministic:
         raise SettingError(
             "--deterministic", None, "is not supported with --num-shard > 1 (serve it unsharded)"
+        )
+    if _quantized_checkpoint(config) or (
+        settings.quantize and settings.quantize not in ("int8", "int4", "fp8")
+    ):
+        raise SettingError(
+            "--num-shard",
+            world_size,
+            "can't shard a quantization library's weights (a pre-quantized checkpoint, or "
+            "--quantize other than int8/int4/fp8): the tensor-parallel plan slices dense "
+            "weights, not packed ones; serve it with --num-shard 1",
         )
     if settings.local_shards is not None and settings.local_shards > world_size:
         raise SettingError(

@@ -21,6 +21,7 @@ from .app import (
 )
 from .config import Settings
 from .engine.block_manager import num_blocks_for_tokens
+from .engine.kv_pool import KV_CACHE_DTYPES
 from .engine.paged_core import build_runner
 from .engine.shards import ShardGroup, agree, follow_steps
 from .models import load_model
@@ -63,6 +64,7 @@ def run_shard(settings: Settings, rank: int, world_size: int, local_rank: int = 
             custom_kernels=not settings.disable_custom_kernels,
             lora=loaded.lora,
             adapters=adapters,
+            kv_cache_dtype=KV_CACHE_DTYPES.get(settings.kv_cache_dtype),
         )
         group = ShardGroup(
             rank,
@@ -73,7 +75,13 @@ def run_shard(settings: Settings, rank: int, world_size: int, local_rank: int = 
             loaded.vocab.chunk,
             loaded.device,
         )
-        log.info("shard %d of %d ready on %s", rank, world_size, loaded.device)
+        log.info(
+            "shard %d of %d ready on %s (KV cache %s)",
+            rank,
+            world_size,
+            loaded.device,
+            str(runner.pool.dtype or loaded.dtype).removeprefix("torch."),
+        )
         follow_steps(runner, group)
     except Exception:
         log.exception("shard %d failed", rank)

@@ -124,8 +124,6 @@ class Validator:
             )
         if p.max_time is not None and not p.max_time > 0:
             raise check.error("max_time", "must be strictly positive")
-        if p.watermark:
-            raise check.error("watermark", "is not supported")
         adapter = self._adapter(check, p)
         grammar = self._grammar(check, request)
         if not request.inputs:
@@ -277,6 +275,7 @@ class Validator:
             logit_bias=self._logit_bias(check, p.logit_bias),
             seed=random.randint(0, _MAX_RANDOM_SEED) if p.seed is None else p.seed,
             top_n_tokens=top_n_tokens,
+            watermark=p.watermark,
         )
 
     def _logit_bias(self, check: _Checker, logit_bias) -> tuple[tuple[int, float], ...]:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from . import invariant_attention
 from .invariant_attention import ChunkedMask
-from .kv_pool import KVCachePool, LayerCache
+from .kv_pool import KVCachePool, LayerCache, read_blocks, read_slots
 
 try:  # optional CUDA kernel; absent on CPU machines
     from flash_attn import flash_attn_varlen_func
@@ -673,8 +673,9 @@ def _attend_single(
     slots = group.context_slots
     if window and slots.shape[0] > window:  # a sliding layer sees its last `window` keys
         slots = slots[-window:]
-    keys = cache.key_rows.index_select(1, slots).transpose(1, 2)  # [1, KVH, n, D]
-    values = cache.value_rows.index_select(1, slots).transpose(1, 2)
+    # [1, KVH, n, D], an 8-bit pool's widened
+    keys = read_slots(cache.key_rows, slots, cache.keys.dtype, query.dtype).transpose(1, 2)
+    values = read_slots(cache.value_rows, slots, cache.values.dtype, query.dtype).transpose(1, 2)
     # GQA fold (engine-facts): [1, KVH, G, D], the G query heads of a KV head as G rows
     rows = query.view(1, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = _attend(rows, keys, values, None, scaling, softcap)
@@ -736,7 +737,10 @@ def _attend_fresh(
     num_heads, _, head_dim = query.shape
     b, q = group.num_seqs, group.max_query_len
     rows = query.index_select(1, group.query_index).view(num_heads, b, q, head_dim)
-    keys, values = _gather(cache.keys, group), _gather(cache.values, group)
+    keys, values = (
+        _gather(cache.keys, group, query.dtype),
+        _gather(cache.values, group, query.dtype),
+    )
     out = F.scaled_dot_product_attention(
         rows.transpose(0, 1),  # [b, H, q, D]
         keys[:, :, :q],
@@ -759,7 +763,7 @@ def _attend_rows(
 ) -> torch.Tensor:
     """Query rows `[b, KVH, R, D]` over each sequence's cached K/V -> `[b, KVH, R, Dv]`;
     `mask_groups`: the query heads per mask row (1: one mask row for all R rows)."""
-    keys, values = _gather(cache.keys, group), _gather(cache.values, group)
+    keys, values = _gather(cache.keys, group, rows.dtype), _gather(cache.values, group, rows.dtype)
     if group.chunk_tokens is None:
         mask = group.mask(window, mask_groups, rows.dtype)
         return _attend(rows, keys, values, mask, scaling, softcap)
@@ -767,11 +771,12 @@ def _attend_rows(
     return invariant_attention.attend(rows, keys, values, mask, scaling, softcap)
 
 
-def _gather(pool: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-    """The group's cached states `[b, KVH, nb * block_size, D]`, key j at position j; on
-    the batch-invariant path cut into chunks, `[b * nc, KVH, chunk_tokens, D]`."""
+def _gather(pool: torch.Tensor, group: AttentionGroup, dtype: torch.dtype) -> torch.Tensor:
+    """The group's cached states `[b, KVH, nb * block_size, D]` in `dtype` (an 8-bit pool's
+    widened), key j at position j; on the batch-invariant path cut into chunks,
+    `[b * nc, KVH, chunk_tokens, D]`."""
     num_heads, head_dim = pool.shape[2], pool.shape[3]
-    blocks = pool.index_select(0, group.block_index)  # [b * nb, bs, KVH, D]
+    blocks = read_blocks(pool, group.block_index, dtype)  # [b * nb, bs, KVH, D]
     num_rows = group.num_seqs if group.chunk_tokens is None else -1
     return blocks.view(num_rows, group.chunk_tokens or -1, num_heads, head_dim).transpose(1, 2)
 
@@ -849,8 +854,10 @@ def _flash_available(device: torch.device) -> bool:
 
 
 def _flash_supports(query: torch.Tensor, cache: LayerCache) -> bool:
+    """flash-attn 2 reads K/V of the query's dtype only (not an 8-bit pool)."""
     return (
         query.dtype in (torch.float16, torch.bfloat16)
+        and cache.keys.dtype == query.dtype
         and cache.keys.shape[-1] == cache.values.shape[-1] == query.shape[-1]
         and query.shape[-1] <= 256
     )

@@ -37,6 +37,7 @@ from .speculation import (
 )
 from .stopping import token_stop_reason
 from .types import EngineError, EngineStats
+from .watermark import Watermark
 
 
 class PagedCore:
@@ -59,6 +60,8 @@ class PagedCore:
         proposer: Proposer | None = None,
         lora: LoraLayers | None = None,
         adapters: AdapterRegistry | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
+        watermark: Watermark | None = None,
     ) -> None:
         """
         Args:
@@ -84,6 +87,10 @@ class PagedCore:
                 NgramProposer; draft_model.py's DraftModelProposer for a draft model).
             lora: the model's LoRA slots (models/lora_layers.py), serving the adapters of
                 `adapters` (engine/adapters.py); None: requests name no adapter.
+            kv_cache_dtype: the KV pool's storage dtype (an 8-bit float, upcast in
+                attention); None: the model's K/V dtype.
+            watermark: the green lists of requests with `watermark` (watermark.py);
+                None: TGI's gamma and delta.
         """
         if max_batch_total_tokens <= 0:
             raise ValueError(
@@ -107,6 +114,7 @@ class PagedCore:
             custom_kernels,
             lora,
             adapters,
+            kv_cache_dtype,
         )
         self.shards = shards
         if shards is not None:
@@ -114,7 +122,7 @@ class PagedCore:
         self.adapters = adapters
         if lora is not None:
             self.runner.slot_table = SlotTable(lora.num_slots)
-        self.sampler = Sampler()
+        self.sampler = Sampler(watermark)
         self.grammars = grammars
         self.speculation = speculation
         if speculation is not None and proposer is None:
@@ -375,15 +383,16 @@ def build_runner(
     custom_kernels: bool = True,
     lora: LoraLayers | None = None,
     adapters: AdapterRegistry | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> Runner:
     """The device side of a step (runner.py): the eager runner over a KV pool of
-    `num_blocks`, wrapped in its decode strategy if any (every rank of a sharded model
-    builds the same)."""
+    `num_blocks` (stored as `kv_cache_dtype`, None: the model's), wrapped in its decode
+    strategy if any (every rank of a sharded model builds the same)."""
     if cuda_graphs is not None and compile is not None:
         raise ValueError("cuda_graphs and compile are two runner strategies (CUDA, CPU): pick one")
     # one scratch block for padding tokens (batch-invariant steps, graph buckets, compiled
     # buckets): they write and read only there
-    pool = KVCachePool(num_blocks, block_size, scratch_blocks=1)
+    pool = KVCachePool(num_blocks, block_size, scratch_blocks=1, dtype=kv_cache_dtype)
     runner: Runner = ModelRunner(
         model,
         pool,

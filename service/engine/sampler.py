@@ -14,8 +14,11 @@ not; a few more for top-p and typical-p rows: which rows need a longer sort, and
 the rows' thresholds), and one device-to-host copy of the tokens with their logprobs
 (plus one for top_n_tokens when asked).
 
-Logprobs are those of the distribution after penalties, bias and temperature and
-before top-k/top-p/typical truncation (what TGI reports).
+Logprobs are those of the distribution after penalties, bias, the watermark and
+temperature, and before top-k/top-p/typical truncation (what TGI reports).
+
+Rows with `watermark` get the green-list bias of watermark.py after the penalties and the
+logit bias, before temperature (a bias on the logits, as transformers' processor is).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 
 from .sequence import Sequence
 from .types import SamplingParams
+from .watermark import Watermark
 
 
 @dataclass(slots=True)
@@ -39,6 +43,11 @@ class SampleResult:
 
 
 class Sampler:
+    def __init__(self, watermark: Watermark | None = None) -> None:
+        """`watermark`: the green lists of requests with `watermark` (default: TGI's gamma
+        and delta)."""
+        self.watermark = watermark or Watermark()
+
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits: [len(seqs), vocab], the last position of each sequence. A row may also
@@ -48,6 +57,7 @@ class Sampler:
         logits = logits.float()
         logits = self._apply_penalties(logits, seqs, params)
         logits = _apply_logit_bias(logits, params)
+        self._apply_watermark(logits, seqs, params)
         rows = _SampledRows.build(seqs, params, logits.device)
         if rows is not None:
             logits = logits / rows.temperatures.unsqueeze(1)  # 1.0 on greedy rows
@@ -65,6 +75,13 @@ class Sampler:
         # the one host read of the step: ids (exact in float64 below 2^53) with logprobs
         ids, chosen_logprobs = torch.stack([next_ids.double(), chosen.double()]).tolist()
         return SampleResult([int(i) for i in ids], chosen_logprobs, top)
+
+    def _apply_watermark(
+        self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]
+    ) -> None:
+        rows = [i for i, p in enumerate(params) if p.watermark]
+        if rows:
+            self.watermark.apply(logits, rows, [seqs[i].token_ids[-1] for i in rows])
 
     # penalties ---------------------------------------------------------------
 

@@ -22,6 +22,11 @@ import triton
 import triton.language as tl
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# 8-bit pools (--kv-cache-dtype): each tile is widened to the query's dtype as it loads
+KV_8BIT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Triton converts float8_e4m3fn on compute capability 8.9+ only (compiling the kernel for
+# sm_80 fails; e5m2 compiles there): older GPUs take the SDPA path for such pools
+E4M3_MIN_CAPABILITY = (8, 9)
 MAX_HEAD_DIM = 256  # the tiles of a larger head would not fit in shared memory
 # keys per inner-loop tile: a multiple of 16 (tl.dot's minimum) and independent of the block
 # size, since every key looks its block up itself
@@ -34,11 +39,20 @@ def supports(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tens
     num_heads, num_kv_heads = query.shape[1], key_pool.shape[2]
     return (
         query.dtype in SUPPORTED_DTYPES
-        and query.dtype == key_pool.dtype == value_pool.dtype
+        and key_pool.dtype == value_pool.dtype
+        and key_pool.dtype in (query.dtype, *KV_8BIT_DTYPES)
+        and (key_pool.dtype != torch.float8_e4m3fn or _converts_e4m3(key_pool.device))
         and num_heads % num_kv_heads == 0
         and max(query.shape[-1], value_pool.shape[-1]) <= MAX_HEAD_DIM
         and key_pool.shape[-1] == query.shape[-1]
     )
+
+
+def _converts_e4m3(device: torch.device) -> bool:
+    """Whether the kernel can widen float8_e4m3fn on `device` (the interpreter can)."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= E4M3_MIN_CAPABILITY
 
 
 def paged_attention(
@@ -109,6 +123,7 @@ def paged_attention(
         VALUE_DIM_PAD=max(16, triton.next_power_of_2(value_dim)),
         USE_WINDOW=window is not None,
         USE_SOFTCAP=bool(softcap),
+        KV_8BIT=key_pool.dtype in KV_8BIT_DTYPES,
         # The interpreter (CPU tensors) holds bfloat16 as raw uint16 and tl.dot multiplies
         # the bits: give it float32 operands, which is what a tensor core computes exactly
         # (products of the bf16 values, summed in float32).
@@ -182,6 +197,7 @@ def _paged_attention_kernel(
     VALUE_DIM_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    KV_8BIT: tl.constexpr,  # the pools hold 8-bit floats: widen each tile to the query's dtype
     DOT_IN_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -261,6 +277,10 @@ def _paged_attention_kernel(
         )
         if DOT_IN_FP32:
             k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        elif KV_8BIT:
+            k = k.to(query_ptr.dtype.element_ty)
+            v = v.to(query_ptr.dtype.element_ty)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE], float32
         if USE_SOFTCAP:
             s = softcap * _tanh(s / softcap)  # Gemma2's logit soft-capping, before softmax
@@ -277,11 +297,10 @@ def _paged_attention_kernel(
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(row_max - m_new)
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
-        # p is rounded to V's dtype for the second product, as SDPA's kernels do
-        p = p.to(v.dtype)
+        # p is rounded to the query's (V's) dtype for the second product, as SDPA's kernels do
+        p = p.to(query_ptr.dtype.element_ty)
         if DOT_IN_FP32:
             p = p.to(tl.float32)
-            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         row_max = m_new
 

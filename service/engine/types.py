@@ -35,6 +35,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int = 0
     top_n_tokens: int = 0
+    watermark: bool = False  # green-list watermark (engine/watermark.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .checkpoint_quant import LibraryQuantization, finish_loading
 from .errors import ModelError
-from .hub import ResolvedModel, context_length, resolve_model
-from .quantize import check_quantize, quantize_model
+from .hub import ResolvedModel, config_json, context_length, resolve_model
+from .quantize import QuantizationError, quantize_model, resolve_quantization
 from .shard_layout import ShardLayout, shard_layout
 from .sharding import VocabSlice, install_collectives, localize, lora_slices, tp_plan_overrides
 
@@ -170,14 +171,25 @@ def load_model(
     lora: LoraSetup | None = None,
 ) -> LoadedModel:
     """Resolve, then load model and tokenizer ready for inference; `quantize` (int8, int4,
-    fp8) converts the Linear layers' weights after loading (quantize.py); `shard` loads
-    one rank's slice of a tensor-parallel model (sharding.py); `options` says where the
-    files come from and what changes as they load; `lora` wraps its decoder's linear
-    layers in LoRA slots (lora_layers.py), inside the shards' all-reduces."""
+    fp8) converts the Linear layers' weights after loading (quantize.py), or names a
+    library's format (checkpoint_quant.py: a checkpoint that arrives quantized loads in its
+    format either way); `shard` loads one rank's slice of a tensor-parallel model
+    (sharding.py); `options` says where the files come from and what changes as they load;
+    `lora` wraps its decoder's linear layers in LoRA slots (lora_layers.py), inside the
+    shards' all-reduces."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = select_device(device)  # validate flags before any download or conversion
-    dt = check_quantize(quantize, dev, dtype, select_dtype(dtype, dev))
+    # config.json alone: its quantization_config
+    _, own_config = config_json(
+        model_id, revision, hub_cache=options.hub_cache, folder=options.folder
+    )
+    dt, library = resolve_quantization(quantize, own_config, dev, dtype, select_dtype(dtype, dev))
+    if library is not None and shard is not None:
+        raise QuantizationError(
+            f"{library.method} weights can't be sharded: the tensor-parallel plan slices dense "
+            "weights, not a quantization library's packed ones; serve it with --num-shard 1"
+        )
     resolved = resolve_model(
         model_id,
         revision=revision,
@@ -206,14 +218,18 @@ def load_model(
             trust_remote_code=options.trust_remote_code,
             # load straight onto the device (no CPU copy first on a GPU)
             device_map=dev if dev.type != "cpu" else None,
+            **_quantization_kwargs(library, resolved.path),
         )
     else:
         model, layout = _load_slice(resolved.path, config, dt, dev, shard)
-    if dev.type == "cpu":
+    if dev.type == "cpu" and library is None:  # (quantized models refuse .to())
         model.to(dev)
     model.eval()
     params = sum(p.numel() for p in model.parameters())  # before quantizing repacks them
-    if quantize is not None:
+    if library is not None:
+        finish_loading(model, library)
+        quantize = library.method
+    elif quantize is not None:
         quantize_model(model, quantize, dev)
     lora_layers = None
     if lora is not None:
@@ -284,6 +300,21 @@ def _config(resolved: ResolvedModel, options: LoadOptions):
         "factor": factor,
     }
     return config
+
+
+def _quantization_kwargs(library: LibraryQuantization | None, path: Path) -> dict:
+    """from_pretrained's quantization_config: a load-time quantizer's, or the checkpoint's
+    own with our overrides (the Marlin backend); none when the checkpoint's applies as is."""
+    if library is None or library.load_config is None:
+        return {}
+    if not isinstance(library.load_config, dict):
+        return {"quantization_config": library.load_config}
+    from transformers import AutoConfig
+    from transformers.quantizers import AutoQuantizationConfig
+
+    own = AutoConfig.from_pretrained(path, local_files_only=True).quantization_config
+    merged = {**(own if isinstance(own, dict) else own.to_dict()), **library.load_config}
+    return {"quantization_config": AutoQuantizationConfig.from_dict(merged)}
 
 
 def _load_slice(path: Path, config, dtype: torch.dtype, device: torch.device, shard: ModelShard):

@@ -1,6 +1,9 @@
-"""Weight-only quantization at load time (`--quantize`): the weights of the model's Linear
-layers are stored in fewer bits and multiplied by fused kernels that read them as they are,
-so a decode step, which reads every weight once per token, moves fewer bytes.
+"""Weight-only quantization at load time (`--quantize int8|int4|fp8`): the weights of the
+model's Linear layers are stored in fewer bits and multiplied by fused kernels that read them
+as they are, so a decode step, which reads every weight once per token, moves fewer bytes.
+TGI's other values (gptq, awq, compressed-tensors, bitsandbytes*, eetq, marlin, exl2) and
+checkpoints that arrive quantized go through transformers' quantizers: checkpoint_quant.py;
+`resolve_quantization` picks between the two.
 
 | value | CPU | CUDA |
 | --- | --- | --- |
@@ -34,13 +37,22 @@ from collections import Counter
 
 import torch
 
+from .checkpoint_quant import (
+    LIBRARY_METHODS,
+    CheckpointQuantizationError,
+    LibraryQuantization,
+    checkpoint_method,
+    plan,
+)
 from .errors import ModelError
 
 logger = logging.getLogger("textgen.models")
 
+# what this module quantizes with torchao (or torch's CPU int8 kernel) as the model loads
+TORCHAO_METHODS = ("int8", "int4", "fp8")
 # the --quantize values (textgen.service.config.QUANTIZE_METHODS, which the flag's parser
 # checks, names the same: config stays free of torch, models free of config)
-QUANTIZE_METHODS = ("int8", "int4", "fp8")
+QUANTIZE_METHODS = (*TORCHAO_METHODS, *(m for m in LIBRARY_METHODS if m not in TORCHAO_METHODS))
 INT4_GROUP_SIZE = 32
 # what the int4 kernels take: N a multiple of 16 (CPU packing), K of the group size
 INT4_N_MULTIPLE = 16
@@ -56,6 +68,21 @@ class QuantizationError(ModelError):
     """--quantize names a value this device or dtype can't run."""
 
 
+def resolve_quantization(
+    method: str | None, config: dict, device: torch.device, dtype_flag: str, dtype: torch.dtype
+) -> tuple[torch.dtype, LibraryQuantization | None]:
+    """(the compute dtype, the library quantization to load with or None) for --quantize
+    `method` on a checkpoint whose config.json is `config`; raises QuantizationError with
+    the reason when it can't run here (at startup, before any weight is read)."""
+    try:
+        library = plan(method, checkpoint_method(config), device, dtype, dtype_flag)
+    except CheckpointQuantizationError as exc:
+        raise QuantizationError(str(exc)) from None
+    if library is not None:
+        return library.dtype, library
+    return check_quantize(method, device, dtype_flag, dtype), None
+
+
 def check_quantize(
     method: str | None, device: torch.device, dtype_flag: str, dtype: torch.dtype
 ) -> torch.dtype:
@@ -65,7 +92,7 @@ def check_quantize(
     user chose it ("auto" may be changed to what the kernels need, a named dtype may not)."""
     if method is None:
         return dtype
-    if method not in QUANTIZE_METHODS:
+    if method not in TORCHAO_METHODS:
         raise QuantizationError(
             f"unknown --quantize value {method!r}; use one of {', '.join(QUANTIZE_METHODS)}"
         )

@@ -137,16 +137,18 @@ def make_batch(
     value_dim: int | None = None,
     seqs: list[tuple[int, int]],
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
 ) -> Batch:
     """One attention layer's step over a pool whose cached positions hold random K/V, in
     shuffled blocks (block 0 is left to SDPA's table padding). seqs: (new tokens, tokens
-    in the cache after the step) per sequence, decodes first as the runner lays them out."""
+    in the cache after the step) per sequence, decodes first as the runner lays them out;
+    kv_dtype: the pool's storage dtype (None: `dtype`)."""
     g = torch.Generator().manual_seed(seed)
     value_dim = value_dim or head_dim
     query_lens = [n for n, _ in seqs]
     context_lens = [c for _, c in seqs]
     needed = [-(-c // block_size) for c in context_lens]
-    pool = KVCachePool(num_blocks=sum(needed) + 2, block_size=block_size)
+    pool = KVCachePool(num_blocks=sum(needed) + 2, block_size=block_size, dtype=kv_dtype)
     order = (torch.randperm(sum(needed) + 1, generator=g) + 1).tolist()
     tables = []
     for n in needed:

@@ -189,6 +189,26 @@ def test_reads_nothing_outside_each_sequences_positions():
     assert torch.equal(out_poisoned, out_clean)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_8bit_pools_are_widened_as_sdpa_widens_them(dtype, kv_dtype):
+    """--kv-cache-dtype: the kernel reads the 8-bit pool and widens each tile to the query's
+    dtype; the SDPA path widens the gathered blocks: the same values either way."""
+    batch = make_batch(
+        block_size=16,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=dtype,
+        seqs=MIXED_BATCH,
+        kv_dtype=kv_dtype,
+    )
+    assert batch.pool.layer(0, batch.key, batch.value).keys.dtype == kv_dtype
+    out, ref = attend_both(batch, window=20)
+    assert out.dtype == dtype
+    assert_close(out, ref, SAME_DTYPE_TOLERANCE)
+
+
 def test_refuses_what_it_does_not_handle():
     query = torch.zeros(5, 4, 64)  # [T, H, D]
     pool = torch.zeros(2, 16, 2, 64)
@@ -196,9 +216,23 @@ def test_refuses_what_it_does_not_handle():
     assert triton_attention.supports(query, pool, torch.zeros(2, 16, 2, 32))  # Dv differs
     assert not triton_attention.supports(query.double(), pool.double(), pool.double())
     assert not triton_attention.supports(query, pool.half(), pool.half())  # mixed dtypes
+    fp8 = pool.to(torch.float8_e4m3fn)
+    assert triton_attention.supports(query, fp8, fp8)  # an 8-bit pool, widened
+    assert not triton_attention.supports(query, fp8, pool)
     assert not triton_attention.supports(torch.zeros(5, 3, 64), pool, pool)  # 3 heads over 2
     big = torch.zeros(2, 16, 2, 512)
     assert not triton_attention.supports(torch.zeros(5, 4, 512), big, big)
+
+
+def test_e4m3_pools_go_to_sdpa_on_gpus_before_ada(monkeypatch):
+    """Triton widens float8_e4m3fn on compute capability 8.9+ only (sm_80 fails to compile)."""
+    capability = {"value": (8, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability["value"])
+    cuda = torch.device("cuda")
+    assert not triton_attention._converts_e4m3(cuda)
+    capability["value"] = (8, 9)
+    assert triton_attention._converts_e4m3(cuda)
+    assert triton_attention._converts_e4m3(CPU)  # the interpreter
 
 
 # the CUDA dispatch ---------------------------------------------------------------
@@ -231,6 +265,21 @@ def test_kernel_order(use_flash, use_triton, block_size, dtype, expected):
     assert attention._pick_kernel(meta, query, cache).__name__ == expected
 
 
+@pytest.mark.parametrize(
+    "use_triton, expected", [(True, "_triton_attention"), (False, "_sdpa_attention")]
+)
+def test_flash_attn_never_reads_an_8_bit_pool(use_triton, expected):
+    """flash-attn 2 takes K/V of the query's dtype: an 8-bit pool goes to Triton (or SDPA),
+    even at the block size flash-attn would read in place."""
+    pool = KVCachePool(num_blocks=2, block_size=256, dtype=torch.float8_e4m3fn)
+    meta = attention.BatchMetadata.build(pool, [1], [1], [[1]], CPU)
+    meta.use_flash, meta.use_triton = True, use_triton
+    states = torch.zeros(1, 2, 1, 64, dtype=torch.bfloat16)
+    cache = pool.layer(0, states, states)
+    query = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
+    assert attention._pick_kernel(meta, query, cache).__name__ == expected
+
+
 def test_kernel_order_falls_back_when_triton_refuses_the_shape():
     pool = KVCachePool(num_blocks=2, block_size=16)
     meta = attention.BatchMetadata.build(pool, [1], [1], [[1]], CPU)
@@ -257,11 +306,15 @@ def test_kernel_compiles_for_the_gpu():
         # the launch specializes int arguments equal to 1 as constants (one sequence, tables
         # one block wide): the loops they feed must still compile
         ones = ("num_seqs", "window", "block_tables_stride")
-        for dtype, group, head_dim, flags, specialized in [
-            ("bf16", 1, 128, (False, False), ()),
-            ("fp16", 8, 64, (True, True), ones),
-            ("fp32", 4, 128, (True, False), ()),
-            ("bf16", 4, 192, (False, True), ()),
+        pools = {"key_pool_ptr", "value_pool_ptr"}
+        # (query dtype, pool dtype, ...): the 8-bit pools of --kv-cache-dtype too
+        for dtype, kv_dtype, group, head_dim, flags, specialized in [
+            ("bf16", "bf16", 1, 128, (False, False), ()),
+            ("fp16", "fp16", 8, 64, (True, True), ones),
+            ("fp32", "fp32", 4, 128, (True, False), ()),
+            ("bf16", "bf16", 4, 192, (False, True), ()),
+            ("bf16", "fp8e4nv", 4, 128, (False, False), ()),
+            ("fp16", "fp8e5", 8, 64, (True, False), ()),
         ]:
             rows = max(16, triton.next_power_of_2(group))
             pad = max(16, triton.next_power_of_2(head_dim))
@@ -269,19 +322,21 @@ def test_kernel_compiles_for_the_gpu():
                 GROUP=group, BLOCK_Q=rows // group, BLOCK_M=rows, BLOCK_SIZE=16,
                 TILE=ta.KEY_TILE, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, VALUE_DIM=head_dim,
                 VALUE_DIM_PAD=pad, USE_WINDOW=flags[0], USE_SOFTCAP=flags[1],
-                DOT_IN_FP32=False, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+                KV_8BIT=kv_dtype != dtype, DOT_IN_FP32=False,
+                DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
             )
             constants.update(dict.fromkeys(specialized, 1))
             signature = {
                 name: "constexpr" if name in constants
-                else ("*i32" if name in pointers else "*" + dtype) if name.endswith("_ptr")
+                else "*i32" if name in pointers
+                else "*" + (kv_dtype if name in pools else dtype) if name.endswith("_ptr")
                 else "fp32" if name in ("scale", "softcap")
                 else "i32"
                 for name in kernel.arg_names
             }
             source = ASTSource(kernel, signature=signature, constexprs=constants)
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-            assert compiled.asm["cubin"], (dtype, group, head_dim)
+            assert compiled.asm["cubin"], (dtype, kv_dtype, group, head_dim)
         print("compiled")
         """
     )

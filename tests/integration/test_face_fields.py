@@ -393,7 +393,9 @@ PROBES = {
             "/generate", tgi(truncate=2), lambda o: o["details"]["input_length"] == 2
         ),
         "typical_p": differs("/generate", tgi(**SAMPLED_TGI), tgi(**SAMPLED_TGI, typical_p=0.01)),
-        "watermark": refused("/generate", tgi(watermark=True)),
+        "watermark": differs(
+            "/generate", tgi(**SAMPLED_TGI), tgi(**SAMPLED_TGI, watermark=True, max_new_tokens=8)
+        ),
     },
     "ChatRequest": {
         "model": base_model("/v1/chat/completions", chat(model="gpt-4o")),

@@ -248,7 +248,7 @@ PARAMETER_FIELDS = {
     "top_p": (VALID_FLOAT, FLOATS),
     "typical_p": (VALID_FLOAT, FLOATS),
     "truncate": (st.integers(1, MAX_TOTAL_TOKENS - 1), INT32),
-    "watermark": (st.just(False), st.just(True)),
+    "watermark": (st.booleans(), st.booleans()),
     "ignore_eos": (st.booleans(), st.booleans()),
     "max_time": (st.floats(1.0, 30.0, width=32), FLOATS),
     # a few tokens, so that the run stays fast; unset (up to max_total_tokens) comes

@@ -2,8 +2,8 @@
 (gloo on CPU), and every request's greedy tokens equal those of one unsharded server
 (float32), for mixed batches, prefix-cache hits, preemption, aborts and a grammar; the
 architectures whose attention differs (GQA with a replicated KV head and q/k/v biases,
-sliding windows, softcapping) and the embedded model on 3 shards; a shard killed under load
-ends the streams typed and the server exits non-zero."""
+sliding windows, softcapping), an 8-bit KV cache, and the embedded model on 3 shards; a
+shard killed under load ends the streams typed and the server exits non-zero."""
 
 from __future__ import annotations
 
@@ -38,8 +38,10 @@ def sharded(model_dir, num_shard: int, *extra: str):
     return textgen_serve(*args)
 
 
-def unsharded(model_dir):
-    settings = tiny_settings(model_dir, max_total_tokens=128, max_batch_total_tokens=192)
+def unsharded(model_dir, **overrides):
+    settings = tiny_settings(
+        model_dir, max_total_tokens=128, max_batch_total_tokens=192, **overrides
+    )
     return ServerThread(settings).start()
 
 
@@ -151,6 +153,22 @@ def test_other_attention_layouts(architecture, tmp_path):
     with sharded(model_dir, 2, *LIMITS) as served:
         assert served.grpc_target, served.log[-3000:]
         served.drain_log()
+        assert greedy(served.grpc_target) == expected
+
+
+def test_an_8_bit_kv_cache_on_two_shards(tiny_model_dir):
+    """--kv-cache-dtype reaches every shard: each rank's pool of its heads is 8-bit, and the
+    greedy tokens are those of one server with the same 8-bit pool."""
+    reference = unsharded(tiny_model_dir, kv_cache_dtype="fp8_e4m3fn")
+    try:
+        expected = greedy(reference.target)
+    finally:
+        reference.stop()
+    with sharded(tiny_model_dir, 2, *LIMITS, "--kv-cache-dtype", "fp8_e4m3fn") as served:
+        assert served.grpc_target, served.log[-3000:]
+        served.drain_log()
+        assert "shard 1 of 2 ready on cpu (KV cache float8_e4m3fn)" in served.log
+        assert "kv_cache_dtype=fp8_e4m3fn" in served.log
         assert greedy(served.grpc_target) == expected
 
 

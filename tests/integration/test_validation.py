@@ -118,7 +118,6 @@ CASES = [
         {"truncate": MAX_INPUT + 1},
         f"`truncate` must be strictly positive and less than {MAX_INPUT}. Given: {MAX_INPUT + 1}",
     ),
-    ("watermark", "hi", {"watermark": True}, "`watermark` is not supported"),
     (
         "stop too long",
         "hi",

@@ -42,13 +42,15 @@ def test_flag_and_env(monkeypatch):
 
 def test_unknown_value_is_refused_by_the_parser(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
-        serve_settings("--quantize", "awq")
+        serve_settings("--quantize", "hqq")
     assert exit_.value.code == 2
-    assert "--quantize: 'awq': use one of int8, int4, fp8" in capsys.readouterr().err
-    monkeypatch.setenv("TEXTGEN_QUANTIZE", "gptq")
+    assert "--quantize: 'hqq': use one of int8, int4, fp8, gptq, awq" in capsys.readouterr().err
+    monkeypatch.setenv("TEXTGEN_QUANTIZE", "awq4")
     with pytest.raises(SystemExit):
         serve_settings()
-    assert "TEXTGEN_QUANTIZE='gptq'" in capsys.readouterr().err
+    assert "TEXTGEN_QUANTIZE='awq4'" in capsys.readouterr().err
+    monkeypatch.setenv("TEXTGEN_QUANTIZE", "bitsandbytes-nf4")  # TGI's names
+    assert serve_settings().quantize == "bitsandbytes-nf4"
 
 
 # ------------------------------------------------------------------- startup refusals
@@ -63,8 +65,8 @@ def test_cpu_refuses_fp8_and_float32_and_picks_bfloat16_for_auto():
     assert q.check_quantize("int8", CPU, "auto", torch.float32) is torch.bfloat16
     assert q.check_quantize("int4", CPU, "bf16", torch.bfloat16) is torch.bfloat16
     assert q.check_quantize(None, CPU, "float32", torch.float32) is torch.float32
-    with pytest.raises(QuantizationError, match="unknown --quantize value 'awq'"):
-        q.check_quantize("awq", CPU, "auto", torch.bfloat16)
+    with pytest.raises(QuantizationError, match="unknown --quantize value 'hqq'"):
+        q.check_quantize("hqq", CPU, "auto", torch.bfloat16)
     with pytest.raises(QuantizationError, match="cpu and cuda devices, not mps"):
         q.check_quantize("int8", torch.device("mps"), "auto", torch.float16)
 

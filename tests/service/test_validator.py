@@ -52,7 +52,6 @@ def tgi(**parameters) -> GenerateRequest:
         ({"stop": ("",)}, "`stop` sequences must not be empty", "stop"),
         ({"best_of": 2}, "you must use sampling when `best_of` is > 1", "best_of"),
         ({"logit_bias": {400: 1.0}}, "`logit_bias` token id 400 is outside", "logit_bias"),
-        ({"watermark": True}, "`watermark` is not supported", "watermark"),
         ({"adapter_id": "lora"}, "`adapter_id`: LoRA adapters are not served here", "adapter_id"),
         ({"max_time": 0.0}, "`max_time` must be strictly positive", "max_time"),
         ({"truncate": 64}, "`truncate` must be strictly positive and less than 63", "truncate"),

@@ -312,7 +312,8 @@ class GenerateParameters(betterproto2.Message):
 
     watermark: "bool" = betterproto2.field(18, betterproto2.TYPE_BOOL)
     """
-    Accepted for TGI compatibility; watermarking is not implemented and true is refused.
+    Green-list watermark (Kirchenbauer et al.) with the server's --watermark-gamma and
+    --watermark-delta; transformers' WatermarkDetector detects it.
     """
 
     presence_penalty: "float | None" = betterproto2.field(
