@@ -174,6 +174,8 @@ def kv_floor(settings: Settings, context: int) -> int:
     if settings.max_batch_total_tokens:
         return min(context, settings.max_batch_total_tokens)
     return min(context, max(DEFAULT_MAX_TOTAL_TOKENS, (settings.max_input_tokens or 0) + 1))
+
+
 def kv_cache_dtype(settings: Settings, loaded: LoadedModel) -> torch.dtype:
     """The KV pool's storage dtype: --kv-cache-dtype, else the model's."""
     return KV_CACHE_DTYPES[settings.kv_cache_dtype] if settings.kv_cache_dtype else loaded.dtype

@@ -771,17 +771,16 @@ def settings_argv(settings: Settings) -> list[str]:
         flag = flag_name(f.name)
         if opt.switch:
             argv.append(flag if value else f"--no-{flag[2:]}")
-        elif isinstance(value, tuple):  # --lora-adapters' (name, source) pairs
-            argv += [flag, ",".join(f"{name}={source}" for name, source in value)]
         elif value is not None:
             argv += [flag, format_value(value)]
     return argv
 
 
 def format_value(value: object) -> str:
-    """A setting's value as its flag reads it (lists comma-separated)."""
+    """A setting's value as its flag reads it (lists comma-separated, --lora-adapters'
+    (name, source) pairs as name=source)."""
     if isinstance(value, tuple):
-        return ",".join(str(v) for v in value)
+        return ",".join("=".join(v) if isinstance(v, tuple) else str(v) for v in value)
     return str(value)
 
 

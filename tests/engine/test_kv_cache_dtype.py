@@ -165,7 +165,7 @@ def test_the_same_memory_holds_more_blocks(tiny_llama, monkeypatch, model_dtype,
     from textgen.service import app
     from textgen.service.config import Settings
 
-    monkeypatch.setattr(app, "free_memory_bytes", lambda device: 64 * 2**20)
+    monkeypatch.setattr(app, "free_memory_bytes", lambda device, fraction=1.0: 64 * 2**20)
     loaded = SimpleNamespace(
         model=tiny_llama, dtype=model_dtype, device=torch.device("cpu"), shard_layout=None
     )

@@ -88,8 +88,8 @@ REFUSED = {
 PENDING = {
     "--speculate": "2",
     "--kv-cache-dtype": "fp8_e4m3fn",
-    "--watermark-gamma": "0.5",
-    "--watermark-delta": "2.0",
+    "--watermark-gamma": "0.25",
+    "--watermark-delta": "3.0",
     "--lora-adapters": "org/adapter",
 }
 ACCEPTED = {  # flag: (a good value, a bad one)
@@ -301,7 +301,7 @@ def test_the_docs_table_is_the_launchers():
     [
         (["--ngrok"], {}, "--ngrok 'true': textgen opens no ngrok tunnel"),
         ([], {"SHARD_UDS_PATH": "/tmp/x"}, "SHARD_UDS_PATH='/tmp/x': textgen's shards"),
-        (["--speculate", "2"], {}, "--speculate '2': not yet"),
+        (["--speculate", "x"], {}, "--speculate 'x': must be a whole number"),
         (["--max-total-tokens", "x"], {}, "--max-total-tokens 'x': must be a whole number"),
         (["--max-total-tokens", "100000", "--hostname", "127.0.0.1", "--port", "0",
           "--prometheus-port", "0"], {}, "--max-total-tokens 100000: exceeds the model's"),
