@@ -136,6 +136,7 @@ class LoadOptions:
     chat_template: str | dict | None = None  # replaces the tokenizer's (--tokenizer-config-path)
 
 
+@dataclass(frozen=True)
 class LoraSetup:
     """LoRA slots to give the model's layers (lora_layers.py)."""
 
