@@ -68,10 +68,11 @@ def metric(target: str, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def llama_pair(tiny_model_dir):
-    """The tiny Llama unsharded (in process) and on 2 shards (`textgen serve`)."""
+    """The tiny Llama unsharded (in process) and on 2 shards (`textgen serve`), these with
+    --speculate 3: greedy and seeded tokens are the same with it as without."""
     reference = unsharded(tiny_model_dir)
     try:
-        with sharded(tiny_model_dir, 2, *LIMITS) as served:
+        with sharded(tiny_model_dir, 2, *LIMITS, "--speculate", "3") as served:
             assert served.grpc_target, served.log[-3000:]
             served.drain_log()
             yield reference.target, served
@@ -129,46 +130,38 @@ def test_prefix_hits_grammar_and_an_abort(llama_pair):
     assert greedy(two, PROMPTS[:2]) == greedy(one, PROMPTS[:2])  # and it serves on
 
 
-def test_speculation_on_two_shards(llama_pair, tiny_model_dir):
+def test_speculation_on_two_shards(llama_pair):
     """--speculate on a sharded model: each verification chunk crosses to the other rank as
     any step does (its kept rows are more logits rows), and the tokens are the same."""
-    one, _ = llama_pair
+    one, served = llama_pair
+    two = served.grpc_target
     repeating = [p * 3 for p in PROMPTS[:3]]
-    with sharded(tiny_model_dir, 2, *LIMITS, "--speculate", "3") as served:
-        assert served.grpc_target, served.log[-3000:]
-        served.drain_log()
-        two = served.grpc_target
-        assert greedy(two, repeating) == greedy(one, repeating)
-        assert metric(two, "textgen_speculative_proposed_tokens") > 0
+    proposed = metric(two, "textgen_speculative_proposed_tokens")
+    assert greedy(two, repeating) == greedy(one, repeating)
+    assert metric(two, "textgen_speculative_proposed_tokens") > proposed
 
 
-@pytest.mark.parametrize("architecture", ["qwen2", "mistral", "gemma2"])
-def test_other_attention_layouts(architecture, tmp_path):
+@pytest.mark.parametrize(
+    ("architecture", "kv_cache_dtype"),
+    [("qwen2", None), ("gemma2", None), ("mistral", "fp8_e4m3fn")],
+)
+def test_other_attention_layouts(architecture, kv_cache_dtype, tmp_path):
+    """Each layout's slices on 2 shards give one server's greedy tokens. Mistral's with an
+    8-bit KV cache (--kv-cache-dtype reaches every shard: each rank's pool of its heads is
+    8-bit, and the tokens are those of one server with the same 8-bit pool)."""
     model_dir = build_tiny_model(tmp_path / architecture, architecture=architecture)
-    reference = unsharded(model_dir)
+    reference = unsharded(model_dir, kv_cache_dtype=kv_cache_dtype)
     try:
         expected = greedy(reference.target)
     finally:
         reference.stop()
-    with sharded(model_dir, 2, *LIMITS) as served:
+    extra = ["--kv-cache-dtype", kv_cache_dtype] if kv_cache_dtype else []
+    with sharded(model_dir, 2, *LIMITS, *extra) as served:
         assert served.grpc_target, served.log[-3000:]
         served.drain_log()
-        assert greedy(served.grpc_target) == expected
-
-
-def test_an_8_bit_kv_cache_on_two_shards(tiny_model_dir):
-    """--kv-cache-dtype reaches every shard: each rank's pool of its heads is 8-bit, and the
-    greedy tokens are those of one server with the same 8-bit pool."""
-    reference = unsharded(tiny_model_dir, kv_cache_dtype="fp8_e4m3fn")
-    try:
-        expected = greedy(reference.target)
-    finally:
-        reference.stop()
-    with sharded(tiny_model_dir, 2, *LIMITS, "--kv-cache-dtype", "fp8_e4m3fn") as served:
-        assert served.grpc_target, served.log[-3000:]
-        served.drain_log()
-        assert "shard 1 of 2 ready on cpu (KV cache float8_e4m3fn)" in served.log
-        assert "kv_cache_dtype=fp8_e4m3fn" in served.log
+        if kv_cache_dtype:
+            assert "shard 1 of 2 ready on cpu (KV cache float8_e4m3fn)" in served.log
+            assert f"kv_cache_dtype={kv_cache_dtype}" in served.log
         assert greedy(served.grpc_target) == expected
 
 
