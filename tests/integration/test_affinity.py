@@ -31,9 +31,9 @@ WORDS = [
 
 
 def system_prompt(seed: int) -> str:
-    """A distinct ~400-token system prompt."""
+    """A distinct ~200-token system prompt."""
     rng = random.Random(seed)
-    story = " ".join(rng.choice(WORDS) for _ in range(300))
+    story = " ".join(rng.choice(WORDS) for _ in range(150))
     return f"You are assistant number {seed}. Keep this story in mind: {story}."
 
 

@@ -6,6 +6,7 @@ token, alone and in a batch mixing the three with the base model."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import signal
 
 import pytest
@@ -23,7 +24,7 @@ ADAPTERS = {
     "r64": (64, ["k_proj", "up_proj", "q_proj", "v_proj"]),
 }
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
-NEW_TOKENS = 24
+NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +59,13 @@ def adapters(embedded_dir, tmp_path_factory) -> dict[str, str]:
 def expected(embedded_dir, adapters) -> dict[tuple[str | None, str], list[int]]:
     """peft's merged model's greedy tokens per (adapter, prompt), chat-templated."""
     tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    base = AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32)
     out = {}
     for name in (None, *ADAPTERS):
-        model = AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32)
+        model = base
         if name is not None:
-            model = PeftModel.from_pretrained(model, adapters[name]).merge_and_unload()
+            merged = PeftModel.from_pretrained(copy.deepcopy(base), adapters[name])
+            model = merged.merge_and_unload()
         for prompt in PROMPTS:
             ids = torch.tensor([tokenizer(templated(tokenizer, prompt)).input_ids])
             with torch.inference_mode():
