@@ -39,6 +39,7 @@ from textgen.sdk import (
     InfoResponse,
     NotFoundError,
     OverloadedError,
+    RetryPolicy,
     SimpleToken,
     TextGenError,
     Token,
@@ -229,15 +230,20 @@ def fake() -> Iterator[FakeTextGeneration]:
     executor.shutdown(wait=True)
 
 
+# the default retry policy's codes and attempts, with backoffs of milliseconds: a refusal
+# the fake repeats is retried as by default, then raised
+FAST_RETRY = RetryPolicy(initial_backoff=0.01, max_backoff=0.02)
+
+
 @pytest.fixture
 def client(fake: FakeTextGeneration) -> Iterator[Client]:
-    with Client(fake.target, timeout=10) as sync_client:
+    with Client(fake.target, timeout=10, retries=FAST_RETRY) as sync_client:
         yield sync_client
 
 
 @pytest.fixture
 async def aclient(fake: FakeTextGeneration):
-    async with AsyncClient(fake.target, timeout=10) as async_client:
+    async with AsyncClient(fake.target, timeout=10, retries=FAST_RETRY) as async_client:
         yield async_client
 
 
@@ -676,14 +682,14 @@ async def test_async_health(aclient: AsyncClient, fake: FakeTextGeneration) -> N
 
 
 def test_health_is_false_when_nothing_listens() -> None:
-    with Client(closed_port_target(), timeout=5) as nowhere:
+    with Client(closed_port_target(), timeout=5, retries=FAST_RETRY) as nowhere:
         assert nowhere.health() is False
         with pytest.raises(UnavailableError):
             nowhere.generate("Hello")
 
 
 async def test_async_health_is_false_when_nothing_listens() -> None:
-    async with AsyncClient(closed_port_target(), timeout=5) as nowhere:
+    async with AsyncClient(closed_port_target(), timeout=5, retries=FAST_RETRY) as nowhere:
         assert await nowhere.health() is False
         with pytest.raises(UnavailableError):
             await nowhere.generate("Hello")
