@@ -41,6 +41,10 @@ lint-proto: $(BUF)
 
 tools: $(BUF)
 
+install-server: $(VENV)/.installed-server  # what `make serve` needs
+
+install-test: $(VENV)/.installed-test  # and what `make test` needs
+
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
