@@ -81,10 +81,9 @@ class AttentionGroup:
     # batch-invariant attention: keys per chunk (max_blocks * block_size is a multiple);
     # None: the reference path, one SDPA call over all of them
     chunk_tokens: int | None = None
-    # one sequence decoding (b == q == 1, not batch-invariant): its context length, and the
-    # pool slots of its context in position order ([single_context_len] long). Its keys are
-    # gathered slot by slot, and SDPA runs on them with no mask (_attend_single).
-    single_context_len: int | None = None
+    # one sequence decoding (b == q == 1, not batch-invariant): the pool slots of its
+    # context in position order. Its keys are gathered slot by slot, and SDPA runs on them
+    # with no mask (_attend_single).
     context_slots: torch.Tensor | None = None
     # chunks that each start their sequence (nothing cached before them; not batch-invariant):
     # query row i is position i, so causal attention is SDPA's is_causal over the first q keys
@@ -416,7 +415,6 @@ def _build_group(
             is_real_query=torch.ones(1, 1, dtype=torch.bool, device=device),
             query_index=None,
             output_index=None,
-            single_context_len=context_len,
             context_slots=slots[:context_len].to(device),
         )
     if max_q == 1:  # decodes: each query is its sequence's last position (host lists again)

@@ -34,16 +34,19 @@ def raw(pool: torch.Tensor) -> torch.Tensor:
 
 def read_blocks(pool: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Blocks `index` of `pool` (`[n, block_size, KVH, D]`), in `dtype`."""
-    blocks = raw(pool).index_select(0, index)
-    if blocks.dtype != pool.dtype:
-        blocks = blocks.view(pool.dtype)
-    return blocks if blocks.dtype == dtype else blocks.to(dtype)
+    return _widened(raw(pool).index_select(0, index), pool.dtype, dtype)
 
 
-def read_slots(rows: torch.Tensor, slots: torch.Tensor, storage: torch.dtype, dtype: torch.dtype):
+def read_slots(
+    rows: torch.Tensor, slots: torch.Tensor, storage: torch.dtype, dtype: torch.dtype
+) -> torch.Tensor:
     """Slots `slots` of a layer's `[1, slots, KVH, D]` rows (raw(): an 8-bit pool's
     bytes) stored as `storage`, in `dtype`."""
-    picked = rows.index_select(1, slots)
+    return _widened(rows.index_select(1, slots), storage, dtype)
+
+
+def _widened(picked: torch.Tensor, storage: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """Values selected from a pool stored as `storage` (an 8-bit pool's as bytes), in `dtype`."""
     if picked.dtype != storage:
         picked = picked.view(storage)
     return picked if picked.dtype == dtype else picked.to(dtype)

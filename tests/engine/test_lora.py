@@ -11,7 +11,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from lora_adapters import make_adapter
+from peft import PeftModel
 from textgen.service.engine.adapters import AdapterRegistry, SlotTable
 from textgen.service.engine.paged_core import PagedCore
 from textgen.service.engine.runner import StepInputs
@@ -36,21 +37,6 @@ ADAPTERS = {
     "r64": (64, ["k_proj", "up_proj", "q_proj"]),
 }
 MAX_RANK = 64
-
-
-def make_adapter(base, folder, rank: int, targets: list[str], seed: int, **options) -> str:
-    """A random adapter saved by peft (B not zero, so it changes the output)."""
-    torch.manual_seed(seed)
-    config = LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, **options
-    )
-    model = get_peft_model(copy.deepcopy(base), config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.normal_(0, 0.2)
-    model.save_pretrained(folder)
-    return str(folder)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ import pytest
 import requests
 import torch
 from conftest import ServerThread, tiny_settings
-from peft import LoraConfig, PeftModel, get_peft_model
+from lora_adapters import make_adapter
+from peft import PeftModel
 from textgen.sdk import Client
 from textgen.sdk.errors import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -33,20 +34,6 @@ PROMPT = "The quick brown fox"
 NEW_TOKENS = 12
 
 
-def make_adapter(base, folder, rank: int, targets: list[str], seed: int) -> str:
-    torch.manual_seed(seed)
-    config = LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False
-    )
-    model = get_peft_model(copy.deepcopy(base), config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.normal_(0, 0.3)
-    model.save_pretrained(folder)
-    return str(folder)
-
-
 @pytest.fixture(scope="module")
 def base(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -56,10 +43,10 @@ def base(tiny_model_dir):
 def adapter_dirs(base, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("lora")
     dirs = {
-        name: make_adapter(base, root / name, rank, targets, seed)
+        name: make_adapter(base, root / name, rank, targets, seed, std=0.3)
         for seed, (name, (rank, targets)) in enumerate(ADAPTERS.items())
     }
-    dirs["late"] = make_adapter(base, root / "late", 4, ["v_proj", "down_proj"], 9)
+    dirs["late"] = make_adapter(base, root / "late", 4, ["v_proj", "down_proj"], 9, std=0.3)
     return dirs
 
 

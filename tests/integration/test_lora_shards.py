@@ -7,12 +7,11 @@ replicated KV head (Qwen2, one KV head over two shards) slices B to its head."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import copy
 
 import pytest
 import torch
 from conftest import ServerThread, tiny_settings
-from peft import LoraConfig, get_peft_model
+from lora_adapters import make_adapter
 from serve_process import textgen_serve
 from textgen.sdk import Client
 from textgen.sdk.errors import ValidationError
@@ -33,15 +32,8 @@ def adapters_for(model_dir, root) -> str:
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     specs = []
     for seed, (name, (rank, targets)) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(seed)
-        config = LoraConfig(r=rank, lora_alpha=rank, target_modules=targets)
-        model = get_peft_model(copy.deepcopy(base), config)
-        with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                if "lora_" in param_name:
-                    param.normal_(0, 0.3)
-        model.save_pretrained(root / name)
-        specs.append(f"{name}={root / name}")
+        folder = make_adapter(base, root / name, rank, targets, seed, std=0.3, alpha=rank)
+        specs.append(f"{name}={folder}")
     return ",".join(specs)
 
 

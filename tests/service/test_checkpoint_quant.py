@@ -275,7 +275,7 @@ def test_cuda_capability_rules(monkeypatch):
 
 cuda_only = pytest.mark.skipif(
     not torch.cuda.is_available(),
-    reason="CUDA-only kernels (Marlin, EETQ, FP8 matmuls): this machine has no GPU",
+    reason="CUDA-only kernels (Marlin, FP8 matmuls): this machine has no GPU",
 )
 
 
