@@ -19,7 +19,7 @@ from . import __version__
 from .admission import Admission
 from .build_info import source_commit
 from .config import DEFAULT_MAX_TOTAL_TOKENS, SettingError, Settings
-from .cpus import default_torch_threads
+from .cpus import default_torch_threads, in_own_thread
 from .engine.adapters import AdapterRegistry
 from .engine.block_manager import num_blocks_for_tokens
 from .engine.compiled_decode import CompileSettings
@@ -127,16 +127,6 @@ class Replica:
         if self.shards is not None:
             await asyncio.to_thread(self.shards.stop)
             leave()
-
-
-async def in_own_thread(fn, *args):
-    """fn(*args) on a thread that ends with it: torch's OpenMP team for that thread ends
-    too, and the engine's is then the only one (engine/loop.py, EngineLoop.start)."""
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="textgen-load")
-    try:
-        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
-    finally:
-        executor.shutdown(wait=False)
 
 
 def kv_bytes_per_token(
@@ -475,7 +465,7 @@ async def start_replica(
         )
         adapters = None
         if plan is not None:
-            adapters = await asyncio.to_thread(load_adapters, settings, loaded, plan)
+            adapters = await in_own_thread(load_adapters, settings, loaded, plan)
         return await _start_loaded(settings, loaded, tracer_provider, shards, groups, adapters)
     except BaseException:
         if shards is not None:

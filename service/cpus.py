@@ -5,8 +5,10 @@ pool would run 32 threads on 2 CPUs' worth of time."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 CGROUP_V2_MAX = Path("/sys/fs/cgroup/cpu.max")
@@ -45,3 +47,15 @@ def cgroup_cpu_quota() -> float | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+async def in_own_thread(fn, *args):
+    """fn(*args) on a thread that ends with it. Loading runs torch ops, and libgomp gives
+    each thread that runs a parallel region an OpenMP team of its own that lives as long
+    as the thread: a team left on a pooled thread (asyncio.to_thread's) halves the
+    engine's spin-waits for good (engine/loop.py, EngineLoop.start)."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="textgen-load")
+    try:
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+    finally:
+        executor.shutdown(wait=False)

@@ -4,11 +4,11 @@ behind the API key like every RPC)."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..cpus import in_own_thread
 from ..engine.adapters import AdapterRegistry
 from ..errors import ErrorType
 from ..models.lora import AdapterError, LoraAdapter
@@ -65,7 +65,7 @@ class LoraRpcs:
         if self.lora.registry.lookup(name) is not None:
             await _refuse(context, f"a LoRA adapter named {name!r} is already loaded", "lora_name")
         try:
-            adapter = await asyncio.to_thread(self.lora.read, name, path)
+            adapter = await in_own_thread(self.lora.read, name, path)
             self.lora.registry.add(adapter)
         except (AdapterError, ValueError) as exc:
             await _refuse(context, str(exc), "lora_path")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 from textgen.service import cpus
@@ -63,3 +65,49 @@ def test_engine_sets_its_threads_on_its_own_thread(tiny_model_dir):
     engine.start(timeout=10)
     engine.shutdown()
     assert seen == [1]
+
+
+TEAMS_SCRIPT = """
+import asyncio, os, time
+import torch
+from textgen.service.cpus import in_own_thread
+
+def parallel_op():
+    torch.set_num_threads(2)
+    return float((torch.ones(4_000_000) * 2).sum())  # big enough for an OpenMP region
+
+def threads_settled(expected):
+    deadline = time.monotonic() + 5
+    while len(os.listdir("/proc/self/task")) > expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(os.listdir("/proc/self/task"))
+
+async def main():
+    await in_own_thread(parallel_op)
+    first = threads_settled(len(os.listdir("/proc/self/task")) - 1)
+    await in_own_thread(parallel_op)
+    second = threads_settled(first)
+    await asyncio.to_thread(parallel_op)
+    print(first, second, len(os.listdir("/proc/self/task")))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.timeout(60)
+def test_in_own_thread_leaves_no_openmp_team_behind():
+    """Loading on a pooled thread left its OpenMP team alive beside the engine's, and the
+    engine's spin-waits were throttled for good (base requests at half speed on a server
+    with LoRA adapters). A thread that ends takes its team with it."""
+    out = subprocess.run(
+        [sys.executable, "-c", TEAMS_SCRIPT],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=50,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
+    assert out.returncode == 0, out.stderr
+    first, second, pooled = map(int, out.stdout.split())
+    assert second == first  # a second load leaves nothing more behind
+    assert pooled >= second + 2  # the pooled thread and its team's worker stay
