@@ -57,6 +57,7 @@ class Report:
     itl_p95_ms: float
     errors: int
     sampling: dict = field(default_factory=dict)  # --temperature/--top-p/...; {}: greedy
+    ignore_eos: bool = False  # every stream ran to max_new_tokens (--ignore-eos, --baseline)
     load: str = "chat"  # the built-in prompts (--load), or the --prompts file
     # a speculating server's proposals during the load: proposed and kept tokens, the
     # acceptance ratio and the tokens kept per verifying decode
@@ -277,6 +278,7 @@ def summarize(args, results: list[RequestResult], duration: float) -> Report:
         itl_p95_ms=round(_pct(itls, 95), 2),
         errors=len(results) - len(ok),
         sampling=sampling_options(args),
+        ignore_eos=args.ignore_eos,
         load=args.prompts or args.load,
     )
 
@@ -305,6 +307,7 @@ def format_table(report: Report) -> str:
         ("load", report.load),
         ("concurrency", report.concurrency),
         ("sampling", ", ".join(f"{k}={v}" for k, v in report.sampling.items()) or "greedy"),
+        ("stops at EOS", "no (--ignore-eos)" if report.ignore_eos else "yes"),
         ("requests", report.requests),
         ("output tokens", report.output_tokens),
         ("duration (s)", report.duration_s),
@@ -412,7 +415,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--baseline",
         action="store_true",
         help="after the load, measure plain transformers' greedy loop on the same model, "
-        "prompts and dtype",
+        "prompts and dtype (implies --ignore-eos: the loop runs every prompt to "
+        "--max-new-tokens, so the load does too)",
     )
     parser.add_argument(
         "--core",
@@ -465,6 +469,10 @@ def run(args: argparse.Namespace) -> int:
             "--baseline times transformers' greedy loop: leave out --temperature, --top-p, "
             "--top-k, --typical-p and --repetition-penalty (--core compares that load)"
         )
+    if args.baseline:
+        # the loop runs every prompt to --max-new-tokens: a load whose streams end at EOS
+        # pays a prefill per ~10 tokens where the loop pays one per max-new-tokens
+        args.ignore_eos = True
     if args.openai and sampling_options(args):
         raise SystemExit(
             "--openai times greedy completions: leave out --temperature, --top-p, --top-k, "

@@ -95,12 +95,13 @@ def test_bench_compares_with_the_core_alone_and_plain_transformers(tiny_server, 
     add_bench_arguments(parser)
     args = parser.parse_args(
         ["--target", tiny_server.target, "--model-id", tiny_server.settings.model_id,
-         "--concurrency", "2", "--requests", "3", "--max-new-tokens", "6", "--ignore-eos",
+         "--concurrency", "2", "--requests", "3", "--max-new-tokens", "6",
          "--core", "--baseline", "--rounds", "2", "--json", str(out)]
     )  # fmt: skip
     assert run(args) == 0
     report = json.loads(out.read_text())
     core, base = report["core"], report["baseline"]
+    assert report["ignore_eos"]  # the loop runs to max_new_tokens, so --baseline's load does
     assert core["dtype"] == base["dtype"] == "float32"  # the served engine's
     assert len(core["rounds"]) == len(base["rounds"]) == 2
     for r in core["rounds"]:
