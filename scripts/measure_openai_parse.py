@@ -1,0 +1,163 @@
+"""Measure the cost of parsing an OpenAI request body (not a test).
+
+Times service/openai's parse functions on realistic bodies, in microseconds per request
+(the median of `--repeat` runs of `--number` parses each): a ~2 KB chat completions
+body (system prompt, a few turns, a tool, sampling fields, response_format), a
+completions body and a Responses API body. Chat and responses go through the chat
+template (the tiny test tokenizer's, tests/tiny_model.py), as a request does. Run:
+
+    .venv/bin/python scripts/measure_openai_parse.py [--number 2000] [--repeat 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import timeit
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from textgen.service.openai.chat import parse_chat_request
+from textgen.service.openai.completions import parse_completion_request
+from textgen.service.openai.response_store import ResponseStore
+from textgen.service.openai.responses import parse_responses_request
+from tiny_model import build_tokenizer
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The current weather in a city, in metric units.",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "description": "The city's name, e.g. Paris"},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+TURNS = [
+    ("user", "I'm planning a trip to France next month. What should I pack for Paris?"),
+    (
+        "assistant",
+        (
+            "Paris in spring is mild but changeable: pack layers, a light waterproof jacket,"
+            " comfortable walking shoes and an umbrella. Evenings can be cool, so bring a"
+            " sweater. Would you like me to check the forecast for your dates?"
+        ),
+    ),
+    ("user", "Yes please, and also tell me what the weather is like in Lyon this week."),
+    (
+        "assistant",
+        (
+            "Lyon is usually a couple of degrees warmer than Paris at this time of year, with"
+            " occasional showers in the afternoon. I can look up the current forecast for both."
+        ),
+    ),
+    (
+        "user",
+        (
+            "Great, check Paris first. Keep the answer short and give temperatures in C; if it"
+            " will rain, tell me which days so I can plan the museums for those."
+        ),
+    ),
+]
+CHAT = {
+    "model": "tgi",
+    "messages": [
+        {
+            "role": "system",
+            "content": "You are a concise travel assistant. Answer in plain English, use"
+            " metric units, and call a tool when live data is needed. Never invent a"
+            " forecast: if the tool fails, say so. Prefer short lists to long paragraphs,"
+            " and give prices in euros when the user asks about costs. Mention public"
+            " transport options where they help, and local customs a visitor should know.",
+        },
+        *({"role": role, "content": content} for role, content in TURNS),
+    ],
+    "tools": [{"type": "function", "function": WEATHER}],
+    "tool_choice": "auto",
+    "parallel_tool_calls": False,
+    "max_tokens": 256,
+    "temperature": 0.7,
+    "top_p": 0.95,
+    "seed": 42,
+    "stop": ["\nUser:", "</answer>"],
+    "presence_penalty": 0.1,
+    "frequency_penalty": 0.2,
+    "logprobs": True,
+    "top_logprobs": 3,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "n": 1,
+    "user": "user-1234",
+    "prompt_cache_key": "trip-planner-session",
+}
+COMPLETION = {
+    "model": "tgi",
+    "prompt": "The quick brown fox jumps over the lazy dog. " * 8,
+    "max_tokens": 64,
+    "temperature": 0.8,
+    "top_p": 0.9,
+    "n": 2,
+    "stop": ["\n\n"],
+    "logprobs": 2,
+    "seed": 7,
+    "logit_bias": {"65": 1.5, "66": -2},
+}
+RESPONSES = {
+    "model": "tgi",
+    "instructions": "You are a concise travel assistant.",
+    "input": [
+        {"role": role, "content": [{"type": "input_text", "text": content}]}
+        for role, content in TURNS
+        if role == "user"
+    ],
+    "tools": [{"type": "function", **WEATHER}],
+    "max_output_tokens": 256,
+    "temperature": 0.7,
+    "text": {"format": {"type": "text"}},
+    "metadata": {"session": "abc"},
+    "store": False,
+}
+
+
+def per_request_us(parse, number: int, repeat: int) -> float:
+    parse()  # warm: first-call caches (templates, schemas)
+    runs = timeit.repeat(parse, number=number, repeat=repeat)
+    return statistics.median(runs) / number * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--number", type=int, default=2000, help="parses per run")
+    parser.add_argument("--repeat", type=int, default=15, help="runs (the median is kept)")
+    args = parser.parse_args()
+    tokenizer = build_tokenizer()
+    store = ResponseStore(max_bytes=2**20, ttl=60)
+    bodies = {
+        "chat": json.dumps(CHAT).encode(),
+        "completions": json.dumps(COMPLETION).encode(),
+        "responses": json.dumps(RESPONSES).encode(),
+    }
+    parsers = {
+        "chat": lambda: parse_chat_request(bodies["chat"], tokenizer),
+        "completions": lambda: parse_completion_request(bodies["completions"], 4),
+        "responses": lambda: parse_responses_request(bodies["responses"], tokenizer, store),
+        # the chat template's share of a chat parse (the same prompt, rendered alone)
+        "chat template alone": lambda: tokenizer.apply_chat_template(
+            CHAT["messages"], tokenize=False, add_generation_prompt=True
+        ),
+    }
+    for name, parse in parsers.items():
+        size = len(bodies[name]) if name in bodies else None
+        us = per_request_us(parse, args.number, args.repeat)
+        body = f"{size:5d} B body" if size else " " * 11
+        print(f"{name:20s} {body}  {us:8.1f} us/request")
+
+
+if __name__ == "__main__":
+    main()
