@@ -10,6 +10,9 @@ The rules every body follows:
   are finite; an integer fits the proto field it lands in (int32 unless it says).
 - A field a body doesn't declare is refused by name, unless it is null (as good as
   absent); an object inside one ignores fields nobody reads.
+- A declared field may be null too, meaning its default: pydantic keeps the None, so
+  the code that reads a field with a default other than None applies it again
+  (`parallel_tool_calls is not False`, `bool(request.stream)`).
 - Bounds that are the server's (--max-n, --max-top-n-tokens, --max-stop-sequences,
   max_total_tokens) are the validator's (validation.py), named in the descriptions.
 
