@@ -6,30 +6,34 @@ and the minimum of `--repeat` runs of `--number` parses each): a ~2 KB chat comp
 body (system prompt, a few turns, a tool, sampling fields, stop, logprobs), a
 completions body and a Responses API body. Chat and responses go through the chat
 template (the tiny test tokenizer's, tests/tiny_model.py), as a request does; the
-"template stubbed" rows replace it with a constant, leaving the parsing itself. Run:
+"template stubbed" rows replace it with a constant, leaving the parsing itself.
 
-    .venv/bin/python scripts/measure_openai_parse.py [--number 2000] [--repeat 15]
+`--baseline REV` also times service/ as it was at git revision REV (extracted into a
+temporary folder, imported as `textgen_baseline.service`), the two alternating run by
+run in this one process, so that whatever else the machine does weighs on both alike.
+Run:
 
-To compare with another version of service/, extract it as textgen/service under a
-folder and put that folder first: PYTHONPATH=/tmp/before .venv/bin/python scripts/...
+    .venv/bin/python scripts/measure_openai_parse.py [--baseline REV] [--number 2000] [--repeat 15]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import io
 import json
 import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
-import timeit
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
 
-from textgen.service.openai.chat import parse_chat_request
-from textgen.service.openai.completions import parse_completion_request
 from textgen.service.openai.response_store import ResponseStore
-from textgen.service.openai.responses import parse_responses_request
 from tiny_model import build_tokenizer
 
 WEATHER = {
@@ -141,17 +145,54 @@ class StubTemplate:
         return "<|im_start|>user\nhi<|im_end|>\n"
 
 
-def per_request_us(parse, number: int, repeat: int) -> tuple[float, float]:
-    """(median, min) CPU microseconds per call."""
-    parse()  # warm: first-call caches (templates, schemas)
-    runs = timeit.repeat(parse, number=number, repeat=repeat, timer=time.process_time)
-    return statistics.median(runs) / number * 1e6, min(runs) / number * 1e6
+def parse_functions(package: str) -> tuple:
+    """(chat, completions, responses) parse functions of `package` (textgen.service, or
+    a baseline's)."""
+    chat = importlib.import_module(f"{package}.openai.chat")
+    completions = importlib.import_module(f"{package}.openai.completions")
+    responses = importlib.import_module(f"{package}.openai.responses")
+    return (
+        chat.parse_chat_request,
+        completions.parse_completion_request,
+        responses.parse_responses_request,
+    )
+
+
+def baseline_package(revision: str, folder: Path) -> str:
+    """service/ at `revision`, importable as textgen_baseline.service."""
+    archive = subprocess.run(
+        ["git", "archive", revision, "service"], cwd=REPO, capture_output=True, check=True
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(folder / "textgen_baseline", filter="data")
+    sys.path.insert(0, str(folder))
+    return "textgen_baseline.service"
+
+
+def cases(functions: tuple, tokenizer, stub, store, bodies: dict) -> dict:
+    chat, completions, responses = functions
+    return {
+        "chat": lambda: chat(bodies["chat"], tokenizer),
+        "completions": lambda: completions(bodies["completions"], 4),
+        "responses": lambda: responses(bodies["responses"], tokenizer, store),
+        "chat, template stubbed": lambda: chat(bodies["chat"], stub),
+        "responses, template stubbed": lambda: responses(bodies["responses"], stub, store),
+    }
+
+
+def timed(parse, number: int) -> float:
+    """CPU microseconds per call, over `number` calls."""
+    start = time.process_time()
+    for _ in range(number):
+        parse()
+    return (time.process_time() - start) / number * 1e6
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", metavar="REV", help="also time service/ at this revision")
     parser.add_argument("--number", type=int, default=2000, help="parses per run")
-    parser.add_argument("--repeat", type=int, default=15, help="runs (the median is kept)")
+    parser.add_argument("--repeat", type=int, default=15, help="runs (median and min kept)")
     args = parser.parse_args()
     tokenizer = build_tokenizer()
     stub = StubTemplate(tokenizer)
@@ -161,20 +202,26 @@ def main() -> None:
         "completions": json.dumps(COMPLETION).encode(),
         "responses": json.dumps(RESPONSES).encode(),
     }
-    parsers = {
-        "chat": lambda: parse_chat_request(bodies["chat"], tokenizer),
-        "completions": lambda: parse_completion_request(bodies["completions"], 4),
-        "responses": lambda: parse_responses_request(bodies["responses"], tokenizer, store),
-        "chat, template stubbed": lambda: parse_chat_request(bodies["chat"], stub),
-        "responses, template stubbed": lambda: parse_responses_request(
-            bodies["responses"], stub, store
-        ),
-    }
-    print(f"{'':28s} {'body':>7s}  {'median':>8s}  {'min':>8s}  (us of CPU per request)")
-    for name, parse in parsers.items():
-        size = len(bodies[name.split(",")[0]])
-        median, least = per_request_us(parse, args.number, args.repeat)
-        print(f"{name:28s} {size:5d} B  {median:8.1f}  {least:8.1f}")
+    with tempfile.TemporaryDirectory() as folder:
+        versions = {"this tree": parse_functions("textgen.service")}
+        if args.baseline:
+            package = baseline_package(args.baseline, Path(folder))
+            versions = {args.baseline: parse_functions(package), **versions}
+        table = {v: cases(f, tokenizer, stub, store, bodies) for v, f in versions.items()}
+        print(f"{'':28s} {'body':>7s}  {'version':>10s}  {'median':>7s}  {'min':>7s}  (us of CPU)")
+        for name in table["this tree"]:
+            runs: dict[str, list[float]] = {v: [] for v in table}
+            for parse in (t[name] for t in table.values()):
+                parse()  # warm: first-call caches (templates, schemas)
+            order = list(table)
+            for _ in range(args.repeat):  # the versions alternate, run by run
+                for version in order:
+                    runs[version].append(timed(table[version][name], args.number))
+                order.reverse()  # neither always first
+            size = len(bodies[name.split(",")[0]])
+            for version, times in runs.items():
+                median, least = statistics.median(times), min(times)
+                print(f"{name:28s} {size:5d} B  {version:>10s}  {median:7.1f}  {least:7.1f}")
 
 
 if __name__ == "__main__":

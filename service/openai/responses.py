@@ -35,7 +35,7 @@ from .responses_protocol import (
 )
 from .tools import Tool, ToolPlan, no_tools, plan_tool, tool_plan
 
-# items as sent or stored (typed ones pass through): their checks are protocol.py's
+# items decoded from JSON (a stored response's output): their checks are the body's
 _ITEMS = TypeAdapter(list[ResponseInputItem])
 _INPUT = TypeAdapter(ResponseInput)
 
@@ -70,9 +70,9 @@ def parse_responses_request(body: bytes, tokenizer, store: ResponseStore) -> Res
     given = _as_items(request.input)
     conversation = [
         *(previous.conversation if previous else ()),
-        *items_to_messages(given, "input"),
+        *_messages(given),
     ]
-    items = [*_previous_items(previous), *input_items(given)]
+    items = [*_previous_items(previous), *_listed(given)]
     if not conversation:
         raise OpenAIRequestError("`input` must not be empty", "input")
     instructions = request.instructions
@@ -183,11 +183,16 @@ def _as_items(value) -> list:
 
 
 def items_to_messages(items: list, where: str) -> list[dict]:
-    """Responses items (messages, function calls, their outputs; typed, or decoded JSON
-    such as a stored response's output) as chat messages: consecutive calls join one
-    assistant message, as chat writes parallel calls. `where` names them in errors."""
+    """Responses items as decoded JSON (a stored response's output; `where` names them
+    in errors) as chat messages (_messages)."""
+    return _messages(parse_field(_ITEMS, items, where))
+
+
+def _messages(items: list) -> list[dict]:
+    """Responses items (messages, function calls, their outputs) as chat messages:
+    consecutive calls join one assistant message, as chat writes parallel calls."""
     messages: list[dict] = []
-    for item in parse_field(_ITEMS, items, where):
+    for item in items:
         if isinstance(item, ResponseInputFunctionCall):
             call = _function_call(item)
             last = messages[-1] if messages else None
@@ -221,10 +226,16 @@ def _function_call(item: ResponseInputFunctionCall) -> dict:
 
 
 def input_items(value) -> list[dict]:
-    """`input` (a string or items, typed or decoded JSON) as OpenAI lists a response's
-    input items: each with an id (the client's, else a new one) and a status; text parts
-    as input_text (output_text for assistant messages)."""
-    return [_input_item(item) for item in _as_items(parse_field(_INPUT, value, "input"))]
+    """`input` as decoded JSON (a string or items) as OpenAI lists a response's input
+    items (_listed)."""
+    return _listed(_as_items(parse_field(_INPUT, value, "input")))
+
+
+def _listed(items: list) -> list[dict]:
+    """Items as OpenAI lists a response's input items: each with an id (the client's,
+    else a new one) and a status; text parts as input_text (output_text for assistant
+    messages)."""
+    return [_input_item(item) for item in items]
 
 
 def _input_item(item) -> dict:
