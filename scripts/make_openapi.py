@@ -40,6 +40,7 @@ from pathlib import Path
 
 from textgen.service.errors import ErrorType
 from textgen.service.errors import ErrorType as E
+from textgen.service.openai import protocol, responses_protocol
 
 REPO = Path(__file__).resolve().parent.parent
 TGI_SPEC = REPO / "tests" / "data" / "tgi-openapi.json"
@@ -133,6 +134,19 @@ def _bounded(kind: str, description: str, *, fmt: str | None = None, **bounds) -
         schema["format"] = fmt
     schema.update(bounds)
     return schema
+
+
+def _priority() -> dict:
+    return _bounded(
+        "integer",
+        "Scheduling priority (vLLM's convention): lower is served sooner, ties in arrival"
+        " order; a full bounded queue refuses the lowest first. Unset: the"
+        " `x-textgen-priority` header's, else 0.",
+        fmt="int32",
+        minimum=-(2**31),
+        maximum=INT32_MAX,
+        example=0,
+    )
 
 
 def generate_parameters(tgi: dict) -> dict:
@@ -535,135 +549,58 @@ def paths31(paths_: dict) -> dict:
 # OpenAI's face ---------------------------------------------------------------------
 
 
-# How a field that is accepted but changes nothing says so (tests/integration/test_face_fields.py
-# reads it): every other declared field changes the answer or is refused.
-COMPATIBILITY_ONLY = "Accepted for compatibility only: it has no effect."
+# OpenAI's request bodies (service/openai parses each with its model): their schemas
+# are the models' (service/openai/protocol.py), under the names this document gives them.
+OPENAI_REQUESTS = {
+    "ChatRequest": protocol.ChatCompletionBody,
+    "CompletionRequest": protocol.CompletionBody,
+    "ResponsesRequest": responses_protocol.ResponsesBody,
+    "VllmTokenizeRequest": protocol.VllmTokenizeBody,
+    "VllmTokenizeChatRequest": protocol.VllmTokenizeChatBody,
+}
 
 
-def _priority() -> dict:
-    return _bounded(
-        "integer",
-        "Scheduling priority (vLLM's convention): lower is served sooner, ties in arrival"
-        " order; a full bounded queue refuses the lowest first. Unset: the"
-        " `x-textgen-priority` header's, else 0.",
-        fmt="int32",
-        minimum=-(2**31),
-        maximum=INT32_MAX,
-        example=0,
-    )
+def openai_request_schemas() -> dict:
+    """The request bodies and the objects they hold (`$defs`, each under its model's
+    name), as JSON Schema 2020-12 (OpenAPI 3.1's dialect already)."""
+    s: dict = {}
+    for name, model in OPENAI_REQUESTS.items():
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        s.update(schema.pop("$defs", {}))
+        s[name] = schema
+    return {name: _tidy(schema) for name, schema in s.items()}
 
 
-def _openai_sampling() -> dict:
-    """The sampling fields chat and completions share (service/openai/common.py)."""
-    return {
-        "priority": _priority(),
-        "model": {
-            "type": "string",
-            "nullable": True,
-            "description": "A served LoRA adapter's name (GET /v1/models lists them), or the"
-            " base model (its id, `tgi`, or unset). When the server serves no adapter, any"
-            " name means the base model; when it does, another name is refused with 422.",
-        },
-        "user": {
-            "type": "string",
-            "nullable": True,
-            "description": f"{COMPATIBILITY_ONLY} No end-user id is kept.",
-        },
-        "prompt_cache_key": {
-            "type": "string",
-            "nullable": True,
-            "description": f"{COMPATIBILITY_ONLY} The answer is the same; `textgen proxy`"
-            " routes requests with the same key to the same replica, whose prefix cache"
-            " holds their common prompt.",
-        },
-        "top_k": _bounded(
-            "integer",
-            "Sample among the top_k most probable tokens (when sampling); -1 or 0: all"
-            " (vLLM's extension).",
-            fmt="int32",
-            minimum=-1,
-            maximum=INT32_MAX,
-        ),
-        "repetition_penalty": _bounded(
-            "number",
-            "Penalize tokens of the prompt and the output (1.0: none; TGI's and vLLM's"
-            " extension). In [0.0001, 10000].",
-            minimum=0.0001,
-            maximum=10000,
-        ),
-        "ignore_eos": {
-            "type": "boolean",
-            "nullable": True,
-            "default": False,
-            "description": "Keep generating past EOS until max_tokens (vLLM's extension;"
-            " for benchmarks).",
-        },
-        "max_tokens": _bounded(
-            "integer",
-            "Most tokens to generate. Prompt plus max_tokens must fit max_total_tokens.",
-            fmt="int32",
-            minimum=0,
-            exclusiveMinimum=True,
-            maximum=INT32_MAX,
-            example=32,
-        ),
-        "n": _bounded(
-            "integer",
-            "Choices to generate (`index` 0 to n - 1), each sampled with its own seed (the"
-            " request's seed + i); the prompt is computed once for all of them. At most the"
-            " server's --max-n (16) and --max-batch-size; all of them at full length must fit"
-            " the KV cache at once.",
-            minimum=1,
-            maximum=16,
-        ),
-        "temperature": _bounded(
-            "number",
-            "0 means greedy decoding; otherwise sampled at this temperature.",
-            minimum=0,
-            example=1.0,
-        ),
-        "top_p": _bounded(
-            "number",
-            "Nucleus sampling mass (when sampling), in (0, 1]; 1 means none.",
-            minimum=0,
-            exclusiveMinimum=True,
-            maximum=1,
-            example=0.95,
-        ),
-        "frequency_penalty": _bounded("number", "In [-2, 2].", minimum=-2, maximum=2),
-        "presence_penalty": _bounded("number", "In [-2, 2].", minimum=-2, maximum=2),
-        "seed": _bounded(
-            "integer", "Sampling seed (unsigned 64 bits).", minimum=0, maximum=UINT64_MAX
-        ),
-        "stop": {
-            "oneOf": [
-                {"type": "string", "minLength": 1, "maxLength": 256},
-                {
-                    "type": "array",
-                    "items": {"type": "string", "minLength": 1, "maxLength": 256},
-                    "maxItems": 4,
-                },
-            ],
-            "nullable": True,
-            "description": "Up to max_stop_sequences (4) sequences; they are left out of the text.",
-        },
-        "logit_bias": {
-            "type": "object",
-            "nullable": True,
-            "description": (
-                "Token id (a decimal string, inside the vocabulary) to a bias in [-100, 100]."
-            ),
-            "propertyNames": TOKEN_ID,
-            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
-        },
-        "stream": {"type": "boolean", "nullable": True, "default": False},
-        "stream_options": nullable(ref("StreamOptions")),
-    }
+def _tidy(node):
+    """Without pydantic's titles (the field names again) and null defaults, descriptions
+    on one line, properties in name order, and a map's constrained keys (pydantic's
+    patternProperties, which would let other keys through) as what validation does:
+    every key matches (propertyNames)."""
+    if isinstance(node, list):
+        return [_tidy(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "title" or (key == "default" and value is None):
+            continue
+        if key == "properties":  # names to schemas: a name is not a keyword
+            out[key] = {name: _tidy(value[name]) for name in sorted(value)}
+        elif key == "patternProperties" and len(value) == 1 and "properties" not in node:
+            ((pattern, values),) = value.items()
+            out["propertyNames"] = {"type": "string", "pattern": pattern}
+            out["additionalProperties"] = _tidy(values)
+        elif key == "description":
+            out[key] = " ".join(value.split())
+        elif key in DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _tidy(value)
+    return out
 
 
 def openai_schemas(tgi: dict) -> dict:
     s: dict = {}
-    s["StreamOptions"] = copy.deepcopy(tgi["StreamOptions"])
     s["Usage"] = copy.deepcopy(tgi["Usage"])
     s["Usage"]["description"] = (
         "A prompt counts once, however many choices it has; completion_tokens add up over"
@@ -750,30 +687,7 @@ def openai_schemas(tgi: dict) -> dict:
         },
     }
 
-    # chat requests
-    s["ChatContentPart"] = {
-        "type": "object",
-        "required": ["type", "text"],
-        "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
-        "description": "Only text parts are supported.",
-    }
-    s["ChatMessage"] = {
-        "type": "object",
-        "required": ["role"],
-        "properties": {
-            "role": {
-                "type": "string",
-                "enum": ["system", "developer", "user", "assistant", "tool"],
-            },
-            "content": {
-                "oneOf": [{"type": "string"}, {"type": "array", "items": ref("ChatContentPart")}],
-                "nullable": True,
-            },
-            "name": {"type": "string"},
-            "tool_call_id": {"type": "string"},
-            "tool_calls": {"type": "array", "items": ref("ToolCall")},
-        },
-    }
+    # the tool calls of an answer (the requests' are protocol.MessageToolCall)
     s["ToolCall"] = {
         "type": "object",
         "required": ["id", "type", "function"],
@@ -791,119 +705,6 @@ def openai_schemas(tgi: dict) -> dict:
             "arguments": {"type": "string", "description": "The arguments, a JSON object as text."},
         },
     }
-    s["Tool"] = {
-        "type": "object",
-        "required": ["type", "function"],
-        "properties": {
-            "type": {"type": "string", "enum": ["function"]},
-            "function": ref("FunctionDefinition"),
-        },
-    }
-    s["FunctionDefinition"] = {
-        "type": "object",
-        "required": ["name"],
-        "properties": {
-            "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
-            "description": {"type": "string"},
-            "parameters": {
-                "type": "object",
-                "description": "A JSON schema of the arguments; the generated arguments follow it.",
-            },
-            "strict": {
-                "type": "boolean",
-                "description": "Accepted; arguments always follow the schema.",
-            },
-        },
-    }
-    s["ToolChoice"] = {
-        "oneOf": [
-            {"type": "string", "enum": ["none", "auto", "required"]},
-            {
-                "type": "object",
-                "required": ["type", "function"],
-                "properties": {
-                    "type": {"type": "string", "enum": ["function"]},
-                    "function": {
-                        "type": "object",
-                        "required": ["name"],
-                        "properties": {"name": {"type": "string"}},
-                    },
-                },
-            },
-        ],
-        "description": "auto (default with tools): a text answer or calls; required: one or more"
-        " calls; a named function: one call to it; none: a text answer.",
-    }
-    s["ResponseFormat"] = {
-        "type": "object",
-        "required": ["type"],
-        "description": "OpenAI's text / json_object / json_schema, or TGI's grammar"
-        ' ({"type": "json" | "regex", "value": ...}).',
-        "properties": {
-            "type": {
-                "type": "string",
-                "enum": ["text", "json_object", "json_schema", "json", "regex"],
-            },
-            "json_schema": {
-                "type": "object",
-                "required": ["name"],
-                "properties": {
-                    "name": {"type": "string"},
-                    "description": {"type": "string"},
-                    "schema": {"type": "object"},
-                    "strict": {"type": "boolean", "nullable": True},
-                },
-            },
-            "value": {"description": "TGI's grammar value; with json_object, its schema."},
-            "schema": {
-                "type": "object",
-                "description": "With json_object, the schema the answer follows (LangChain's"
-                " spelling of TGI's `value`).",
-            },
-        },
-    }
-    chat_props = {
-        "messages": {
-            "type": "array",
-            "items": ref("ChatMessage"),
-            "minItems": 1,
-            "description": "The conversation, rendered with the model's chat template.",
-        },
-        **_openai_sampling(),
-        "max_completion_tokens": _bounded(
-            "integer",
-            "Preferred over max_tokens.",
-            fmt="int32",
-            minimum=0,
-            exclusiveMinimum=True,
-            maximum=INT32_MAX,
-        ),
-        "logprobs": {"type": "boolean", "nullable": True, "default": False},
-        "top_logprobs": _bounded(
-            "integer",
-            "Alternatives per token, 0 to 20; needs logprobs: true.",
-            minimum=0,
-            maximum=20,
-        ),
-        "tools": {"type": "array", "items": ref("Tool"), "minItems": 1, "nullable": True},
-        "tool_choice": nullable(ref("ToolChoice")),
-        "parallel_tool_calls": {"type": "boolean", "nullable": True, "default": True},
-        "response_format": nullable(ref("ResponseFormat")),
-        "tool_prompt": {
-            "type": "string",
-            "nullable": True,
-            "description": "TGI's: with tools, the words before the tools in the system message.",
-        },
-    }
-    s["ChatRequest"] = {
-        "type": "object",
-        "required": ["messages"],
-        "description": "OpenAI's chat request; a field not listed here is refused (422)"
-        " unless null.",
-        "properties": dict(sorted(chat_props.items())),
-        "additionalProperties": False,
-    }
-
     # chat responses
     logprob_entry = {
         "type": "object",
@@ -1017,52 +818,6 @@ def openai_schemas(tgi: dict) -> dict:
     }
 
     # completions
-    completion_props = {
-        "prompt": {
-            "oneOf": [
-                {"type": "string", "minLength": 1},
-                {
-                    "type": "array",
-                    "items": {"type": "string", "minLength": 1},
-                    "minItems": 1,
-                    "maxItems": 4,
-                },
-            ],
-            "description": "A prompt, or up to max_client_batch_size (4) prompts: one choice each.",
-        },
-        **_openai_sampling(),
-        "echo": {"type": "boolean", "nullable": True, "default": False},
-        "logprobs": _bounded(
-            "integer",
-            "Alternatives per token (0 to 5) in the legacy logprobs object.",
-            minimum=0,
-            maximum=5,
-        ),
-        "suffix": {
-            "type": "string",
-            "nullable": True,
-            "maxLength": 0,
-            "description": (
-                "Fill-in-the-middle is not supported: a non-empty suffix is refused (422)."
-            ),
-        },
-        "best_of": _bounded(
-            "integer",
-            "Choices to sample per prompt (at least n; unset: n); the n with the highest"
-            " summed token logprob are answered. Streamed only when it equals n. At most the"
-            " server's --max-n (16).",
-            minimum=1,
-            maximum=16,
-        ),
-    }
-    s["CompletionRequest"] = {
-        "type": "object",
-        "required": ["prompt"],
-        "description": "OpenAI's (legacy) completions request; a field not listed here is"
-        " refused (422) unless null.",
-        "properties": dict(sorted(completion_props.items())),
-        "additionalProperties": False,
-    }
     s["CompletionLogprobs"] = {
         "type": "object",
         "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
@@ -1118,110 +873,6 @@ def openai_schemas(tgi: dict) -> dict:
     return s
 
 
-# The fields /v1/responses shares with chat and completions (service/openai/responses.py).
-RESPONSES_SHARED = (
-    "model", "user", "prompt_cache_key", "priority", "top_k", "repetition_penalty", "stream",
-)  # fmt: skip
-
-
-def _responses_request() -> dict:
-    """The Responses API's request (service/openai/responses.py reads these fields)."""
-    shared = _openai_sampling()
-    props = {
-        **{k: shared[k] for k in RESPONSES_SHARED},
-        "ignore_eos": {
-            **shared["ignore_eos"],
-            "description": shared["ignore_eos"]["description"].replace(
-                "max_tokens", "max_output_tokens"
-            ),
-        },
-        "temperature": shared["temperature"],
-        "top_p": shared["top_p"],
-        "input": {
-            "oneOf": [
-                {"type": "string"},
-                {"type": "array", "items": ref("ResponseInputItem")},
-            ],
-            "description": "A user message, or the conversation as items: messages (text"
-            " only), function_call and function_call_output. Images, files, audio and other"
-            " item types are refused (422, param `input`).",
-        },
-        "instructions": {
-            "type": "string",
-            "nullable": True,
-            "description": "A system message before the conversation; not carried over by"
-            " previous_response_id.",
-        },
-        "max_output_tokens": _bounded(
-            "integer",
-            "Most tokens to generate; reaching it makes the response `incomplete`"
-            " (incomplete_details.reason `max_output_tokens`). Prompt plus max_output_tokens"
-            " must fit max_total_tokens.",
-            fmt="int32",
-            minimum=0,
-            exclusiveMinimum=True,
-            maximum=INT32_MAX,
-        ),
-        "tools": {
-            "type": "array",
-            "items": ref("ResponseFunctionTool"),
-            "nullable": True,
-            "description": "Function tools; built-in tools (web_search, file_search, ...) are"
-            " refused (422).",
-        },
-        "tool_choice": nullable(ref("ResponseToolChoice")),
-        "parallel_tool_calls": {"type": "boolean", "nullable": True, "default": True},
-        "text": nullable(ref("ResponseTextConfig")),
-        "store": {
-            "type": "boolean",
-            "nullable": True,
-            "default": True,
-            "description": "Keep the conversation in this replica's memory (bounded by"
-            " --responses-store-mb and --responses-store-ttl) for previous_response_id.",
-        },
-        "previous_response_id": {
-            "type": "string",
-            "nullable": True,
-            "description": "Continue a stored response's conversation. Not found (store:"
-            " false, expired, evicted, another replica): 422, param `previous_response_id`.",
-        },
-        "metadata": {
-            "type": "object",
-            "nullable": True,
-            "maxProperties": 16,
-            "propertyNames": {"maxLength": 64},
-            "additionalProperties": {"type": "string", "maxLength": 512},
-            "description": "Echoed in the response object.",
-        },
-        "include": {
-            "type": "array",
-            "nullable": True,
-            "items": {"type": "string", "enum": ["message.output_text.logprobs"]},
-            "description": "`message.output_text.logprobs`: the output text's token logprobs.",
-        },
-        "top_logprobs": _bounded(
-            "integer",
-            "Alternatives per token, 0 to 20; needs include message.output_text.logprobs.",
-            minimum=0,
-            maximum=20,
-        ),
-        "truncation": {
-            "type": "string",
-            "nullable": True,
-            "enum": ["disabled"],
-            "description": "A conversation longer than the context is refused, never cut.",
-        },
-    }
-    return {
-        "type": "object",
-        "required": ["input"],
-        "description": "OpenAI's Responses API request; a field not listed here is refused"
-        " (422) unless null.",
-        "properties": dict(sorted(props.items())),
-        "additionalProperties": False,
-    }
-
-
 def _response_event(kind: str, required: list[str], properties: dict) -> dict:
     """One stream event's data: its `type`, `sequence_number` and fields."""
     return {
@@ -1237,111 +888,7 @@ def _response_event(kind: str, required: list[str], properties: dict) -> dict:
 
 def responses_schemas() -> dict:
     """/v1/responses: its request, the response object and the stream's events."""
-    s: dict = {"ResponsesRequest": _responses_request()}
-    text_part = {
-        "type": "object",
-        "required": ["type", "text"],
-        "properties": {
-            "type": {"type": "string", "enum": ["input_text", "output_text"]},
-            "text": {"type": "string"},
-        },
-    }
-    s["ResponseInputItem"] = {
-        "oneOf": [
-            {
-                "type": "object",
-                "required": ["role", "content"],
-                "description": "A message (`type` may be left out).",
-                "properties": {
-                    "type": {"type": "string", "enum": ["message"]},
-                    "role": {
-                        "type": "string",
-                        "enum": ["user", "system", "developer", "assistant"],
-                    },
-                    "content": {
-                        "oneOf": [{"type": "string"}, {"type": "array", "items": text_part}]
-                    },
-                },
-            },
-            {
-                "type": "object",
-                "required": ["type", "call_id", "name", "arguments"],
-                "description": "A function call the model made (an earlier output item).",
-                "properties": {
-                    "type": {"type": "string", "enum": ["function_call"]},
-                    "call_id": {"type": "string"},
-                    "name": {"type": "string"},
-                    "arguments": {"type": "string"},
-                },
-            },
-            {
-                "type": "object",
-                "required": ["type", "call_id", "output"],
-                "description": "A function call's result.",
-                "properties": {
-                    "type": {"type": "string", "enum": ["function_call_output"]},
-                    "call_id": {"type": "string"},
-                    "output": {
-                        "oneOf": [{"type": "string"}, {"type": "array", "items": text_part}]
-                    },
-                },
-            },
-        ]
-    }
-    s["ResponseFunctionTool"] = {
-        "type": "object",
-        "required": ["type", "name"],
-        "properties": {
-            "type": {"type": "string", "enum": ["function"]},
-            "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
-            "description": {"type": "string", "nullable": True},
-            "parameters": {
-                "type": "object",
-                "nullable": True,
-                "description": "A JSON schema of the arguments; the generated arguments follow it.",
-            },
-            "strict": {
-                "type": "boolean",
-                "nullable": True,
-                "description": "Echoed; arguments always follow the schema.",
-            },
-        },
-    }
-    s["ResponseToolChoice"] = {
-        "oneOf": [
-            {"type": "string", "enum": ["none", "auto", "required"]},
-            {
-                "type": "object",
-                "required": ["type", "name"],
-                "properties": {
-                    "type": {"type": "string", "enum": ["function"]},
-                    "name": {"type": "string"},
-                },
-            },
-        ],
-        "description": "auto (the default): a text answer or calls; required: one or more"
-        " calls; a named function: one call to it; none: a text answer.",
-    }
-    s["ResponseTextConfig"] = {
-        "type": "object",
-        "properties": {
-            "format": {
-                "type": "object",
-                "nullable": True,
-                "required": ["type"],
-                "description": "text, json_object, or json_schema ({name, schema, strict}):"
-                " the output follows the schema.",
-                "properties": {
-                    "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
-                    "name": {"type": "string"},
-                    "description": {"type": "string"},
-                    "schema": {"type": "object"},
-                    "strict": {"type": "boolean", "nullable": True},
-                },
-            }
-        },
-        "additionalProperties": False,
-    }
+    s: dict = {}
 
     # the response object
     output_text = {
@@ -1596,53 +1143,7 @@ def stored_response_schemas() -> dict:
 def tokenizer_schemas() -> dict:
     """POST /tokenize (TGI's body or vLLM's), POST /detokenize, GET /version."""
     s: dict = {}
-    flag = {"type": "boolean", "nullable": True}
-    strs = {
-        **flag,
-        "description": "Also answer each token's text (`token_strs`); default false.",
-    }
-    model = {"type": "string", "nullable": True, "description": COMPATIBILITY_ONLY}
-    s["VllmTokenizeRequest"] = {
-        "type": "object",
-        "required": ["prompt"],
-        "additionalProperties": False,
-        "description": "vLLM's /tokenize body for a prompt.",
-        "properties": {
-            "model": model,
-            "prompt": {"type": "string"},
-            "add_special_tokens": {
-                **flag,
-                "description": "Add the tokenizer's special tokens (BOS); default true.",
-            },
-            "return_token_strs": strs,
-        },
-    }
-    s["VllmTokenizeChatRequest"] = {
-        "type": "object",
-        "required": ["messages"],
-        "additionalProperties": False,
-        "description": "vLLM's /tokenize body for a conversation, through the model's chat"
-        " template (and its tool descriptions), as /v1/chat/completions prompts it.",
-        "properties": {
-            "model": model,
-            "messages": {"type": "array", "minItems": 1, "items": ref("ChatMessage")},
-            "add_generation_prompt": {
-                **flag,
-                "description": "Open the assistant's turn; default true.",
-            },
-            "continue_final_message": {
-                **flag,
-                "description": "Leave the last message open, to be continued; default false"
-                " (needs add_generation_prompt false).",
-            },
-            "add_special_tokens": {
-                **flag,
-                "description": "Add special tokens beside the template's own; default false.",
-            },
-            "return_token_strs": strs,
-            "tools": {"type": "array", "items": ref("Tool"), "nullable": True},
-        },
-    }
+    model = {"type": "string", "nullable": True, "description": protocol.COMPATIBILITY_ONLY}
     s["TokenizeRequest"] = {
         "description": "TGI's body (`inputs`; only `parameters.truncate` is read), or vLLM's"
         " (`prompt`, or `messages`).",
@@ -2047,6 +1548,7 @@ def build(tgi_spec: Path = TGI_SPEC) -> dict:
     schemas = {
         **tgi_schemas(tgi_components),
         **openai_schemas(tgi_components),
+        **openai_request_schemas(),
         **responses_schemas(),
         **stored_response_schemas(),
         **tokenizer_schemas(),

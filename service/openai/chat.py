@@ -10,29 +10,23 @@ from dataclasses import dataclass, field
 from ..engine.types import FinishInfo, TokenEvent
 from ..request import GenerateParameters, GenerateRequest
 from .common import (
-    MAX_TOP_LOGPROBS,
-    SAMPLING_FIELDS,
     OpenAIRequestError,
     StopHoldback,
-    checked_top_logprobs,
     finish_reason,
     json_bytes,
-    json_object,
-    optional_field,
-    refuse_unknown_fields,
-    required_field,
     sampling_parameters,
     sse_bytes,
     trim_stop,
     usage,
 )
 from .formats import lark_answer, response_format
+from .parse import parse_body
+from .protocol import MAX_TOP_LOGPROBS, ChatCompletionBody, ChatContent, ChatMessage
 from .tools import (
     ToolCallParser,
     ToolPlan,
-    check_tool_calls,
+    chat_tool_plan,
     parse_output,
-    parse_tools,
     prepare_messages,
     template_knows_tools,
 )
@@ -51,50 +45,33 @@ class ChatRequest:
     tools: ToolPlan | None = None  # tools the model may call
 
 
-_ROLES = {"system", "developer", "user", "assistant", "tool"}
-# What parse_chat_request reads; anything else is refused (refuse_unknown_fields).
-CHAT_FIELDS = SAMPLING_FIELDS | {
-    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-    "parallel_tool_calls", "tool_prompt", "response_format",
-}  # fmt: skip
-
-
 def parse_chat_request(body: bytes, tokenizer) -> ChatRequest:
-    data = json_object(body)
-    refuse_unknown_fields(data, CHAT_FIELDS)
-    messages = [_message(m, i) for i, m in enumerate(required_field(data, "messages", list))]
-    if not messages:
-        raise OpenAIRequestError("`messages` must not be empty", "messages")
-    plan = parse_tools(data)
-    answer_format = response_format(data)
-    tool_prompt = optional_field(data, "tool_prompt", str)
-    prompt = render_prompt(tokenizer, messages, plan, tool_prompt)
-    params, stop = sampling_parameters(data)
+    request = parse_body(ChatCompletionBody, body)
+    plan = chat_tool_plan(request.tools, request.tool_choice, request.parallel_tool_calls)
+    answer_format = response_format(request.response_format)
+    prompt = render_prompt(tokenizer, chat_messages(request.messages), plan, request.tool_prompt)
+    params = sampling_parameters(request)
+    if request.max_completion_tokens is not None:
+        params["max_new_tokens"] = request.max_completion_tokens
     if plan is None:
         params["grammar"] = answer_format
-    logprobs = bool(optional_field(data, "logprobs", bool) or False)
-    top_logprobs = checked_top_logprobs(data)
-    if top_logprobs and not logprobs:
-        raise OpenAIRequestError("`top_logprobs` requires `logprobs: true`", "top_logprobs")
+    top_logprobs = request.top_logprobs or 0
     if top_logprobs:
         params["top_n_tokens"] = top_logprobs
-    stream = bool(optional_field(data, "stream", bool) or False)
-    options = optional_field(data, "stream_options", dict) or {}
-    include_usage = bool(options.get("include_usage", False))
     generate = GenerateRequest(
         inputs=prompt,
         parameters=GenerateParameters(**params),
         lark=plan.lark(lark_answer(answer_format, "response_format")) if plan is not None else None,
-        names=_names(data, plan),
+        names=_names(request, plan),
         max_top_n_tokens=MAX_TOP_LOGPROBS,
     )
     return ChatRequest(
         generate=generate,
-        stream=stream,
-        include_usage=include_usage,
-        logprobs=logprobs,
+        stream=bool(request.stream),
+        include_usage=bool(request.stream_options and request.stream_options.include_usage),
+        logprobs=bool(request.logprobs),
         top_logprobs=top_logprobs,
-        stop=stop,
+        stop=params["stop"],
         tools=plan,
     )
 
@@ -125,68 +102,40 @@ def render_prompt(
         raise OpenAIRequestError(f"cannot apply the chat template: {exc}", param) from exc
 
 
-def _names(data: dict, plan: ToolPlan | None) -> dict[str, str]:
+def _names(request: ChatCompletionBody, plan: ToolPlan | None) -> dict[str, str]:
     """TGI's fields as this chat request calls them (request.GenerateRequest.names)."""
     return {
         "inputs": "messages",
         "max_new_tokens": (
-            "max_completion_tokens"
-            if data.get("max_completion_tokens") is not None
-            else "max_tokens"
+            "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         ),
         "top_n_tokens": "top_logprobs",
         "grammar": "tools" if plan is not None else "response_format",
     }
 
 
-def chat_messages(raw: list) -> list[dict]:
-    """`messages`, each checked, as the chat template takes them (vLLM's /tokenize)."""
-    return [_message(m, i) for i, m in enumerate(raw)]
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """`messages` as the chat template takes them."""
+    return [_message(m) for m in messages]
 
 
-def _message(m, index: int) -> dict:
-    if not isinstance(m, dict):
-        raise OpenAIRequestError(f"`messages[{index}]` must be an object", "messages")
-    role = m.get("role")
-    if role not in _ROLES:
-        raise OpenAIRequestError(
-            f"`messages[{index}].role` must be one of {sorted(_ROLES)}", "messages"
-        )
-    out = {
-        "role": "system" if role == "developer" else role,
-        "content": _content(m.get("content"), index),
-    }
-    for key in ("name", "tool_call_id"):
-        if isinstance(m.get(key), str):
-            out[key] = m[key]
-    if role == "assistant" and m.get("tool_calls"):
-        out["tool_calls"] = check_tool_calls(m["tool_calls"], index)
+def _message(m: ChatMessage) -> dict:
+    out = {"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.role == "assistant" and m.tool_calls:
+        out["tool_calls"] = [call.model_dump(exclude_none=True) for call in m.tool_calls]
     return out
 
 
-def _content(content, index: int) -> str:
+def _text(content: ChatContent | None) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise OpenAIRequestError(
-                    f"`messages[{index}].content` parts must be text parts "
-                    '({"type": "text", "text": ...})',
-                    "messages",
-                )
-            parts.append(part["text"])
-        return "".join(parts)
-    raise OpenAIRequestError(
-        f"`messages[{index}].content` must be a string or a list of parts", "messages"
-    )
+    return "".join(part.text for part in content)
 
 
 # responses ------------------------------------------------------------------------

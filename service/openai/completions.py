@@ -14,18 +14,16 @@ from dataclasses import dataclass, field
 from ..engine.types import FinishInfo, TokenEvent
 from ..request import GenerateParameters, GenerateRequest
 from .common import (
-    SAMPLING_FIELDS,
     OpenAIRequestError,
     finish_reason,
     json_bytes,
-    json_object,
-    optional_field,
-    refuse_unknown_fields,
     sampling_parameters,
     sse_bytes,
     trim_stop,
     usage,
 )
+from .parse import parse_body
+from .protocol import CompletionBody
 
 
 @dataclass(frozen=True)
@@ -41,31 +39,19 @@ class CompletionRequest:
     stop: tuple[str, ...]
 
 
-# What parse_completion_request reads; anything else is refused (refuse_unknown_fields).
-COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "echo", "logprobs", "suffix", "best_of"}
-
-
 # TGI's fields as completions call them (request.GenerateRequest.names)
 COMPLETION_NAMES = {"inputs": "prompt", "max_new_tokens": "max_tokens", "top_n_tokens": "logprobs"}
 
 
 def parse_completion_request(body: bytes, max_prompts: int) -> CompletionRequest:
-    data = json_object(body)
-    refuse_unknown_fields(data, COMPLETION_FIELDS)
-    prompts = _prompts(data.get("prompt"), max_prompts)
-    if optional_field(data, "suffix", str):
-        raise OpenAIRequestError("`suffix` is not supported", "suffix")
-    params, stop = sampling_parameters(data)
-    stream = bool(optional_field(data, "stream", bool) or False)
-    n = params["n"] or 1
-    best_of = _best_of(data, n, stream)
+    request = parse_body(CompletionBody, body)
+    prompts = _prompts(request.prompt, max_prompts)
+    params = sampling_parameters(request)
+    n = request.n or 1
+    best_of = request.best_of or n
     params["n"] = best_of  # sampled; validation bounds it by --max-n
-    logprobs = optional_field(data, "logprobs", int)
-    if logprobs is not None:
-        if logprobs < 0:
-            raise OpenAIRequestError("`logprobs` must be >= 0", "logprobs")
-        params["top_n_tokens"] = logprobs
-    options = optional_field(data, "stream_options", dict) or {}
+    if request.logprobs is not None:
+        params["top_n_tokens"] = request.logprobs
     names = {**COMPLETION_NAMES, "n": "best_of" if best_of > n else "n"}
     return CompletionRequest(
         prompts=prompts,
@@ -74,39 +60,21 @@ def parse_completion_request(body: bytes, max_prompts: int) -> CompletionRequest
         ),
         n=n,
         best_of=best_of,
-        stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
-        echo=bool(optional_field(data, "echo", bool) or False),
-        logprobs=logprobs,
-        stop=stop,
+        stream=bool(request.stream),
+        include_usage=bool(request.stream_options and request.stream_options.include_usage),
+        echo=bool(request.echo),
+        logprobs=request.logprobs,
+        stop=params["stop"],
     )
 
 
-def _best_of(data: dict, n: int, stream: bool) -> int:
-    """OpenAI's best_of: at least n (n when unset), and only streamed when it is n."""
-    best_of = optional_field(data, "best_of", int)
-    if best_of is None:
-        return n
-    if best_of < n:
-        raise OpenAIRequestError(f"`best_of` must be >= `n` ({n}). Given: {best_of}", "best_of")
-    if best_of > n and stream:
-        raise OpenAIRequestError("`best_of` > `n` can't be streamed", "best_of")
-    return best_of
-
-
-def _prompts(prompt, max_prompts: int) -> tuple[str, ...]:
-    if prompt is None:
-        raise OpenAIRequestError("`prompt` is required", "prompt")
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise OpenAIRequestError(
-            "`prompt` must be a string or a non-empty list of strings", "prompt"
-        )
+def _prompts(prompt: str | list[str], max_prompts: int) -> tuple[str, ...]:
+    prompts = (prompt,) if isinstance(prompt, str) else tuple(prompt)
     if len(prompts) > max_prompts:
         raise OpenAIRequestError(
             f"`prompt` supports up to {max_prompts} prompts. Given: {len(prompts)}", "prompt"
         )
-    return tuple(prompts)
+    return prompts
 
 
 def legacy_logprobs(events: list[TokenEvent], offset: int) -> dict:

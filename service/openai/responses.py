@@ -13,37 +13,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import TypeAdapter
+
 from ..request import GenerateParameters, GenerateRequest
 from .chat import render_prompt
-from .common import (
-    MAX_TOP_LOGPROBS,
-    OpenAIRequestError,
-    checked_top_logprobs,
-    json_object,
-    optional_field,
-    refuse_unknown_fields,
-    sampling_parameters,
-)
+from .common import OpenAIRequestError, common_parameters
 from .formats import lark_answer, text_format
+from .parse import parse_body, parse_field
+from .protocol import MAX_TOP_LOGPROBS
 from .response_store import ResponseStore, StoredResponse, new_id
-from .tools import Tool, ToolPlan, checked_tool, no_tools, tool_plan
+from .responses_protocol import (
+    LOGPROBS_INCLUDE,
+    ResponseContent,
+    ResponseInput,
+    ResponseInputFunctionCall,
+    ResponseInputFunctionCallOutput,
+    ResponseInputItem,
+    ResponseInputMessage,
+    ResponseNamedToolChoice,
+    ResponsesBody,
+)
+from .tools import Tool, ToolPlan, no_tools, plan_tool, tool_plan
 
-# What parse_responses_request reads; anything else is refused (refuse_unknown_fields).
-# Beside OpenAI's own, the extensions chat takes too (vLLM's `top_k`,
-# `repetition_penalty`, `ignore_eos`, `priority`). The Responses API has no stop sequences.
-RESPONSES_FIELDS = frozenset(
-    {
-        "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
-        "tool_choice", "parallel_tool_calls", "text", "stream", "store",
-        "previous_response_id", "metadata", "include", "top_logprobs", "truncation",
-        "top_k", "repetition_penalty", "ignore_eos", "priority",
-    }
-)  # fmt: skip
-LOGPROBS_INCLUDE = "message.output_text.logprobs"
-_MESSAGE_ROLES = {"user", "system", "developer", "assistant"}
-_TEXT_PARTS = {"input_text", "output_text"}
-# metadata: OpenAI's bounds
-_METADATA_PAIRS, _METADATA_KEY, _METADATA_VALUE = 16, 64, 512
+# items decoded from JSON (a stored response's output): their checks are the body's
+_ITEMS = TypeAdapter(list[ResponseInputItem])
+_INPUT = TypeAdapter(ResponseInput)
 
 
 @dataclass(frozen=True)
@@ -71,23 +65,26 @@ class ResponsesRequest:
 
 
 def parse_responses_request(body: bytes, tokenizer, store: ResponseStore) -> ResponsesRequest:
-    data = json_object(body)
-    refuse_unknown_fields(data, RESPONSES_FIELDS)
-    _check_truncation(data)
-    previous = _previous(data, store)
-    conversation = [*(previous.conversation if previous else ()), *_input(data.get("input"))]
-    items = [*_previous_items(previous), *input_items(data.get("input"))]
+    request = parse_body(ResponsesBody, body)
+    previous = _previous(request.previous_response_id, store)
+    given = _as_items(request.input)
+    conversation = [
+        *(previous.conversation if previous else ()),
+        *_messages(given),
+    ]
+    items = [*_previous_items(previous), *_listed(given)]
     if not conversation:
         raise OpenAIRequestError("`input` must not be empty", "input")
-    instructions = optional_field(data, "instructions", str)
+    instructions = request.instructions
     messages = [{"role": "system", "content": instructions}] if instructions else []
-    tools, plan = _tools(data)
-    fmt = _text(data)
+    tools, plan = _tools(request)
+    fmt = request.text.format if request.text is not None else None
     answer_format = text_format(fmt)
     prompt = render_prompt(tokenizer, [*messages, *conversation], plan, param="input")
-    params, _ = sampling_parameters(data)
-    params["max_new_tokens"] = optional_field(data, "max_output_tokens", int)
-    logprobs, top_logprobs = _logprobs(data)
+    params = common_parameters(request)
+    params["max_new_tokens"] = request.max_output_tokens
+    logprobs = LOGPROBS_INCLUDE in (request.include or ())
+    top_logprobs = request.top_logprobs or 0
     params["top_n_tokens"] = top_logprobs or None
     if plan is None:
         params["grammar"] = answer_format
@@ -105,26 +102,39 @@ def parse_responses_request(body: bytes, tokenizer, store: ResponseStore) -> Res
     )
     return ResponsesRequest(
         generate=generate,
-        stream=bool(optional_field(data, "stream", bool)),
-        store=_store(data, store),
+        stream=bool(request.stream),
+        store=_store(request.store, store),
         conversation=tuple(conversation),
         items=tuple(items),
         tools=plan,
         logprobs=logprobs,
-        echo={
-            "instructions": instructions,
-            "max_output_tokens": params["max_new_tokens"],
-            "metadata": _metadata(data),
-            "parallel_tool_calls": _parallel(data),
-            "previous_response_id": data.get("previous_response_id"),
-            "temperature": _default(optional_field(data, "temperature", float), 1.0),
-            "text": {"format": fmt or {"type": "text"}},
-            "tool_choice": data.get("tool_choice") or "auto",
-            "tools": [_tool_dict(t, s) for t, s in tools],
-            "top_logprobs": top_logprobs,
-            "top_p": _default(optional_field(data, "top_p", float), 1.0),
-        },
+        echo=_echo(request, tools, top_logprobs),
     )
+
+
+def _echo(request: ResponsesBody, tools: tuple[Tool, ...], top_logprobs: int) -> dict:
+    """The request's settings as the response object reports them."""
+    fmt = request.text.format if request.text is not None else None
+    choice = request.tool_choice
+    return {
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "metadata": request.metadata or {},
+        "parallel_tool_calls": request.parallel_tool_calls is not False,
+        "previous_response_id": request.previous_response_id,
+        "temperature": _default(request.temperature, 1.0),
+        "text": {
+            "format": {"type": "text"}
+            if fmt is None
+            else fmt.model_dump(by_alias=True, exclude_none=True)
+        },
+        "tool_choice": choice.model_dump()
+        if isinstance(choice, ResponseNamedToolChoice)
+        else choice or "auto",
+        "tools": [_tool_dict(t, given.strict) for t, given in zip(tools, request.tools or ())],
+        "top_logprobs": top_logprobs,
+        "top_p": _default(request.top_p, 1.0),
+    }
 
 
 def _default(value, default):
@@ -134,9 +144,8 @@ def _default(value, default):
 # the conversation -------------------------------------------------------------------
 
 
-def _previous(data: dict, store: ResponseStore) -> StoredResponse | None:
+def _previous(previous: str | None, store: ResponseStore) -> StoredResponse | None:
     """The previous response, from the store."""
-    previous = optional_field(data, "previous_response_id", str)
     if previous is None:
         return None
     if not store.enabled:
@@ -164,189 +173,123 @@ def _previous_items(previous: StoredResponse | None) -> list[dict]:
     return [*previous.items, *previous.response["output"]]
 
 
-def _input(value) -> list[dict]:
+def _as_items(value) -> list:
+    """`input` (a string, items, or nothing) as items: a string is a user message."""
     if value is None:
         return []
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if not isinstance(value, list):
-        raise OpenAIRequestError("`input` must be a string or an array of items", "input")
-    return items_to_messages(value, "input")
+        return [ResponseInputMessage(role="user", content=value)]
+    return value
 
 
 def items_to_messages(items: list, where: str) -> list[dict]:
+    """Responses items as decoded JSON (a stored response's output; `where` names them
+    in errors) as chat messages (_messages)."""
+    return _messages(parse_field(_ITEMS, items, where))
+
+
+def _messages(items: list) -> list[dict]:
     """Responses items (messages, function calls, their outputs) as chat messages:
     consecutive calls join one assistant message, as chat writes parallel calls."""
     messages: list[dict] = []
-    for index, item in enumerate(items):
-        at = f"{where}[{index}]"
-        if not isinstance(item, dict):
-            raise OpenAIRequestError(f"`{at}` must be an object", "input")
-        kind = item.get("type", "message")
-        if kind == "message":
-            messages.append(_message(item, at))
-        elif kind == "function_call":
-            call = _function_call(item, at)
+    for item in items:
+        if isinstance(item, ResponseInputFunctionCall):
+            call = _function_call(item)
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last["tool_calls"] = [*last.get("tool_calls", []), call]
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            messages.append(_function_call_output(item, at))
-        else:
-            raise OpenAIRequestError(
-                f"`{at}`: items of type {kind!r} are not supported (messages with text,"
-                " function_call and function_call_output are)",
-                "input",
+        elif isinstance(item, ResponseInputFunctionCallOutput):
+            messages.append(
+                {"role": "tool", "content": _text(item.output), "tool_call_id": item.call_id}
             )
+        else:
+            role = "system" if item.role == "developer" else item.role
+            messages.append({"role": role, "content": _text(item.content)})
     return messages
 
 
-def _message(item: dict, at: str) -> dict:
-    role = item.get("role")
-    if role not in _MESSAGE_ROLES:
-        raise OpenAIRequestError(f"`{at}.role` must be one of {sorted(_MESSAGE_ROLES)}", "input")
-    content = item.get("content")
+def _text(content: ResponseContent) -> str:
+    """Text parts (and an earlier answer's refusal) as one text."""
     if isinstance(content, str):
-        text = content
-    elif isinstance(content, list):
-        text = "".join(_text_part(part, f"{at}.content[{i}]") for i, part in enumerate(content))
-    else:
-        raise OpenAIRequestError(
-            f"`{at}.content` must be a string or an array of content parts", "input"
-        )
-    return {"role": "system" if role == "developer" else role, "content": text}
+        return content
+    return "".join(part.refusal if part.type == "refusal" else part.text for part in content)
 
 
-def _text_part(part, at: str) -> str:
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
-        return part["text"]
-    if kind == "refusal" and isinstance(part.get("refusal"), str):  # an earlier answer's
-        return part["refusal"]
-    if kind in _TEXT_PARTS:
-        raise OpenAIRequestError(f"`{at}.text` must be a string", "input")
-    raise OpenAIRequestError(
-        f"`{at}`: content parts of type {kind!r} are not supported (only text: input_text,"
-        " output_text); images, files and audio need a model that reads them",
-        "input",
-    )
-
-
-def _function_call(item: dict, at: str) -> dict:
-    fields = {key: item.get(key) for key in ("call_id", "name", "arguments")}
-    for key, value in fields.items():
-        if not isinstance(value, str):
-            raise OpenAIRequestError(f"`{at}.{key}` must be a string", "input")
+def _function_call(item: ResponseInputFunctionCall) -> dict:
     return {
-        "id": fields["call_id"],
+        "id": item.call_id,
         "type": "function",
-        "function": {"name": fields["name"], "arguments": fields["arguments"]},
+        "function": {"name": item.name, "arguments": item.arguments},
     }
 
 
-def _function_call_output(item: dict, at: str) -> dict:
-    call_id, output = item.get("call_id"), item.get("output")
-    if not isinstance(call_id, str):
-        raise OpenAIRequestError(f"`{at}.call_id` must be a string", "input")
-    if isinstance(output, list):
-        output = "".join(_text_part(part, f"{at}.output[{i}]") for i, part in enumerate(output))
-    if not isinstance(output, str):
-        raise OpenAIRequestError(
-            f"`{at}.output` must be a string or an array of text parts", "input"
-        )
-    return {"role": "tool", "content": output, "tool_call_id": call_id}
-
-
 def input_items(value) -> list[dict]:
-    """`input` as OpenAI lists a response's input items: each with an id (the client's,
+    """`input` as decoded JSON (a string or items) as OpenAI lists a response's input
+    items (_listed)."""
+    return _listed(_as_items(parse_field(_INPUT, value, "input")))
+
+
+def _listed(items: list) -> list[dict]:
+    """Items as OpenAI lists a response's input items: each with an id (the client's,
     else a new one) and a status; text parts as input_text (output_text for assistant
-    messages). `value` has been checked by items_to_messages."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        value = [{"role": "user", "content": value}]
-    return [_input_item(item) for item in value]
+    messages)."""
+    return [_input_item(item) for item in items]
 
 
-def _input_item(item: dict) -> dict:
-    kind = item.get("type", "message")
-    given = item.get("id") if isinstance(item.get("id"), str) and item.get("id") else None
-    if kind == "function_call":
-        fields = {k: item[k] for k in ("call_id", "name", "arguments")}
-        return {"id": given or new_id("fc"), "type": kind, **fields, "status": "completed"}
-    if kind == "function_call_output":
-        output = item["output"]
-        if isinstance(output, list):
-            output = "".join(_text_part(part, "output") for part in output)
+def _input_item(item) -> dict:
+    if isinstance(item, ResponseInputFunctionCall):
+        fields = {"call_id": item.call_id, "name": item.name, "arguments": item.arguments}
+        return {"id": item.id or new_id("fc"), "type": item.type, **fields, "status": "completed"}
+    if isinstance(item, ResponseInputFunctionCallOutput):
         return {
-            "id": given or new_id("fco"),
-            "type": kind,
-            "call_id": item["call_id"],
-            "output": output,
+            "id": item.id or new_id("fco"),
+            "type": item.type,
+            "call_id": item.call_id,
+            "output": _text(item.output),
             "status": "completed",
         }
-    role, content = item["role"], item["content"]
-    parts = [{"type": "input_text", "text": content}] if isinstance(content, str) else content
     return {
-        "id": given or new_id("msg"),
+        "id": item.id or new_id("msg"),
         "type": "message",
-        "role": role,
-        "content": [_item_part(part, role) for part in parts],
+        "role": item.role,
+        "content": _item_parts(item.content, item.role),
         "status": "completed",
     }
 
 
-def _item_part(part: dict, role: str) -> dict:
-    if part.get("type") == "refusal":
-        return {"type": "refusal", "refusal": part["refusal"]}
+def _item_parts(content: ResponseContent, role: str) -> list[dict]:
+    if isinstance(content, str):
+        return [_text_part(content, role)]
+    return [
+        {"type": "refusal", "refusal": part.refusal}
+        if part.type == "refusal"
+        else _text_part(part.text, role)
+        for part in content
+    ]
+
+
+def _text_part(text: str, role: str) -> dict:
     if role == "assistant":
-        return {"type": "output_text", "text": part["text"], "annotations": [], "logprobs": []}
-    return {"type": "input_text", "text": part["text"]}
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "input_text", "text": text}
 
 
-# tools and formats --------------------------------------------------------------------
+# tools and the rest -------------------------------------------------------------------
 
 
-def _tools(data: dict) -> tuple[list[tuple[Tool, bool | None]], ToolPlan | None]:
-    """Function tools in the Responses' flat shape ({"type": "function", "name", ...}),
-    with their `strict`, and the plan; built-in tools are refused."""
-    raw_tools, choice = data.get("tools"), data.get("tool_choice")
-    if not raw_tools:  # OpenAI's SDK and agent frameworks send [] for no tools
-        if raw_tools is not None and not isinstance(raw_tools, list):
-            raise OpenAIRequestError("`tools` must be an array", "tools")
-        no_tools(choice)
-        return [], None
-    if not isinstance(raw_tools, list):
-        raise OpenAIRequestError("`tools` must be an array", "tools")
-    tools = [_tool(t, i) for i, t in enumerate(raw_tools)]
-    checked = tuple(t for t, _ in tools)
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        return tools, tool_plan(checked, "function", data, function=choice.get("name"))
-    if choice is None or choice in ("auto", "none", "required"):
-        return tools, tool_plan(checked, choice or "auto", data)
-    raise OpenAIRequestError(
-        '`tool_choice` must be "none", "auto", "required" or {"type": "function", "name": ...}'
-        " (built-in tools are not served)",
-        "tool_choice",
-    )
-
-
-def _tool(t, index: int) -> tuple[Tool, bool | None]:
-    where = f"tools[{index}]"
-    kind = t.get("type") if isinstance(t, dict) else None
-    if kind != "function":
-        raise OpenAIRequestError(
-            f"`{where}`: tools of type {kind!r} are not supported; only function tools"
-            ' ({"type": "function", "name", "parameters", ...}) are: built-in tools'
-            " (web_search, file_search, code_interpreter, ...) are not served",
-            "tools",
-        )
-    strict = t.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise OpenAIRequestError(f"`{where}.strict` must be a boolean", "tools")
-    return checked_tool(t, where), strict
+def _tools(request: ResponsesBody) -> tuple[tuple[Tool, ...], ToolPlan | None]:
+    """Function tools (protocol.ResponseFunctionTool) as the plan holds them, and the
+    plan. No tools: OpenAI's SDK and agent frameworks send [] for none."""
+    if not request.tools:
+        no_tools(request.tool_choice)
+        return (), None
+    tools = tuple(plan_tool(t) for t in request.tools)
+    choice, parallel = request.tool_choice, request.parallel_tool_calls
+    if isinstance(choice, ResponseNamedToolChoice):
+        return tools, tool_plan(tools, "function", parallel, function=choice.name)
+    return tools, tool_plan(tools, choice or "auto", parallel)
 
 
 def _tool_dict(tool: Tool, strict: bool | None) -> dict:
@@ -361,81 +304,11 @@ def _tool_dict(tool: Tool, strict: bool | None) -> dict:
     }
 
 
-def _parallel(data: dict) -> bool:
-    parallel = data.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise OpenAIRequestError("`parallel_tool_calls` must be a boolean", "parallel_tool_calls")
-    return True if parallel is None else parallel
-
-
-def _text(data: dict) -> dict | None:
-    """`text`: its `format` (checked by formats.text_format); `verbosity` can't be honoured."""
-    text = optional_field(data, "text", dict)
-    if text is None:
-        return None
-    unknown = sorted(k for k, v in text.items() if v is not None and k != "format")
-    if unknown:
-        raise OpenAIRequestError(f"`text.{unknown[0]}` is not supported", "text")
-    fmt = text.get("format")
-    if fmt is not None and not isinstance(fmt, dict):
-        raise OpenAIRequestError("`text.format` must be an object", "text")
-    return fmt
-
-
-# the rest -----------------------------------------------------------------------------
-
-
-def _logprobs(data: dict) -> tuple[bool, int]:
-    """(logprobs asked for, top alternatives per token)."""
-    include = optional_field(data, "include", list) or []
-    for value in include:
-        if value != LOGPROBS_INCLUDE:
-            raise OpenAIRequestError(
-                f"`include`: {value!r} is not supported (only {LOGPROBS_INCLUDE!r})", "include"
-            )
-    logprobs = LOGPROBS_INCLUDE in include
-    top_logprobs = checked_top_logprobs(data)
-    if top_logprobs and not logprobs:
-        raise OpenAIRequestError(
-            f'`top_logprobs` requires `include: ["{LOGPROBS_INCLUDE}"]`', "top_logprobs"
-        )
-    return logprobs, top_logprobs
-
-
-def _store(data: dict, store: ResponseStore) -> bool:
+def _store(asked: bool | None, store: ResponseStore) -> bool:
     """OpenAI keeps responses unless `store: false`; a server that keeps none says so in
     the response object, and refuses an explicit `store: true`."""
-    asked = optional_field(data, "store", bool)
     if asked and not store.enabled:
         raise OpenAIRequestError(
             "`store`: responses are not kept on this server (--responses-store-mb 0)", "store"
         )
     return store.enabled if asked is None else asked
-
-
-def _check_truncation(data: dict) -> None:
-    truncation = optional_field(data, "truncation", str)
-    if truncation not in (None, "disabled"):
-        raise OpenAIRequestError(
-            '`truncation` must be "disabled": a conversation longer than the context is'
-            " refused, never cut",
-            "truncation",
-        )
-
-
-def _metadata(data: dict) -> dict:
-    metadata = optional_field(data, "metadata", dict) or {}
-    ok = len(metadata) <= _METADATA_PAIRS and all(
-        isinstance(k, str)
-        and len(k) <= _METADATA_KEY
-        and isinstance(v, str)
-        and len(v) <= _METADATA_VALUE
-        for k, v in metadata.items()
-    )
-    if not ok:
-        raise OpenAIRequestError(
-            f"`metadata` holds up to {_METADATA_PAIRS} pairs of strings (keys up to"
-            f" {_METADATA_KEY} characters, values up to {_METADATA_VALUE})",
-            "metadata",
-        )
-    return metadata

@@ -27,12 +27,13 @@ import secrets
 import string
 from dataclasses import dataclass, field
 
+from . import protocol
 from .common import OpenAIRequestError
+from .parse import parse_value
 
 CALL_OPEN = "<tool_call>\n"
 CALL_CLOSE = "\n</tool_call>"
 CALL_SEPARATOR = "\n"
-_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _ID_ALPHABET = string.ascii_letters + string.digits
 
 TOOLS_INTRO = "You may call one or more functions to assist with the user query."
@@ -108,28 +109,25 @@ class ToolPlan:
 
 
 def parse_tools(data: dict) -> ToolPlan | None:
-    """Chat's `tools`, `tool_choice` and `parallel_tool_calls` -> a plan; None when no tool
-    may be called (no tools, or tool_choice "none")."""
-    raw_tools = data.get("tools")
-    choice = data.get("tool_choice")
-    if raw_tools is None:
+    """Chat's `tools`, `tool_choice` and `parallel_tool_calls` as decoded JSON -> a plan
+    (chat_tool_plan)."""
+    fields = parse_value(protocol.ChatToolFields, data)
+    return chat_tool_plan(fields.tools, fields.tool_choice, fields.parallel_tool_calls)
+
+
+def chat_tool_plan(
+    tools: list[protocol.Tool] | None,
+    choice: str | protocol.ChatNamedToolChoice | None,
+    parallel: bool | None = None,
+) -> ToolPlan | None:
+    """Chat's tools and tool_choice -> a plan; None when no tool may be called (no
+    tools, or tool_choice "none")."""
+    if tools is None:
         return no_tools(choice)
-    if not isinstance(raw_tools, list) or not raw_tools:
-        raise OpenAIRequestError("`tools` must be a non-empty array", "tools")
-    tools = tuple(_tool(t, i) for i, t in enumerate(raw_tools))
-    if (
-        isinstance(choice, dict)
-        and choice.get("type") == "function"
-        and isinstance(choice.get("function"), dict)
-    ):
-        return tool_plan(tools, "function", data, function=choice["function"].get("name"))
-    if choice is None or choice in ("auto", "none", "required"):
-        return tool_plan(tools, choice or "auto", data)
-    raise OpenAIRequestError(
-        '`tool_choice` must be "none", "auto", "required" or '
-        '{"type": "function", "function": {"name": ...}}',
-        "tool_choice",
-    )
+    checked = tuple(plan_tool(t.function) for t in tools)
+    if isinstance(choice, protocol.ChatNamedToolChoice):
+        return tool_plan(checked, "function", parallel, function=choice.function.name)
+    return tool_plan(checked, choice or "auto", parallel)
 
 
 def no_tools(choice) -> None:
@@ -141,18 +139,13 @@ def no_tools(choice) -> None:
 
 
 def tool_plan(
-    tools: tuple[Tool, ...], choice: str, data: dict, function: str | None = None
+    tools: tuple[Tool, ...], choice: str, parallel: bool | None, function: str | None = None
 ) -> ToolPlan | None:
-    """The plan for checked `tools` under `choice` ("auto", "none", "required", or
-    "function": the one named `function`), with the request's `parallel_tool_calls`."""
+    """The plan for `tools` under `choice` ("auto", "none", "required", or "function":
+    the one named `function`), with the request's `parallel_tool_calls` (null: true)."""
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise OpenAIRequestError("`tools` must have distinct function names", "tools")
-    parallel = data.get("parallel_tool_calls", True)
-    if parallel is None:
-        parallel = True
-    if not isinstance(parallel, bool):
-        raise OpenAIRequestError("`parallel_tool_calls` must be a boolean", "parallel_tool_calls")
     if choice == "none":
         return None
     if choice == "function":
@@ -163,38 +156,16 @@ def tool_plan(
                 "tool_choice",
             )
         return ToolPlan(tuple(chosen), "function", parallel=False)
-    return ToolPlan(tools, choice, parallel)
+    return ToolPlan(tools, choice, parallel is not False)
 
 
-def _tool(t, index: int) -> Tool:
-    """One of chat's tools: {"type": "function", "function": {"name", ...}}."""
-    where = f"tools[{index}]"
-    if (
-        not isinstance(t, dict)
-        or t.get("type") != "function"
-        or not isinstance(t.get("function"), dict)
-    ):
-        raise OpenAIRequestError(
-            f'`{where}` must be {{"type": "function", "function": {{...}}}}', "tools"
-        )
-    return checked_tool(t["function"], f"{where}.function")
-
-
-def checked_tool(f: dict, where: str) -> Tool:
-    """A function's `name`, `description` and `parameters` (a JSON schema), checked;
-    `where` is how the error names the object."""
-    name = f.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise OpenAIRequestError(f"`{where}.name` must match ^[a-zA-Z0-9_-]{{1,64}}$", "tools")
-    description = f.get("description")
-    if description is not None and not isinstance(description, str):
-        raise OpenAIRequestError(f"`{where}.description` must be a string", "tools")
-    parameters = f.get("parameters")
+def plan_tool(f) -> Tool:
+    """A declared function (chat's protocol.FunctionDefinition, or the Responses API's
+    ResponseFunctionTool: the same fields) as the plan holds it."""
+    parameters = f.parameters
     if parameters is None:  # OpenAI: omitted means a function without parameters
         parameters = {"type": "object", "properties": {}, "additionalProperties": False}
-    if not isinstance(parameters, dict):
-        raise OpenAIRequestError(f"`{where}.parameters` must be a JSON schema object", "tools")
-    return Tool(name, description, parameters)
+    return Tool(f.name, f.description, parameters)
 
 
 def _lark_literal(text: str) -> str:
@@ -274,26 +245,6 @@ def _written_call(call: dict) -> str:
     name = json.dumps(f["name"])
     arguments = f["arguments"] or "{}"
     return f'{CALL_OPEN}{{"name": {name}, "arguments": {arguments}}}{CALL_CLOSE}'
-
-
-def check_tool_calls(calls, index: int) -> list[dict]:
-    """An assistant message's `tool_calls`, checked."""
-    where = f"messages[{index}].tool_calls"
-    if not isinstance(calls, list):
-        raise OpenAIRequestError(f"`{where}` must be an array", "messages")
-    for c in calls:
-        f = c.get("function") if isinstance(c, dict) else None
-        if not (
-            isinstance(f, dict)
-            and isinstance(f.get("name"), str)
-            and isinstance(f.get("arguments", ""), str)
-        ):
-            raise OpenAIRequestError(
-                f"`{where}` items must be "
-                '{"id", "type": "function", "function": {"name", "arguments"}}',
-                "messages",
-            )
-    return calls
 
 
 # output ------------------------------------------------------------------------------

@@ -15,23 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .chat import chat_messages, render_prompt
-from .common import (
-    OpenAIRequestError,
-    json_bytes,
-    optional_field,
-    refuse_unknown_fields,
-    required_field,
-)
-from .tools import parse_tools
-
-# vLLM's TokenizeCompletionRequest and TokenizeChatRequest, less what is refused.
-PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
-CHAT_FIELDS = frozenset(
-    {
-        "model", "messages", "add_generation_prompt", "continue_final_message",
-        "add_special_tokens", "return_token_strs", "tools",
-    }
-)  # fmt: skip
+from .common import OpenAIRequestError, json_bytes
+from .parse import parse_value
+from .protocol import VllmTokenizeBody, VllmTokenizeChatBody
+from .tools import chat_tool_plan
 
 
 @dataclass(frozen=True)
@@ -49,30 +36,21 @@ def is_vllm_tokenize(data) -> bool:
 
 
 def parse_vllm_tokenize(data: dict, tokenizer) -> VllmTokenize:
+    """A decoded vLLM body (is_vllm_tokenize): the prompt, or the conversation templated."""
     if "messages" in data:
-        refuse_unknown_fields(data, CHAT_FIELDS)
-        messages = chat_messages(required_field(data, "messages", list))
-        if not messages:
-            raise OpenAIRequestError("`messages` must not be empty", "messages")
-        generation = _flag(data, "add_generation_prompt", True)
-        continuation = _flag(data, "continue_final_message", False)
-        if generation and continuation:
-            raise OpenAIRequestError(
-                "`continue_final_message` continues the last message: it needs"
-                " `add_generation_prompt: false`",
-                "continue_final_message",
-            )
+        request = parse_value(VllmTokenizeChatBody, data)
         text = render_prompt(
             tokenizer,
-            messages,
-            parse_tools(data),
-            add_generation_prompt=generation,
-            continue_final_message=continuation,
+            chat_messages(request.messages),
+            chat_tool_plan(request.tools, None),
+            add_generation_prompt=request.add_generation_prompt is not False,
+            continue_final_message=bool(request.continue_final_message),
         )
-        return VllmTokenize(text, _flag(data, "add_special_tokens", False), _strs(data))
-    refuse_unknown_fields(data, PROMPT_FIELDS)
-    prompt = required_field(data, "prompt", str)
-    return VllmTokenize(prompt, _flag(data, "add_special_tokens", True), _strs(data))
+        return VllmTokenize(text, bool(request.add_special_tokens), bool(request.return_token_strs))
+    request = parse_value(VllmTokenizeBody, data)
+    return VllmTokenize(
+        request.prompt, request.add_special_tokens is not False, bool(request.return_token_strs)
+    )
 
 
 def tokenize_answer(ids: list[int], max_model_len: int, token_strs: list[str] | None) -> bytes:
@@ -91,12 +69,3 @@ def check_token_ids(tokens: list[int], vocab_size: int) -> list[int]:
                 "tokens",
             )
     return list(tokens)
-
-
-def _flag(data: dict, key: str, default: bool) -> bool:
-    value = optional_field(data, key, bool)
-    return default if value is None else value
-
-
-def _strs(data: dict) -> bool:
-    return _flag(data, "return_token_strs", False)
