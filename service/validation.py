@@ -25,6 +25,9 @@ from .request import GenerateParameters, GenerateRequest, Grammar
 # distribution is no longer a distribution.
 MIN_TEMPERATURE = 1e-4
 MIN_REPETITION_PENALTY = 1e-4
+MAX_REPETITION_PENALTY = 10_000  # 1 / MIN_REPETITION_PENALTY
+PENALTY_BOUND = 2  # frequency_penalty and presence_penalty lie in [-2, 2] (OpenAI's)
+LOGIT_BIAS_BOUND = 100  # a logit_bias value lies in [-100, 100] (OpenAI's)
 _FLOAT_FIELDS = (
     "temperature", "repetition_penalty", "frequency_penalty", "presence_penalty",
     "top_p", "typical_p", "max_time",
@@ -234,16 +237,16 @@ class Validator:
         repetition_penalty = _default(p.repetition_penalty, 1.0)
         if repetition_penalty <= 0.0:
             raise check.error("repetition_penalty", "must be strictly positive")
-        if not MIN_REPETITION_PENALTY <= repetition_penalty <= 1 / MIN_REPETITION_PENALTY:
+        if not MIN_REPETITION_PENALTY <= repetition_penalty <= MAX_REPETITION_PENALTY:
             raise check.error(
                 "repetition_penalty",
-                f"must be >= {MIN_REPETITION_PENALTY} and <= {1 / MIN_REPETITION_PENALTY:g}",
+                f"must be >= {MIN_REPETITION_PENALTY} and <= {MAX_REPETITION_PENALTY:g}",
             )
         frequency_penalty = _default(p.frequency_penalty, 0.0)
-        if not -2.0 <= frequency_penalty <= 2.0:
+        if not -PENALTY_BOUND <= frequency_penalty <= PENALTY_BOUND:
             raise check.error("frequency_penalty", "must be >= -2.0 and <= 2.0")
         presence_penalty = _default(p.presence_penalty, 0.0)
-        if not -2.0 <= presence_penalty <= 2.0:
+        if not -PENALTY_BOUND <= presence_penalty <= PENALTY_BOUND:
             raise check.error("presence_penalty", "must be >= -2.0 and <= 2.0")
         if p.top_p is not None and not 0.0 < p.top_p < 1.0:
             raise check.error("top_p", "must be > 0.0 and < 1.0")
@@ -288,7 +291,7 @@ class Validator:
                     f"token id {token_id} is outside the vocabulary "
                     f"(size {self.limits.vocab_size})",
                 )
-            if not -100.0 <= bias <= 100.0:
+            if not -LOGIT_BIAS_BOUND <= bias <= LOGIT_BIAS_BOUND:
                 raise check.error("logit_bias", "values must be >= -100 and <= 100")
         return tuple(sorted(logit_bias.items()))
 

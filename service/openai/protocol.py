@@ -29,6 +29,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import core_schema
 from typing_extensions import TypeAliasType
 
+from ..validation import (
+    LOGIT_BIAS_BOUND,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    PENALTY_BOUND,
+)
 from .common import OpenAIRequestError
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -113,8 +119,8 @@ class CommonFields(OpenAIBody):
     )
     repetition_penalty: float | None = Field(
         None,
-        ge=0.0001,
-        le=10000,
+        ge=MIN_REPETITION_PENALTY,
+        le=MAX_REPETITION_PENALTY,
         description="Penalize tokens of the prompt and the output (1.0: none; TGI's and"
         " vLLM's extension).",
     )
@@ -149,7 +155,7 @@ class StreamOptions(OpenAIObject):
 Stop = Annotated[str | list[str], Says("must be a string or a list of strings")]
 # a token id as a JSON object key (uint32 on the wire; the vocabulary bounds it)
 TokenId = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
-Bias = Annotated[float, Field(ge=-100, le=100)]
+Bias = Annotated[float, Field(ge=-LOGIT_BIAS_BOUND, le=LOGIT_BIAS_BOUND)]
 LogitBias = Annotated[
     dict[TokenId, Bias], Says("maps token ids (decimal strings) to numbers in [-100, 100]")
 ]
@@ -174,8 +180,8 @@ class SamplingFields(CommonFields):
         " server's --max-n (16) and --max-batch-size; all of them at full length must fit the"
         " KV cache at once.",
     )
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-PENALTY_BOUND, le=PENALTY_BOUND)
+    presence_penalty: float | None = Field(None, ge=-PENALTY_BOUND, le=PENALTY_BOUND)
     seed: int | None = Field(
         None, ge=0, le=UINT64_MAX, description="Sampling seed (unsigned 64 bits)."
     )
