@@ -247,7 +247,11 @@ def test_sigterm_drains_live_streams_and_exits_zero(tiny_model_dir):
             served.proc.send_signal(signal.SIGTERM)
             health = f"{served.http_url}/health"
             assert wait_until(lambda: requests.get(health, timeout=5).status_code == 503, 10)
-            with Client(served.grpc_target, timeout=10) as c, pytest.raises(UnavailableError):
+            # retries=0: the refusal itself, not the SDK's backoff (seconds) over it
+            with (
+                Client(served.grpc_target, timeout=10, retries=0) as c,
+                pytest.raises(UnavailableError),
+            ):
                 c.generate("hello", max_new_tokens=2)
             refused = requests.post(
                 f"{served.http_url}/generate", json={"inputs": "hi"}, timeout=10
