@@ -228,7 +228,10 @@ def compile_settings(settings: Settings, loaded: LoadedModel) -> CompileSettings
         log.warning("compile cache unavailable (%s): compiling under the temp dir", exc)
         cache_dir = None
     return CompileSettings.for_engine(
-        settings.max_batch_size, progress=not settings.json_output, cache_dir=cache_dir
+        settings.max_batch_size,
+        speculation_settings(settings),
+        progress=not settings.json_output,
+        cache_dir=cache_dir,
     )
 
 

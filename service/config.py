@@ -539,8 +539,9 @@ class Settings:
     )
     compile: bool = switch(
         False,
-        "run decode steps of up to 32 sequences through torch.compile'd graphs, one per batch "
-        "bucket, compiled at startup (CPU only, off by default; ~10-15%% faster steps here; "
+        "run decode steps of up to 32 tokens (with --speculate, verifications too) through "
+        "torch.compile'd graphs, one per bucket of tokens, compiled at startup (CPU only, off "
+        "by default; ~10-15%% faster steps here; "
         "the first start per model compiles for minutes, later ones, new containers with the "
         "same cache volume included, load it from the textgen cache in under a minute: "
         "docs/performance.md)",

@@ -2,14 +2,15 @@
 `ModelRunner` (the CPU counterpart of cuda_graphs.py's GraphedRunner).
 
 PagedCore.step() is the one step function; with `--compile` its runner is a CompiledRunner
-(paged_core.py). `run(inputs)` runs a pure-decode step (every sequence computes its one
-last token, no more sequences than the largest bucket) through the compiled model, padded to
-the smallest bucket that holds it, and hands every other step to the eager ModelRunner.
-Graph inputs are only the `[1, B]` token ids and positions, so each bucket compiles once,
-at warm-up, and steady state never recompiles. The paged attention stays eager inside the
-graph as one opaque op (attention.paged_attention_op), which reads the step's block tables
-and context lengths from the BatchMetadata bound around the call: the graph is the same for
-every context length.
+(paged_core.py). `run(inputs)` runs a step that keeps every token's logits (decodes, and
+decodes verifying proposed tokens, speculation.py), of no more tokens than the largest
+bucket, through the compiled model, padded to the smallest bucket that holds it, and hands
+every other step (prefill chunks) to the eager ModelRunner. Graph inputs are only the
+`[1, T]` token ids and positions, so each bucket compiles once, at warm-up, and steady state
+never recompiles. The paged attention stays eager inside the graph as one opaque op
+(attention.paged_attention_op), which reads the step's query lengths, block tables and
+context lengths from the BatchMetadata bound around the call: one graph of T tokens serves T
+decodes as well as one sequence verifying T - 1 proposals, at every context length.
 
 Padding rows decode token 0 at position 0 into the pool's scratch block (kv_pool.py), which
 no sequence owns; their logits are dropped.
@@ -34,7 +35,8 @@ from tqdm import tqdm
 
 from ..models.lora_layers import bound_lora
 from .attention import BatchMetadata, bound_metadata
-from .runner import ModelRunner, StepInputs, StepRunner, decode_bucket
+from .runner import ModelRunner, StepInputs, StepRunner
+from .speculation import SpeculationSettings
 
 log = logging.getLogger("textgen.engine")
 
@@ -42,11 +44,11 @@ log = logging.getLogger("textgen.engine")
 DEFAULT_MAX_BUCKET = 32
 
 
-def decode_buckets(max_batch_size: int, max_bucket: int = DEFAULT_MAX_BUCKET) -> tuple[int, ...]:
-    """1, 2, 4, ... up to min(max_batch_size, max_bucket), that bound itself included."""
-    if max_batch_size <= 0:
-        raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
-    top = min(max_batch_size, max_bucket)
+def decode_buckets(max_tokens: int, max_bucket: int = DEFAULT_MAX_BUCKET) -> tuple[int, ...]:
+    """1, 2, 4, ... up to min(max_tokens, max_bucket), that bound itself included."""
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    top = min(max_tokens, max_bucket)
     buckets = [1 << i for i in range(top.bit_length()) if 1 << i < top]
     return (*buckets, top)
 
@@ -58,9 +60,18 @@ class CompileSettings:
     cache_dir: Path | None = None  # torch's compile artifacts; None: torch's default (tmp)
 
     @classmethod
-    def for_engine(cls, max_batch_size: int, **options) -> CompileSettings:
-        """Power-of-two buckets up to the batch size (or DEFAULT_MAX_BUCKET)."""
-        return cls(decode_buckets(max_batch_size), **options)
+    def for_engine(
+        cls, max_batch_size: int, speculation: SpeculationSettings | None = None, **options
+    ) -> CompileSettings:
+        """Power-of-two buckets up to the most tokens a decode or verification step computes
+        (or DEFAULT_MAX_BUCKET): the batch size, or with speculation 1 + N tokens for each
+        sequence of a step that speculates, so that (--max-batch-size 1 --speculate 3) one
+        stream's verifications have their graph (bucket 4) as well as its decodes."""
+        tokens = max_batch_size
+        if speculation is not None:
+            speculating = min(max_batch_size, speculation.max_batch)
+            tokens = max(tokens, (1 + speculation.num_tokens) * speculating)
+        return cls(decode_buckets(tokens), **options)
 
     def __post_init__(self) -> None:
         if not self.buckets or min(self.buckets) <= 0:
@@ -69,14 +80,15 @@ class CompileSettings:
 
 @dataclass
 class CompileStats:
-    compiled_steps: int = 0  # decode steps run through a compiled graph
+    compiled_steps: int = 0  # steps run through a compiled graph
+    compiled_verifications: int = 0  # of those, steps verifying proposed tokens
     eager_steps: int = 0  # steps handed to the eager runner
     padded_rows: int = 0  # padding rows computed, summed over compiled steps
 
 
 class CompiledRunner(StepRunner):
-    """The Runner protocol (runner.py): pure decode steps through compiled graphs, the rest
-    eagerly."""
+    """The Runner protocol (runner.py): decode and verification steps through compiled
+    graphs, the rest eagerly."""
 
     def __init__(self, eager: ModelRunner, settings: CompileSettings) -> None:
         if eager.device.type != "cpu":
@@ -163,7 +175,8 @@ class CompiledRunner(StepRunner):
             self.stats.eager_steps += 1
             return self.eager.run(inputs)
         self.stats.compiled_steps += 1
-        self.stats.padded_rows += bucket - len(inputs.query_lens)
+        self.stats.compiled_verifications += len(inputs.token_ids) > len(inputs.query_lens)
+        self.stats.padded_rows += bucket - len(inputs.token_ids)
         self.eager.pool.copy_blocks(inputs.block_copies)
         return self._run_padded(inputs, bucket)
 
@@ -171,22 +184,20 @@ class CompiledRunner(StepRunner):
         """The bucket that runs this step, or None when the eager runner must."""
         if not self.compile_seconds:
             return None  # before warmup(), nothing is compiled: a call would compile here
-        return decode_bucket(inputs, self.buckets)
+        return token_bucket(inputs, self.buckets)
 
     def _run_padded(self, inputs: StepInputs, bucket: int) -> torch.Tensor:
-        """The decode rows of `inputs` (longest context first, as the eager layout puts them:
-        the attention may then split them where contexts fall far apart, attention.py's
-        `_split_run`), padded to `bucket` rows."""
-        n = len(inputs.query_lens)
+        """The entries of `inputs` in the eager layout's order (longest context first: the
+        attention may then split them where contexts fall far apart, attention.py's
+        `_split_run`), padded to `bucket` tokens with one-token entries."""
+        n = len(inputs.token_ids)
         pad = bucket - n
-        positions = inputs.positions + [0] * pad
-        ids = inputs.token_ids + [0] * pad
         eager = self.eager
         scratch = eager.pool.scratch_block
         meta = BatchMetadata.build(
             eager.pool,
-            [1] * bucket,
-            [p + 1 for p in positions],
+            inputs.query_lens + [1] * pad,
+            inputs.context_lens + [1] * pad,
             inputs.block_tables + [[scratch]] * pad,
             eager.device,
         )
@@ -195,11 +206,21 @@ class CompiledRunner(StepRunner):
         with bound_metadata(meta), bound_lora(eager.prepare_lora(inputs)):
             logits = self._compiled(
                 eager.model,
-                torch.tensor([ids], dtype=torch.long, device=eager.device),
-                torch.tensor([positions], dtype=torch.long, device=eager.device),
+                eager._tensor([inputs.token_ids + [0] * pad]),
+                eager._tensor([inputs.positions + [0] * pad]),
                 self._keep[bucket],
             )
         return logits[:n]
+
+
+def token_bucket(inputs: StepInputs, buckets: list[int]) -> int | None:
+    """The smallest of the sorted `buckets` that holds every token of this step when the step
+    keeps each token's logits, as decodes and verifications do; None when the eager runner
+    must take it (prefill chunks keep at most their last token's)."""
+    n = len(inputs.token_ids)
+    if not n or len(inputs.keep) != n or inputs.keep[-1] != n - 1:
+        return None  # `keep` is ascending and unique: n rows ending at n - 1 are all of them
+    return next((b for b in buckets if b >= n), None)
 
 
 @contextlib.contextmanager

@@ -10,9 +10,10 @@ the scheduled sequences out as a flattened batch, `StepInputs`: plain token ids,
 per-entry query and context lengths, block tables and the rows whose logits are kept, with
 no Sequence in it. A decode verifying proposed tokens (speculation.py) is one more chunk
 there: its last token and its proposals, every row kept. The device side (`run(inputs)`)
-turns those into logits: `ModelRunner` eagerly, cuda_graphs.py's GraphedRunner and
-compiled_decode.py's CompiledRunner through their graphs for pure decodes (a verifying step
-is not one: eager), and shards.py's ShardedRunner by sending the inputs to the other ranks,
+turns those into logits: `ModelRunner` eagerly, cuda_graphs.py's GraphedRunner through its
+graphs for pure decodes (a verifying step is not one: eager), compiled_decode.py's
+CompiledRunner through its graphs for decodes and verifying steps alike (each keeps every
+token's logits), and shards.py's ShardedRunner by sending the inputs to the other ranks,
 which run the same device side on their slice of the model. The host side then picks the
 sampled rows and prompt logprobs out of the logits.
 

@@ -48,6 +48,17 @@ def test_buckets_are_powers_of_two_up_to_the_batch_size():
     assert decode_buckets(1) == (1,)
 
 
+def test_with_speculation_the_buckets_reach_every_speculating_step():
+    """A verification computes 1 + N tokens per sequence: one stream speculating 3 needs a
+    4-token graph, and a batch too large to speculate needs no more than its decodes."""
+    from textgen.service.engine.speculation import SpeculationSettings
+
+    assert CompileSettings.for_engine(1).buckets == (1,)
+    assert CompileSettings.for_engine(1, SpeculationSettings(3, 8)).buckets == (1, 2, 4)
+    assert CompileSettings.for_engine(4, SpeculationSettings(2, 2)).buckets == (1, 2, 4, 6)
+    assert CompileSettings.for_engine(256, SpeculationSettings(3, 8)).buckets[-1] == 32
+
+
 def test_compiled_greedy_equals_generate_through_preemption_without_recompiling(
     compiled_core, tiny_llama
 ):

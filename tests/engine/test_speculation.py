@@ -439,7 +439,8 @@ def strategy_core(model, proposer, strategy: str, batch_size: int = 4) -> PagedC
 
     options = {
         "graphs": {"cuda_graphs": GraphSettings((1, 2, 4), 32, capture=False)},
-        "compiled": {"compile": CompileSettings((1, 2))},
+        # bucket 4: one sequence verifying SPECULATE proposals
+        "compiled": {"compile": CompileSettings((1, 2, 4))},
         "invariant": {"batch_invariant": True},
     }[strategy]
     core = PagedCore(
@@ -456,10 +457,11 @@ def strategy_core(model, proposer, strategy: str, batch_size: int = 4) -> PagedC
 
 
 @pytest.mark.parametrize("strategy", ["graphs", "compiled", "invariant"])
-def test_runner_strategies_take_their_decodes_and_leave_verifications_eager(tiny_llama, strategy):
-    """CUDA-graph buckets (their static buffers, on CPU), compiled buckets and batch-invariant
-    layouts: verifying steps run eagerly beside the strategy's own decode steps, and the
-    output is generate's."""
+def test_runner_strategies_take_their_steps_and_the_output_is_generates(tiny_llama, strategy):
+    """CUDA-graph buckets (their static buffers, on CPU): verifying steps run eagerly beside
+    the graphs' decode steps. Compiled buckets: verifying steps that fit a bucket run
+    through its graph too (a graph of T tokens is one whatever the query lengths). Batch-
+    invariant layouts. Each way the output is generate's."""
     seqs = requests(4, seed=13)
     proposer = ScriptedProposer(expected_outputs(tiny_llama, seqs), wrong_every=2)
     core = strategy_core(tiny_llama, proposer, strategy)
@@ -472,6 +474,8 @@ def test_runner_strategies_take_their_decodes_and_leave_verifications_eager(tiny
         stats = core.runner.stats
         fast = stats.graph_steps if strategy == "graphs" else stats.compiled_steps
         assert fast > 0 and stats.eager_steps > 0
+    if strategy == "compiled":
+        assert core.runner.stats.compiled_verifications > 0
     assert_idle(core)
 
 
