@@ -81,7 +81,9 @@ class CompileSettings:
 @dataclass
 class CompileStats:
     compiled_steps: int = 0  # steps run through a compiled graph
-    compiled_verifications: int = 0  # of those, steps verifying proposed tokens
+    # of those, steps with an entry of several tokens: a sequence verifying proposals (or,
+    # rarely, a short prompt chunk whose every row is kept for decoder_input_details)
+    compiled_verifications: int = 0
     eager_steps: int = 0  # steps handed to the eager runner
     padded_rows: int = 0  # padding rows computed, summed over compiled steps
 
@@ -194,6 +196,10 @@ class CompiledRunner(StepRunner):
         pad = bucket - n
         eager = self.eager
         scratch = eager.pool.scratch_block
+        ids = torch.tensor([inputs.token_ids + [0] * pad], dtype=torch.long, device=eager.device)
+        positions = torch.tensor(
+            [inputs.positions + [0] * pad], dtype=torch.long, device=eager.device
+        )
         meta = BatchMetadata.build(
             eager.pool,
             inputs.query_lens + [1] * pad,
@@ -206,8 +212,8 @@ class CompiledRunner(StepRunner):
         with bound_metadata(meta), bound_lora(eager.prepare_lora(inputs)):
             logits = self._compiled(
                 eager.model,
-                eager._tensor([inputs.token_ids + [0] * pad]),
-                eager._tensor([inputs.positions + [0] * pad]),
+                ids,
+                positions,
                 self._keep[bucket],
             )
         return logits[:n]
