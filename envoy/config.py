@@ -7,7 +7,7 @@ own transcoder example: listener -> http_connection_manager -> lua (TGI error
 bodies, the `POST /` switch; envoy/lua.py) -> buffer (TGI's 2 MB limit) ->
 grpc_json_transcoder -> router -> HTTP/2 cluster with gRPC health checks.
 
-Traps, measured on Envoy 1.40 (shared/envoy-facts.md) and commented where they bite:
+Traps, measured on Envoy 1.40 and commented where they bite:
 - the transcoder rewrites :path to the gRPC path and routes are matched again on it,
   unless `match_incoming_request_route` (set: our routes name TGI's HTTP paths);
 - a route's default timeout (15 s) covers a whole stream and cuts long generations;
@@ -18,8 +18,8 @@ Traps, measured on Envoy 1.40 (shared/envoy-facts.md) and commented where they b
 - Envoy refuses the whole descriptor set if an HttpRule has `response_body` on a
   non-HttpBody message ("not supported yet"): contract.py refuses one at render time.
 
-`render(..., front=True)` is the front proxy of several replicas (DESIGN.md §8,
-`textgen proxy`): on top of the above, prefix affinity (a routing key hashed onto a
+`render(..., front=True)` is the front proxy of several replicas (`textgen proxy`,
+README "Several replicas"): on top of the above, prefix affinity (a routing key hashed onto a
 ring of replicas with a bounded load: affinity.py), a retry before the first response
 byte onto another replica, faster health checks, outlier detection and a retry budget.
 The traps of retrying through a transcoder are commented at `clusters.retry_policy`.

@@ -17,7 +17,7 @@ JSON and the table rewritten after every section so a run cut short still leaves
                `model.generate` on each prompt alone. Match counts; a mismatch is reported with
                its first diverging step and the reference's logit gap there, never raised.
                Also the same workload with decode steps replayed from CUDA graphs
-               (GraphedRunner, service/engine/cuda_graphs.py; on CPU its static buffers
+               (GraphedRunner, service/engine/runners/cuda_graphs.py; on CPU its static buffers
                without capture),
                and on GPU a float32 run of the smallest size (bf16 greedy can flip near-ties).
              - decode step time at each batch size at a fixed context: the full engine step
@@ -548,14 +548,17 @@ def random_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]
 
 
 def make_core(model, total_tokens: int, prefill_tokens: int, batch_size: int, graphs=None):
-    from textgen.service.engine.paged_core import PagedCore
+    from textgen.service.engine.config import EngineConfig
+    from textgen.service.replica.assembly import build_core
 
-    return PagedCore(
+    return build_core(
+        EngineConfig(
+            max_batch_total_tokens=total_tokens,
+            max_batch_prefill_tokens=prefill_tokens,
+            max_batch_size=batch_size,
+            cuda_graphs=graphs,
+        ),
         model,
-        max_batch_total_tokens=total_tokens,
-        max_batch_prefill_tokens=prefill_tokens,
-        max_batch_size=batch_size,
-        cuda_graphs=graphs,
     )
 
 
@@ -601,7 +604,7 @@ def run_workload(model, prompts, new_tokens, prefill_budget, late, graphs_mode, 
     total = sum(len(p) + n for p, n in zip(prompts, new_tokens)) + 64 * 16
     graphs = None
     if graphs_mode is not None:
-        from textgen.service.engine.cuda_graphs import GraphSettings
+        from textgen.service.engine.runners.cuda_graphs import GraphSettings
 
         longest = max(len(p) + n for p, n in zip(prompts, new_tokens))
         graphs = GraphSettings.for_engine(
@@ -823,7 +826,7 @@ def decode_timing(model, facts, prof, batch, device, bandwidth, graphs_mode, rec
 def _graph_timing(core, seqs, batch, steps, warm, device, floor_s, mean_context, rec, capture):
     """Decode steps of the same sequences through a GraphedRunner (captured when `capture`)
     put in the core's place for the measurement."""
-    from textgen.service.engine.cuda_graphs import GraphedRunner, GraphSettings
+    from textgen.service.engine.runners.cuda_graphs import GraphedRunner, GraphSettings
 
     eager = core.runner
     try:
@@ -943,7 +946,8 @@ def attention_timing(facts, prof, device, dtype, bandwidth) -> dict:
     import types
 
     import torch
-    from textgen.service.engine import attention, triton_attention
+    from textgen.service.engine.attention import paged as attention
+    from textgen.service.engine.attention import triton_kernel as triton_attention
     from textgen.service.engine.kv_pool import KVCachePool
 
     heads, kv_heads, head_dim = facts["heads"], facts["kv_heads"], facts["head_dim"]

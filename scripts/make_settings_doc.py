@@ -1,14 +1,14 @@
-"""Write docs/settings.md's table of `textgen serve` settings from service/config.py's
+"""Write docs/settings.md's table of `textgen serve` settings from service/settings/table.py's
 Settings (the one table the flags, their environment forms and this page come from), and
-docs/launcher.md's table of TGI's launcher flags from service/launcher.py's FLAGS."""
+docs/launcher.md's table of TGI's launcher flags from service/settings/tgi_launcher.py's FLAGS."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from textgen.service.config import settings_table
-from textgen.service.launcher import launcher_table
+from textgen.service.settings.table import settings_table
+from textgen.service.settings.tgi_launcher import launcher_table
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 BEGIN, END = "<!-- {} table: begin -->\n", "<!-- {} table: end -->\n"

@@ -1,4 +1,4 @@
-"""Measure the compiled decode step (service/engine/compiled_decode.py) against the eager one
+"""Measure the compiled decode step (service/engine/runners/compiled.py) against the eager one
 (not a test).
 
 For each batch size: two PagedCores on the same model, one eager, one with its decode step
@@ -19,19 +19,23 @@ import time
 
 import torch
 from measure_core import load_model, make_seq, prompts
-from textgen.service.engine.compiled_decode import CompileSettings
+from textgen.service.engine.config import EngineConfig
 from textgen.service.engine.paged_core import PagedCore
+from textgen.service.engine.runners.compiled import CompileSettings
 from textgen.service.models.quantize import quantize_model
+from textgen.service.replica.assembly import build_core
 
 
 def decoding_core(model, batch: int, steps: int, compiled: bool) -> tuple[PagedCore, list, float]:
     """A core with `batch` sequences past their prefill, and its warm-up seconds."""
-    core = PagedCore(
+    core = build_core(
+        EngineConfig(
+            max_batch_total_tokens=batch * (140 + steps + 32),
+            max_batch_prefill_tokens=4096,
+            max_batch_size=batch,
+            compile=CompileSettings((batch,)) if compiled else None,  # this batch's bucket only
+        ),
         model,
-        max_batch_total_tokens=batch * (140 + steps + 32),
-        max_batch_prefill_tokens=4096,
-        max_batch_size=batch,
-        compile=CompileSettings((batch,)) if compiled else None,  # this batch's bucket only
     )
     start = time.perf_counter()
     core.warm_up()

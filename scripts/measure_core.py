@@ -24,9 +24,10 @@ import time
 from pathlib import Path
 
 import torch
-from textgen.service.engine.paged_core import PagedCore
+from textgen.service.engine.config import EngineConfig
 from textgen.service.engine.sequence import Sequence
 from textgen.service.engine.types import EngineRequest, SamplingParams, StoppingParams
+from textgen.service.replica.assembly import build_core
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 MODELS_DIR = Path("/root/.cache/textgen/models")
@@ -117,11 +118,14 @@ class CoreDecoder:
     """PagedCore with every sequence decoding; records each step's forward time too."""
 
     def __init__(self, model, batch_prompts: list[list[int]], steps: int) -> None:
-        self.core = PagedCore(
+        self.core = build_core(
+            EngineConfig(
+                max_batch_total_tokens=sum(map(len, batch_prompts))
+                + len(batch_prompts) * (steps + 48),
+                max_batch_prefill_tokens=4096,
+                max_batch_size=len(batch_prompts),
+            ),
             model,
-            max_batch_total_tokens=sum(map(len, batch_prompts)) + len(batch_prompts) * (steps + 48),
-            max_batch_prefill_tokens=4096,
-            max_batch_size=len(batch_prompts),
         )
         self.seqs = [make_seq(p, i, steps + 10) for i, p in enumerate(batch_prompts)]
         for seq in self.seqs:
@@ -167,11 +171,13 @@ def decode_ms(
 
 def end_to_end(model, num_prompts: int, new_tokens: int) -> tuple[float, float]:
     """(seconds, generated tokens/s) for num_prompts ~100-token prompts x new_tokens."""
-    core = PagedCore(
+    core = build_core(
+        EngineConfig(
+            max_batch_total_tokens=num_prompts * (CONTEXT + 16 + new_tokens + 16),
+            max_batch_prefill_tokens=2048,
+            max_batch_size=num_prompts,
+        ),
         model,
-        max_batch_total_tokens=num_prompts * (CONTEXT + 16 + new_tokens + 16),
-        max_batch_prefill_tokens=2048,
-        max_batch_size=num_prompts,
     )
     seqs = [make_seq(p, i, new_tokens) for i, p in enumerate(prompts(num_prompts, 49152, seed=99))]
     start = time.perf_counter()

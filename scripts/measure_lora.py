@@ -22,17 +22,19 @@ from dataclasses import replace
 import torch
 from measure_core import load_model, make_seq, prompts
 from textgen.service.engine.adapters import AdapterRegistry
+from textgen.service.engine.config import EngineConfig
 from textgen.service.engine.paged_core import PagedCore
 from textgen.service.models.lora import read_adapter
 from textgen.service.models.lora_layers import LoraLayers
+from textgen.service.replica.assembly import build_core
 
 
 def core_for(model, lora=None, registry=None) -> PagedCore:
-    return PagedCore(
+    return build_core(
+        EngineConfig(
+            max_batch_total_tokens=32 * 200, max_batch_prefill_tokens=4096, max_batch_size=64
+        ),
         model,
-        max_batch_total_tokens=32 * 200,
-        max_batch_prefill_tokens=4096,
-        max_batch_size=64,
         lora=lora,
         adapters=registry,
     )

@@ -49,11 +49,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
 
-    from textgen.service.bench import PROMPTS  # the chat load
-    from textgen.service.bench_baselines import CoreAlone, ServedConfig
+    from textgen.service.bench.baselines import CoreAlone
+    from textgen.service.bench.loads import LOADS
+    from textgen.service.settings.table import Settings
 
-    config = ServedConfig(None, args.dtype, 65536, 4096, 256, 16)
-    core = CoreAlone(config, PROMPTS)
+    settings = Settings(
+        dtype=args.dtype,
+        max_batch_total_tokens=65536,
+        max_batch_prefill_tokens=4096,
+        max_batch_size=256,
+    )
+    core = CoreAlone(settings, LOADS["chat"], {})
     noise = (args.period_ms / 1000, args.burst_ms, args.chunks)
     results: dict[str, list[float]] = {"quiet": [], "thread": [], "process": []}
     for round_ in range(args.rounds):

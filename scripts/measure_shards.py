@@ -54,7 +54,7 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, args, port: int) -> None:
-    from textgen.service.cpus import available_cpus
+    from textgen.service.processes.cpus import available_cpus
 
     world = args.num_shard
     threads = args.threads or max(1, available_cpus() // world)
@@ -116,7 +116,7 @@ def _load(args, rank: int, world: int, variant: str):
 @torch.inference_mode()
 def _time_steps(model, gather, batch: int, args) -> tuple[float, float, float]:
     from textgen.service.engine.kv_pool import KVCachePool
-    from textgen.service.engine.runner import ModelRunner, StepInputs
+    from textgen.service.engine.runners.model_runner import ModelRunner, StepInputs
 
     per_seq = -(-(args.context + args.steps + 2) // BLOCK)
     runner = ModelRunner(model, KVCachePool(batch * per_seq, BLOCK, scratch_blocks=1))

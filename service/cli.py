@@ -8,8 +8,8 @@ import logging
 import os
 import sys
 
-from .config import SettingError, Settings, add_serve_arguments, settings_from_args
 from .observability.logs import configure_logging, fail_line
+from .settings.table import SettingError, Settings, add_serve_arguments, settings_from_args
 
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 log = logging.getLogger("textgen.serve")
@@ -41,7 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
 def serve_settings(prog: str, settings: Settings, debug: bool = False) -> int:
     """Check the settings, then serve until a signal; the exit status (`textgen serve`,
     and text-generation-launcher once it has translated TGI's flags)."""
-    from .preflight import preflight
+    from .settings.preflight import preflight
 
     def _fail(exc: BaseException, status: int) -> int:
         """One line on stderr (a JSON log line with --json-output); the traceback too
@@ -64,14 +64,14 @@ def serve_settings(prog: str, settings: Settings, debug: bool = False) -> int:
         checked.max_total_tokens,
         checked.device,
     )
-    from .allocator import keep_freed_memory
     from .models.quantize import import_torchao_quietly
+    from .processes.allocator import keep_freed_memory
 
     keep_freed_memory()
     import_torchao_quietly()  # first, before transformers imports it noisily
-    from .app import serve
     from .models import ModelError
-    from .proxy import EnvoyError
+    from .processes.envoy import EnvoyError
+    from .replica.lifecycle import serve
 
     try:
         asyncio.run(serve(settings))
@@ -83,12 +83,12 @@ def serve_settings(prog: str, settings: Settings, debug: bool = False) -> int:
 
 
 def _shard(args: argparse.Namespace) -> int:
-    from .allocator import keep_freed_memory
     from .models.quantize import import_torchao_quietly
+    from .processes.allocator import keep_freed_memory
 
     keep_freed_memory()
     import_torchao_quietly()
-    from .shard_worker import run_shard
+    from .replica.shard_worker import run_shard
 
     settings = settings_from_args(args)
     if not settings.num_shard or not 0 < args.rank < settings.num_shard:
@@ -154,8 +154,8 @@ def _generate_raw(client, args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .allocator import keep_freed_memory
-    from .bench import run
+    from .bench.command import run
+    from .processes.allocator import keep_freed_memory
 
     keep_freed_memory()  # as the server does, for --core and --baseline in this process
     return run(args)
@@ -190,8 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_level(shard, default=argparse.SUPPRESS)
     shard.set_defaults(func=_shard)
 
-    from .front_proxy import add_proxy_arguments  # light: imports no torch
-    from .front_proxy import run as run_proxy
+    from .front_proxy.command import add_proxy_arguments  # light: imports no torch
+    from .front_proxy.command import run as run_proxy
 
     proxy = sub.add_parser("proxy", help="Envoy in front of several replicas (serve --no-envoy)")
     add_proxy_arguments(proxy)
@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=300.0)
     gen.set_defaults(func=_generate)
 
-    from .bench import add_bench_arguments  # light: imports nothing heavy at module level
+    from .bench.command import add_bench_arguments  # light: imports nothing heavy at module level
 
     bench = sub.add_parser("bench", help="load-test a server: tokens/s, TTFT, inter-token latency")
     add_bench_arguments(bench)

@@ -48,8 +48,8 @@ class ServerThread:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        from textgen.service.app import http_options, start_replica
-        from textgen.service.proxy import start_envoy
+        from textgen.service.processes.envoy import start_envoy
+        from textgen.service.replica.lifecycle import http_options, start_replica
 
         asyncio.set_event_loop(self.loop)
         try:
@@ -103,7 +103,7 @@ class ServerThread:
 
 
 def tiny_settings(model_dir: Path, **overrides):
-    from textgen.service.config import Settings
+    from textgen.service.settings.table import Settings
 
     base = Settings(
         model_id=str(model_dir),

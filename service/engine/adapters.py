@@ -7,7 +7,7 @@ same name is another adapter to the prefix cache (block_manager.py seeds its blo
 with the uid) and to the slots. The scheduler keeps the adapters of the running sequences
 within `--max-loras` (scheduler.py), so a step never needs more slots than there are; the
 runner's host side maps each step's adapters to slots (least recently used slot out) and
-tells the device side what to write where (runner.py, `StepInputs.lora_loads`).
+tells the device side what to write where (runners/model_runner.py, `StepInputs.lora_loads`).
 
 Unloading stops new requests at once; the weights go when the last sequence using them
 ends (`release`).

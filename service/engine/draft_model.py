@@ -1,9 +1,10 @@
 """A draft model that proposes the tokens speculative decoding verifies (`--speculate-model`).
 
 A small model sharing the target's tokenizer, with a paged KV cache and a runner of its own
-(kv_pool.py, runner.py's ModelRunner, block_manager.py without prefix caching): the target's
-scheduler and pool never see it. Each target sequence it proposes for has a shadow Sequence
-here, whose tokens are the target's plus the proposals it fed itself. A call:
+(kv_pool.py, runners/model_runner.py's ModelRunner, block_manager.py without prefix
+caching): the target's scheduler and pool never see it. Each target sequence it proposes
+for has a shadow Sequence here, whose tokens are the target's plus the proposals it fed
+itself. A call:
 1. syncs each shadow with its sequence: the K/V it computed stay valid up to the first token
    where the shadow and the sequence differ (a rejected proposal), the rest is trimmed;
 2. one forward computes each shadow's missing tokens (the tokens the target accepted since,
@@ -23,7 +24,7 @@ import torch
 
 from .block_manager import BlockManager
 from .kv_pool import KVCachePool
-from .runner import ModelRunner
+from .runners.model_runner import ModelRunner
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 

@@ -1,7 +1,7 @@
 """Constrained decoding on the engine thread: one llguidance matcher per constrained
 sequence; the masks of a step are computed on a worker thread while the forward runs,
 then applied to the logits. The grammars come compiled and checked from the validation
-side (service/grammar_compiler.py)."""
+side (service/intake/grammar_compiler.py)."""
 
 from __future__ import annotations
 

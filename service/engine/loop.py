@@ -83,7 +83,8 @@ class EngineLoop:
         default); OpenMP keeps the count per thread, so it is set on that thread.
 
         cpus: the cores the engine's thread (and the OpenMP team it starts) may run on, set
-        on that thread (None: the process's affinity): a shard's own cores (shard_processes.py).
+        on that thread (None: the process's affinity): a shard's own cores
+        (replica/shard_processes.py).
 
         arrival_gap: seconds. An idle engine woken by a request takes its first step once
         no other request has arrived for this long (at most MAX_ARRIVAL_WAIT after the

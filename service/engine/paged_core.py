@@ -17,21 +17,21 @@ import torch
 from ..errors import ErrorType
 from ..models.lora_layers import LoraLayers
 from .adapters import AdapterRegistry, SlotTable
-from .block_manager import BlockManager, num_blocks_for_choices, num_blocks_for_tokens
-from .compiled_decode import CompiledRunner, CompileSettings
+from .block_manager import BlockManager, num_blocks_for_choices
+from .config import EngineConfig
 from .core import StepOutput
-from .cuda_graphs import GraphedRunner, GraphSettings
 from .grammar import GrammarMasks, PendingMasks
 from .kv_pool import KVCachePool
-from .runner import ModelRunner, Runner, RunnerOutput
+from .runners.compiled import CompiledRunner
+from .runners.cuda_graphs import GraphedRunner
+from .runners.model_runner import ModelRunner, Runner, RunnerOutput
+from .runners.sharded import ShardedRunner, ShardGroup
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .shards import ShardedRunner, ShardGroup
 from .speculation import (
     NgramProposer,
     Proposer,
-    SpeculationSettings,
     accepted_run,
     sample_rows,
 )
@@ -44,87 +44,48 @@ class PagedCore:
     def __init__(
         self,
         model: torch.nn.Module,
+        config: EngineConfig,
         *,
-        max_batch_total_tokens: int,
-        max_batch_prefill_tokens: int,
-        max_batch_size: int,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
         grammars: GrammarMasks | None = None,
-        batch_invariant: bool = False,
-        cuda_graphs: GraphSettings | None = None,
-        compile: CompileSettings | None = None,
         shards: ShardGroup | None = None,
-        custom_kernels: bool = True,
-        speculation: SpeculationSettings | None = None,
         proposer: Proposer | None = None,
         lora: LoraLayers | None = None,
         adapters: AdapterRegistry | None = None,
-        kv_cache_dtype: torch.dtype | None = None,
-        watermark: Watermark | None = None,
     ) -> None:
         """
         Args:
             model: a transformers causal LM; its attention implementation is switched to ours.
-            max_batch_total_tokens: KV-cache budget in tokens, summed over all sequences; the
-                pool gets ceil(max_batch_total_tokens / block_size) blocks per layer.
-            max_batch_prefill_tokens: prompt tokens computed per step (chunked prefill).
-            max_batch_size: sequences running at once.
-            block_size: tokens per KV block.
+            config: limits, KV sizing, runner strategy, speculation (config.py).
             grammars: token masks for requests with a grammar; None: such requests are refused.
-            batch_invariant: a request's tokens the same whatever runs beside it, for greedy
-                and seeded requests (runner.py, invariant_attention.py); CPU only.
-            cuda_graphs: decode steps replayed from graphs per batch bucket, captured by
-                warm_up() (cuda_graphs.py); None: every step eager.
-            compile: decode steps through torch.compile'd graphs per batch bucket, compiled
-                by warm_up() (compiled_decode.py; CPU only, so never with cuda_graphs).
             shards: this is rank 0 of a sharded model (`model` is its slice): every step
-                runs on all ranks, which follow in engine/shards.py's follow_steps().
-            custom_kernels: False: attention never takes textgen's Triton kernel (runner.py).
-            speculation: propose and verify up to `num_tokens` tokens per decoding sequence
-                per step while at most `max_batch` sequences run (speculation.py); None: off.
-            proposer: who proposes them (default: n-gram lookup, speculation.py's
-                NgramProposer; draft_model.py's DraftModelProposer for a draft model).
+                runs on all ranks, which follow in runners/sharded.py's follow_steps().
+            proposer: who proposes tokens when config.speculation is on (default: n-gram
+                lookup, speculation.py's NgramProposer; draft_model.py's DraftModelProposer
+                for a draft model).
             lora: the model's LoRA slots (models/lora_layers.py), serving the adapters of
                 `adapters` (engine/adapters.py); None: requests name no adapter.
-            kv_cache_dtype: the KV pool's storage dtype (an 8-bit float, upcast in
-                attention); None: the model's K/V dtype.
-            watermark: the green lists of requests with `watermark` (watermark.py);
-                None: TGI's gamma and delta.
         """
-        if max_batch_total_tokens <= 0:
-            raise ValueError(
-                f"max_batch_total_tokens must be positive, got {max_batch_total_tokens}"
-            )
-        num_blocks = num_blocks_for_tokens(max_batch_total_tokens, block_size)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.config = config
+        num_blocks = config.num_blocks
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.block_manager,
-            max_batch_prefill_tokens=max_batch_prefill_tokens,
-            max_batch_size=max_batch_size,
+            max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+            max_batch_size=config.max_batch_size,
             max_loras=lora.num_slots if lora is not None else 0,
         )
-        self.runner: Runner = build_runner(
-            model,
-            num_blocks,
-            block_size,
-            batch_invariant,
-            cuda_graphs,
-            compile,
-            custom_kernels,
-            lora,
-            adapters,
-            kv_cache_dtype,
-        )
+        self.runner: Runner = build_runner(model, config, lora, adapters)
         self.shards = shards
         if shards is not None:
             self.runner = ShardedRunner(self.runner, shards)
         self.adapters = adapters
         if lora is not None:
             self.runner.slot_table = SlotTable(lora.num_slots)
-        self.sampler = Sampler(watermark)
+        self.sampler = Sampler(Watermark(config.watermark_gamma, config.watermark_delta))
         self.grammars = grammars
-        self.speculation = speculation
+        speculation = self.speculation = config.speculation
         if speculation is not None and proposer is None:
             proposer = NgramProposer(speculation.ngram_min, speculation.ngram_max)
         self.proposer = proposer if speculation is not None else None
@@ -141,7 +102,7 @@ class PagedCore:
     def add(self, seq: Sequence) -> None:
         # The engine's own invariants: a request that could never fit would wait forever.
         # Validated requests never fail them (validation bounds max_new_tokens by
-        # max_total_tokens, which startup checks against the pool: app.py).
+        # max_total_tokens, which startup checks against the pool: replica/kv_sizing.py).
         bm = self.block_manager
         needed = num_blocks_for_choices(
             seq.num_prompt_tokens, seq.request.stopping.max_new_tokens, seq.width, bm.block_size
@@ -375,36 +336,30 @@ class PagedCore:
 
 def build_runner(
     model: torch.nn.Module,
-    num_blocks: int,
-    block_size: int,
-    batch_invariant: bool = False,
-    cuda_graphs: GraphSettings | None = None,
-    compile: CompileSettings | None = None,
-    custom_kernels: bool = True,
+    config: EngineConfig,
     lora: LoraLayers | None = None,
     adapters: AdapterRegistry | None = None,
-    kv_cache_dtype: torch.dtype | None = None,
 ) -> Runner:
-    """The device side of a step (runner.py): the eager runner over a KV pool of
-    `num_blocks` (stored as `kv_cache_dtype`, None: the model's), wrapped in its decode
+    """The device side of a step (runners/): the eager runner over a KV pool of
+    config.num_blocks (stored as config.kv_cache_dtype, None: the model's), wrapped in its
     strategy if any (every rank of a sharded model builds the same)."""
-    if cuda_graphs is not None and compile is not None:
-        raise ValueError("cuda_graphs and compile are two runner strategies (CUDA, CPU): pick one")
     # one scratch block for padding tokens (batch-invariant steps, graph buckets, compiled
     # buckets): they write and read only there
-    pool = KVCachePool(num_blocks, block_size, scratch_blocks=1, dtype=kv_cache_dtype)
+    pool = KVCachePool(
+        config.num_blocks, config.block_size, scratch_blocks=1, dtype=config.kv_cache_dtype
+    )
     runner: Runner = ModelRunner(
         model,
         pool,
-        batch_invariant=batch_invariant,
-        custom_kernels=custom_kernels,
+        batch_invariant=config.batch_invariant,
+        custom_kernels=config.custom_kernels,
         lora=lora,
         adapters=adapters,
     )
-    if cuda_graphs is not None:
-        return GraphedRunner(runner, cuda_graphs)
-    if compile is not None:
-        return CompiledRunner(runner, compile)
+    if config.cuda_graphs is not None:
+        return GraphedRunner(runner, config.cuda_graphs)
+    if config.compile is not None:
+        return CompiledRunner(runner, config.compile)
     return runner
 
 

@@ -1,14 +1,15 @@
 """Speculative decoding: a proposer guesses a decoding sequence's next tokens, one forward
 verifies them all, and the sampler keeps the longest run the target model agrees with.
 
-Where it sits (DESIGN.md, "Where shards, speculation and adapters fit"): PagedCore.step()
+Where it sits (docs/architecture.md, the engine's seams): PagedCore.step()
 asks the proposer for up to N tokens per decoding sequence, the scheduler reserves KV slots
 for them (scheduler.py), the runner computes each such sequence's last token and its
 proposals as one short chunk of 1 + N query tokens (the varlen path prefill chunks take:
-runner.py), the sampler draws a token at every one of those positions, and the core keeps
-the proposals up to the first one the draw disagrees with, plus that draw (`accepted_run`).
-The KV slots of the rejected proposals go back to the block manager, and only accepted
-tokens are ever counted as computed, so the prefix cache never registers a rejected one.
+runners/model_runner.py), the sampler draws a token at every one of those positions, and the
+core keeps the proposals up to the first one the draw disagrees with, plus that draw
+(`accepted_run`). The KV slots of the rejected proposals go back to the block manager, and
+only accepted tokens are ever counted as computed, so the prefix cache never registers a
+rejected one.
 
 Why the output is the target's own. Row i of a verification is sampled exactly as a decode
 step would sample the sequence with its first i proposals appended (`DraftRow`: penalties

@@ -1,4 +1,4 @@
-"""textgen.v1 protobuf <-> plain data: the TGI RPCs' requests become request.py's
+"""textgen.v1 protobuf <-> plain data: the TGI RPCs' requests become intake/request.py's
 GenerateRequest, engine results become response messages. The only place that knows
 both."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 from google.protobuf import json_format, struct_pb2
 
 from ..engine.types import FinishInfo, PrefillInfo, TokenEvent, TokenInfo
+from ..intake.request import GenerateParameters, GenerateRequest, Grammar
 from ..proto import generate_pb2 as pb
-from ..request import GenerateParameters, GenerateRequest, Grammar
 
 # proto3 `optional` fields: unset stays None (TGI's default applies)
 _OPTIONAL = (

@@ -8,15 +8,15 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..cpus import in_own_thread
 from ..engine.adapters import AdapterRegistry
 from ..errors import ErrorType
+from ..intake.validation import BASE_MODEL_ALIASES
 from ..models.lora import AdapterError, LoraAdapter
+from ..processes.cpus import in_own_thread
 from ..proto import text_generation_service_pb2 as svc_pb
-from ..validation import BASE_MODEL_ALIASES
 from .errors import abort
 
-NAME = re.compile(r"^[\w.\-/:@]+$")  # as --lora-adapters' names (config.py)
+NAME = re.compile(r"^[\w.\-/:@]+$")  # as --lora-adapters' names (settings/table.py)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from textgen.envoy.affinity import REPLICA_HEADER
 
 from ..engine.types import EngineError
 from ..errors import ErrorType, incomplete
+from ..intake.validation import ValidationError
 from ..openai import stored_responses
 from ..openai.chat import ChatRenderer, ChatStream, parse_chat_request
 from ..openai.common import DONE, StopHoldback, finish_reason, sse_error
@@ -18,7 +19,6 @@ from ..openai.completions import CompletionRenderer, parse_completion_request
 from ..openai.response_store import new_response_id
 from ..openai.responses import parse_responses_request
 from ..openai.responses_output import ResponseRenderer, ResponseStream
-from ..validation import ValidationError
 from .errors import abort
 
 JSON = "application/json"

@@ -11,17 +11,17 @@ import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 
-from ..admission import Admission, Overloaded
 from ..engine.loop import EngineLoop
 from ..engine.types import EngineError, TokenEvent
 from ..errors import ErrorType, incomplete
+from ..intake.admission import Admission, Overloaded
+from ..intake.request import GenerateRequest
+from ..intake.validation import ValidationError, Validator, ValidRequest
 from ..observability.requests import RequestRecorder
 from ..openai.response_store import ResponseStore
 from ..proto import generate_pb2 as gen_pb
 from ..proto import text_generation_service_pb2 as svc_pb
 from ..proto import text_generation_service_pb2_grpc as svc_grpc
-from ..request import GenerateRequest
-from ..validation import ValidationError, Validator, ValidRequest
 from . import convert
 from .errors import abort, in_band_error
 from .lora_rpcs import LoraRpcs, LoraServing

@@ -17,6 +17,7 @@ from google.api import httpbody_pb2
 from google.protobuf import json_format
 
 from ..errors import ErrorType
+from ..intake.validation import ValidationError
 from ..openai.vllm_tokenize import (
     check_token_ids,
     is_vllm_tokenize,
@@ -24,7 +25,6 @@ from ..openai.vllm_tokenize import (
     tokenize_answer,
 )
 from ..proto import text_generation_service_pb2 as svc_pb
-from ..validation import ValidationError
 from .errors import abort
 
 JSON = "application/json"

@@ -5,7 +5,7 @@ SmolLM2 GGUF converted once, a local folder, or a Hub snapshot); `load_model` th
 loads it on the chosen device and dtype, quantizing its weights when asked (quantize.py).
 Nothing here reads the environment at import time, and importing the package imports
 no torch: the loader and the quantizer (which need it) are imported when first named,
-so the settings' checks (preflight.py) can read a model's config in a fraction of a second.
+so the settings' checks (settings/preflight.py) can read a model's config in a fraction of a second.
 """
 
 import importlib

@@ -8,7 +8,7 @@ alpha_pattern). Variants that change the forward beyond that (DoRA, trained bias
 modules_to_save, ...) are refused by name, as are targets the served model lacks (or
 has in other shapes) and ranks above `--max-lora-rank`.
 
-`check_adapter_config` needs only the JSON (preflight.py runs it before anything loads);
+`check_adapter_config` needs only the JSON (settings/preflight.py runs it before anything loads);
 `read_adapter` then reads the weights with peft's config, casts them to the model's dtype,
 folds the scaling into B and slices them as a shard's layers are sliced (lora_layers.py).
 """

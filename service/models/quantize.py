@@ -50,7 +50,7 @@ logger = logging.getLogger("textgen.models")
 
 # what this module quantizes with torchao (or torch's CPU int8 kernel) as the model loads
 TORCHAO_METHODS = ("int8", "int4", "fp8")
-# the --quantize values (textgen.service.config.QUANTIZE_METHODS, which the flag's parser
+# the --quantize values (textgen.service.settings.table.QUANTIZE_METHODS, which the flag's parser
 # checks, names the same: config stays free of torch, models free of config)
 QUANTIZE_METHODS = (*TORCHAO_METHODS, *(m for m in LIBRARY_METHODS if m not in TORCHAO_METHODS))
 INT4_GROUP_SIZE = 32

@@ -13,7 +13,7 @@ The library's layers then run on DTensor parameters, swapped for local ones arou
 Linear call; `localize()` turns them into plain tensors and puts one all-reduce after each
 row-parallel layer and the embedding, measured cheaper per step (docs/performance.md,
 "Shards"). lm_head's slices are not gathered here: the engine gathers the logits it keeps,
-to rank 0 only (engine/shards.py).
+to rank 0 only (engine/runners/sharded.py).
 
 What the plan can't shard is refused before the weights load (`check_shardable`): a model
 without a plan or with styles this does not implement (packed or fused projections, experts),

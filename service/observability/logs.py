@@ -4,10 +4,10 @@ the shape of TGI's (tracing-subscriber's): `{"timestamp", "level", "fields": {"m
 
 In JSON mode the lines Python's logging does not write are JSON too: warnings go through
 logging (captureWarnings), Envoy's output is pumped into the `textgen.envoy` logger
-(proxy.py), progress bars are off (huggingface_hub's and transformers', through
-HF_HUB_DISABLE_PROGRESS_BARS; the server's own, app.py), and whatever else reaches file
-descriptor 2 (gRPC's C core, torch's C++ warnings, a crash's traceback, child processes)
-is wrapped, line by line, into a record of target `stderr` (`json_stderr`).
+(processes/envoy.py), progress bars are off (huggingface_hub's and transformers', through
+HF_HUB_DISABLE_PROGRESS_BARS; the server's own, replica/assembly.py), and whatever else
+reaches file descriptor 2 (gRPC's C core, torch's C++ warnings, a crash's traceback, child
+processes) is wrapped, line by line, into a record of target `stderr` (`json_stderr`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..engine.types import FinishInfo
-from ..validation import ValidationError
+from ..intake.validation import ValidationError
 
 if TYPE_CHECKING:
     from .protocol import CommonFields, SamplingFields
@@ -42,7 +42,7 @@ def sampling_parameters(request: SamplingFields) -> dict:
     """Chat's and completions' sampling fields, as keyword arguments of
     request.GenerateParameters; `stop` is a tuple of strings."""
     params = common_parameters(request)
-    params["n"] = request.n  # its upper bound is the server's (validation.py: --max-n)
+    params["n"] = request.n  # its upper bound is the server's (intake/validation.py: --max-n)
     if request.max_tokens is not None:
         params["max_new_tokens"] = request.max_tokens
     params["frequency_penalty"] = request.frequency_penalty

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..engine.types import FinishInfo, TokenEvent
-from ..request import GenerateParameters, GenerateRequest
+from ..intake.request import GenerateParameters, GenerateRequest
 from .common import (
     OpenAIRequestError,
     finish_reason,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from ..request import Grammar
-from ..validation import grammar_spec
+from ..intake.request import Grammar
+from ..intake.validation import grammar_spec
 from .common import OpenAIRequestError
 from .protocol import ResponseFormat
 from .responses_protocol import TextFormat

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import core_schema
 from typing_extensions import TypeAliasType
 
-from ..validation import (
+from ..intake.validation import (
     LOGIT_BIAS_BOUND,
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,

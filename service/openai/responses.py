@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter
 
-from ..request import GenerateParameters, GenerateRequest
+from ..intake.request import GenerateParameters, GenerateRequest
 from .chat import render_prompt
 from .common import OpenAIRequestError, common_parameters
 from .formats import lark_answer, text_format

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 from textgen.service.cli import build_parser
-from textgen.service.config import Settings
-from textgen.service.launcher import settings_from
-from textgen.service.proxy import envoy_binary
+from textgen.service.processes.envoy import envoy_binary
+from textgen.service.settings.table import Settings
+from textgen.service.settings.tgi_launcher import settings_from
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -345,7 +345,7 @@ def test_the_image_runs_as_tgis_does():
     entrypoint, exposed = dockerfile()
     assert entrypoint == ["text-generation-launcher"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["text-generation-launcher"] == "textgen.service.launcher:main"
+    assert scripts["text-generation-launcher"] == "textgen.service.settings.tgi_launcher:main"
     env = dockerfile_env()
     assert (env["PORT"], env["HUGGINGFACE_HUB_CACHE"]) == ("80", "/data")
     settings = settings_from(["--model-id", "org/name"], {**env, "HOSTNAME": "3f2a9c1d0b7e"})

@@ -6,7 +6,8 @@ import copy
 from dataclasses import dataclass
 
 import torch
-from textgen.service.engine import attention
+from textgen.service.engine.attention import paged as attention
+from textgen.service.engine.config import EngineConfig
 from textgen.service.engine.kv_pool import KVCachePool
 from textgen.service.engine.paged_core import PagedCore
 from textgen.service.engine.sequence import Sequence
@@ -87,12 +88,14 @@ def make_core(
 ) -> PagedCore:
     core = PagedCore(
         engine_copy(model),
-        max_batch_total_tokens=total_tokens,
-        max_batch_prefill_tokens=prefill_tokens,
-        max_batch_size=batch_size,
-        block_size=block_size,
-        batch_invariant=batch_invariant,
-        speculation=speculation,
+        EngineConfig(
+            max_batch_total_tokens=total_tokens,
+            max_batch_prefill_tokens=prefill_tokens,
+            max_batch_size=batch_size,
+            block_size=block_size,
+            batch_invariant=batch_invariant,
+            speculation=speculation,
+        ),
     )
     if batch_invariant:  # as served: the matmuls' smallest products probed at warm-up
         core.warm_up()

@@ -7,16 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from textgen.service.engine import invariant_attention, invariant_linear
-from textgen.service.engine.invariant_attention import ChunkedMask, _merge_chunks
-from textgen.service.engine.invariant_linear import (
+from textgen.service.engine.attention import invariant as invariant_attention
+from textgen.service.engine.attention.invariant import ChunkedMask, _merge_chunks
+from textgen.service.engine.runners import invariant_linear
+from textgen.service.engine.runners.invariant_linear import (
     LINEAR_BLOCK_ROWS,
     fixed_rows_linear,
     fixed_rows_linears,
     linear_modules,
     probe_min_rows,
 )
-from textgen.service.engine.runner import lay_out
+from textgen.service.engine.runners.model_runner import lay_out
 from textgen.service.engine.sampler import Sampler
 from textgen.service.engine.types import SamplingParams
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from textgen.service.engine.compiled_decode import (
+from textgen.service.engine.config import EngineConfig
+from textgen.service.engine.kv_pool import KVCachePool
+from textgen.service.engine.paged_core import PagedCore
+from textgen.service.engine.runners.compiled import (
     CompiledRunner,
     CompileSettings,
     decode_buckets,
 )
-from textgen.service.engine.cuda_graphs import GraphSettings
-from textgen.service.engine.kv_pool import KVCachePool
-from textgen.service.engine.paged_core import PagedCore
-from textgen.service.engine.runner import ModelRunner, lay_out
+from textgen.service.engine.runners.cuda_graphs import GraphSettings
+from textgen.service.engine.runners.model_runner import ModelRunner, lay_out
 from textgen.service.engine.scheduler import SchedulerOutput
 
 from .factories import (
@@ -32,11 +33,13 @@ def compiled_core(tiny_llama) -> PagedCore:
     # 12 blocks of 8 tokens: the workload below preempts; buckets 1, 2, 4
     core = PagedCore(
         engine_copy(tiny_llama),
-        max_batch_total_tokens=96,
-        max_batch_prefill_tokens=64,
-        max_batch_size=4,
-        block_size=8,
-        compile=CompileSettings.for_engine(4),
+        EngineConfig(
+            max_batch_total_tokens=96,
+            max_batch_prefill_tokens=64,
+            max_batch_size=4,
+            block_size=8,
+            compile=CompileSettings.for_engine(4),
+        ),
     )
     core.warm_up()  # compiles every bucket
     return core
@@ -111,11 +114,13 @@ def test_not_with_batch_invariance_nor_with_cuda_graphs(tiny_llama):
     def core(**options):
         return PagedCore(
             engine_copy(tiny_llama),
-            max_batch_total_tokens=96,
-            max_batch_prefill_tokens=64,
-            max_batch_size=4,
-            compile=CompileSettings((1,)),
-            **options,
+            EngineConfig(
+                max_batch_total_tokens=96,
+                max_batch_prefill_tokens=64,
+                max_batch_size=4,
+                compile=CompileSettings((1,)),
+                **options,
+            ),
         )
 
     with pytest.raises(ValueError, match="--deterministic"):

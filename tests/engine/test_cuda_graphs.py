@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from textgen.service.engine import attention
-from textgen.service.engine.cuda_graphs import (
+from textgen.service.engine.attention import paged as attention
+from textgen.service.engine.config import EngineConfig
+from textgen.service.engine.paged_core import PagedCore
+from textgen.service.engine.runners.cuda_graphs import (
     GraphedRunner,
     GraphSettings,
     default_buckets,
     unavailable_reason,
 )
-from textgen.service.engine.paged_core import PagedCore
-from textgen.service.engine.runner import StepInputs, lay_out
+from textgen.service.engine.runners.model_runner import StepInputs, lay_out
 from textgen.service.engine.scheduler import SchedulerOutput
 
 from .factories import (
@@ -44,11 +45,13 @@ def graphed_core(
 ) -> PagedCore:
     core = PagedCore(
         engine_copy(model),
-        max_batch_total_tokens=total_tokens,
-        max_batch_prefill_tokens=prefill_tokens,
-        max_batch_size=batch_size,
-        block_size=block_size,
-        cuda_graphs=GraphSettings(tuple(buckets), max_blocks, capture=capture),
+        EngineConfig(
+            max_batch_total_tokens=total_tokens,
+            max_batch_prefill_tokens=prefill_tokens,
+            max_batch_size=batch_size,
+            block_size=block_size,
+            cuda_graphs=GraphSettings(tuple(buckets), max_blocks, capture=capture),
+        ),
     )
     core.warm_up()
     return core
@@ -160,11 +163,13 @@ def test_graphs_are_refused_where_they_cannot_run(tiny_llama):
     with pytest.raises(ValueError, match="don't combine"):
         PagedCore(
             engine_copy(tiny_llama),
-            max_batch_total_tokens=512,
-            max_batch_prefill_tokens=64,
-            max_batch_size=4,
-            batch_invariant=True,
-            cuda_graphs=GraphSettings((1,), 4, capture=False),
+            EngineConfig(
+                max_batch_total_tokens=512,
+                max_batch_prefill_tokens=64,
+                max_batch_size=4,
+                batch_invariant=True,
+                cuda_graphs=GraphSettings((1,), 4, capture=False),
+            ),
         )
     with pytest.raises(ValueError, match="buckets"):
         GraphSettings((), 4)
@@ -173,10 +178,12 @@ def test_graphs_are_refused_where_they_cannot_run(tiny_llama):
 def test_a_runner_built_without_warm_up_runs_everything_eagerly(tiny_llama):
     core = PagedCore(
         engine_copy(tiny_llama),
-        max_batch_total_tokens=512,
-        max_batch_prefill_tokens=64,
-        max_batch_size=4,
-        cuda_graphs=GraphSettings((1, 2), 4, capture=False),
+        EngineConfig(
+            max_batch_total_tokens=512,
+            max_batch_prefill_tokens=64,
+            max_batch_size=4,
+            cuda_graphs=GraphSettings((1, 2), 4, capture=False),
+        ),
     )
     assert isinstance(core.runner, GraphedRunner)
     seqs = prompts([7], seed=6, max_new_tokens=3)
@@ -197,10 +204,12 @@ def test_captured_graphs_match_generate_on_cuda(tiny_llama):
     model = engine_copy(tiny_llama).cuda()
     core = PagedCore(
         model,
-        max_batch_total_tokens=4096,
-        max_batch_prefill_tokens=64,
-        max_batch_size=8,
-        cuda_graphs=GraphSettings((1, 2, 4, 8), 16),
+        EngineConfig(
+            max_batch_total_tokens=4096,
+            max_batch_prefill_tokens=64,
+            max_batch_size=8,
+            cuda_graphs=GraphSettings((1, 2, 4, 8), 16),
+        ),
     )
     core.warm_up()
     seqs = prompts([1, 5, 17, 40, 70], seed=7)

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from textgen.service.engine.config import EngineConfig
 from textgen.service.engine.draft_model import (
     DraftModelProposer,
     TokenizerMismatch,
@@ -66,11 +67,13 @@ def draft_core(target, draft, *, draft_blocks=512, total_tokens=8192, block_size
     )
     return PagedCore(
         engine_copy(target),
-        max_batch_total_tokens=total_tokens,
-        max_batch_prefill_tokens=prefill_tokens,
-        max_batch_size=32,
-        block_size=block_size,
-        speculation=SpeculationSettings(3, max_batch),
+        EngineConfig(
+            max_batch_total_tokens=total_tokens,
+            max_batch_prefill_tokens=prefill_tokens,
+            max_batch_size=32,
+            block_size=block_size,
+            speculation=SpeculationSettings(3, max_batch),
+        ),
         proposer=proposer,
     )
 

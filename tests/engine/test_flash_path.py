@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from textgen.service.engine import attention
+from textgen.service.engine.attention import paged as attention
 
 from .factories import (
     VOCAB_SIZE,

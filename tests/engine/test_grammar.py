@@ -11,11 +11,12 @@ from dataclasses import replace
 import jsonschema
 import pytest
 import torch
+from textgen.service.engine.config import EngineConfig
 from textgen.service.engine.grammar import GrammarMasks
 from textgen.service.engine.paged_core import PagedCore
 from textgen.service.engine.sequence import Sequence
 from textgen.service.engine.types import EngineRequest, FinishReason, SamplingParams, StoppingParams
-from textgen.service.grammar_compiler import GrammarCompiler, GrammarError
+from textgen.service.intake.grammar_compiler import GrammarCompiler, GrammarError
 from tiny_model import build_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -58,9 +59,10 @@ def core_for(model, compiler) -> PagedCore:
     import copy
 
     return PagedCore(
-        copy.deepcopy(model), max_batch_total_tokens=8192, max_batch_prefill_tokens=512,
-        max_batch_size=32, grammars=GrammarMasks(compiler.ll_tokenizer, compiler.vocab_size),
-    )  # fmt: skip
+        copy.deepcopy(model),
+        EngineConfig(max_batch_total_tokens=8192, max_batch_prefill_tokens=512, max_batch_size=32),
+        grammars=GrammarMasks(compiler.ll_tokenizer, compiler.vocab_size),
+    )
 
 
 def seq(

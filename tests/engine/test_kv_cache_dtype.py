@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 from textgen.service.engine import kv_pool
-from textgen.service.engine.compiled_decode import CompileSettings
+from textgen.service.engine.config import EngineConfig
 from textgen.service.engine.kv_pool import KVCachePool
 from textgen.service.engine.paged_core import PagedCore
-from textgen.service.engine.runner import ModelRunner, StepInputs
+from textgen.service.engine.runners.compiled import CompileSettings
+from textgen.service.engine.runners.model_runner import ModelRunner, StepInputs
 
 from .factories import (
     VOCAB_SIZE,
@@ -27,7 +28,7 @@ FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 def test_the_flag_names_are_the_pools_dtypes():
-    from textgen.service.config import KV_CACHE_DTYPES
+    from textgen.service.settings.table import KV_CACHE_DTYPES
 
     assert tuple(kv_pool.KV_CACHE_DTYPES) == KV_CACHE_DTYPES
     assert kv_pool.KV_CACHE_DTYPES["fp8_e4m3fn"] is torch.float8_e4m3fn
@@ -120,11 +121,13 @@ def small_core(model, **options) -> PagedCore:
     # 12 blocks of 8 tokens: the workload below preempts
     core = PagedCore(
         engine_copy(model),
-        max_batch_total_tokens=96,
-        max_batch_prefill_tokens=64,
-        max_batch_size=4,
-        block_size=8,
-        **options,
+        EngineConfig(
+            max_batch_total_tokens=96,
+            max_batch_prefill_tokens=64,
+            max_batch_size=4,
+            block_size=8,
+            **options,
+        ),
     )
     core.warm_up()
     return core
@@ -159,16 +162,16 @@ def test_greedy_through_an_8_bit_pool(tiny_llama, kv_dtype, strategy):
 
 @pytest.mark.parametrize("model_dtype, factor", [(torch.bfloat16, 2), (torch.float32, 4)])
 def test_the_same_memory_holds_more_blocks(tiny_llama, monkeypatch, model_dtype, factor):
-    """app.kv_capacity_tokens sizes the pool in its stored dtype: 8 bits a value."""
+    """kv_sizing.kv_capacity_tokens sizes the pool in its stored dtype: 8 bits a value."""
     from types import SimpleNamespace
 
-    from textgen.service import app
-    from textgen.service.config import Settings
+    from textgen.service.replica import kv_sizing
+    from textgen.service.settings.table import Settings
 
-    monkeypatch.setattr(app, "free_memory_bytes", lambda device, fraction=1.0: 64 * 2**20)
+    monkeypatch.setattr(kv_sizing, "free_memory_bytes", lambda device, fraction=1.0: 64 * 2**20)
     loaded = SimpleNamespace(
         model=tiny_llama, dtype=model_dtype, device=torch.device("cpu"), shard_layout=None
     )
-    wide = app.kv_capacity_tokens(Settings(), loaded, 512)
-    narrow = app.kv_capacity_tokens(Settings(kv_cache_dtype="fp8_e4m3fn"), loaded, 512)
+    wide = kv_sizing.kv_capacity_tokens(Settings(), loaded, 512)
+    narrow = kv_sizing.kv_capacity_tokens(Settings(kv_cache_dtype="fp8_e4m3fn"), loaded, 512)
     assert wide < 1 << 20 and narrow == factor * wide

@@ -14,9 +14,10 @@ import torch
 from lora_adapters import make_adapter
 from peft import PeftModel
 from textgen.service.engine.adapters import AdapterRegistry, SlotTable
+from textgen.service.engine.config import EngineConfig
 from textgen.service.engine.paged_core import PagedCore
-from textgen.service.engine.runner import StepInputs
-from textgen.service.engine.shards import _sizes, decode, encode
+from textgen.service.engine.runners.model_runner import StepInputs
+from textgen.service.engine.runners.sharded import _sizes, decode, encode
 from textgen.service.engine.types import EngineError
 from textgen.service.models.lora import AdapterError, read_adapter
 from textgen.service.models.lora_layers import LoraLayers
@@ -58,7 +59,7 @@ def merged(tiny_llama, adapter_dirs) -> dict[str | None, torch.nn.Module]:
     return refs
 
 
-def lora_core(base, adapter_dirs, *, slots: int = 3, **options):
+def lora_core(base, adapter_dirs, *, slots: int = 3, proposer=None, **options):
     """A core over a copy of `base` with LoRA slots and every adapter of adapter_dirs."""
     model = copy.deepcopy(base)
     layers = LoraLayers(model, slots, MAX_RANK, torch.float32, torch.device("cpu"))
@@ -67,12 +68,15 @@ def lora_core(base, adapter_dirs, *, slots: int = 3, **options):
         registry.add(read_adapter(name, folder, layers))
     core = PagedCore(
         model,
-        max_batch_total_tokens=options.pop("total_tokens", 8192),
-        max_batch_prefill_tokens=options.pop("prefill_tokens", 512),
-        max_batch_size=32,
+        EngineConfig(
+            max_batch_total_tokens=options.pop("total_tokens", 8192),
+            max_batch_prefill_tokens=options.pop("prefill_tokens", 512),
+            max_batch_size=32,
+            **options,
+        ),
+        proposer=proposer,
         lora=layers,
         adapters=registry,
-        **options,
     )
     return core, registry
 
@@ -280,7 +284,7 @@ def test_the_bgmv_kernel_equals_the_segment_matmuls(tiny_llama, adapter_dirs):
 def test_decodes_from_static_buffers_read_each_rows_slot(tiny_llama, adapter_dirs, merged):
     """The CUDA-graph strategy's static path (on CPU without a graph): each row's slot in
     the graph's own buffer, the deltas from the BGMV kernel, prefills eager."""
-    from textgen.service.engine.cuda_graphs import GraphSettings
+    from textgen.service.engine.runners.cuda_graphs import GraphSettings
 
     graphs = GraphSettings((1, 2, 4, 8), 16, capture=False)
     core, registry = lora_core(tiny_llama, adapter_dirs, cuda_graphs=graphs)
@@ -308,7 +312,7 @@ def test_compiled_decodes_mix_adapters_without_recompiling(tiny_llama, adapter_d
     """--compile: the LoRA deltas are one opaque op in the graph, so steps of any adapters
     run through the graphs compiled at warm-up."""
     import torch._dynamo
-    from textgen.service.engine.compiled_decode import CompileSettings
+    from textgen.service.engine.runners.compiled import CompileSettings
 
     core, registry = lora_core(tiny_llama, adapter_dirs, compile=CompileSettings((1, 2, 4)))
     core.warm_up()
@@ -352,9 +356,7 @@ def test_adapters_serve_over_quantized_layers(tiny_llama, adapter_dirs):
     torch.testing.assert_close(out, layer.base(x) + (x @ a.T) @ b)
     core = PagedCore(
         model,
-        max_batch_total_tokens=1024,
-        max_batch_prefill_tokens=256,
-        max_batch_size=8,
+        EngineConfig(max_batch_total_tokens=1024, max_batch_prefill_tokens=256, max_batch_size=8),
         lora=layers,
         adapters=registry,
     )

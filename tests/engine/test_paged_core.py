@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from textgen.service.engine import attention
+from textgen.service.engine.attention import paged as attention
+from textgen.service.engine.config import EngineConfig
 from textgen.service.engine.paged_core import PagedCore
 from textgen.service.engine.types import EngineError, SamplingParams
 from transformers import FalconConfig, FalconForCausalLM
@@ -287,11 +288,15 @@ def test_models_the_paged_path_cannot_serve_are_refused(tiny_llama):
         FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
     )
     with pytest.raises(ValueError, match="AttentionInterface"):
-        PagedCore(falcon, max_batch_total_tokens=64, max_batch_prefill_tokens=64, max_batch_size=2)
+        PagedCore(
+            falcon,
+            EngineConfig(max_batch_total_tokens=64, max_batch_prefill_tokens=64, max_batch_size=2),
+        )
 
     with_sinks = engine_copy(tiny_llama)
     with_sinks.model.layers[1].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
     with pytest.raises(ValueError, match="sinks"):
         PagedCore(
-            with_sinks, max_batch_total_tokens=64, max_batch_prefill_tokens=64, max_batch_size=2
+            with_sinks,
+            EngineConfig(max_batch_total_tokens=64, max_batch_prefill_tokens=64, max_batch_size=2),
         )

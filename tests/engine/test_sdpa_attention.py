@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from textgen.service.engine import attention
+from textgen.service.engine.attention import paged as attention
 
 from .factories import Batch, make_batch
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from textgen.service.engine.config import EngineConfig
 from textgen.service.engine.paged_core import PagedCore
 from textgen.service.engine.speculation import NgramProposer, SpeculationSettings
 from textgen.service.engine.types import FinishReason, SamplingParams
@@ -62,12 +63,14 @@ def spec_core(model, proposer=None, *, total_tokens=8192, prefill_tokens=256, bl
               max_batch=64, grammars=None, num_tokens=SPECULATE) -> PagedCore:  # fmt: skip
     return PagedCore(
         engine_copy(model),
-        max_batch_total_tokens=total_tokens,
-        max_batch_prefill_tokens=prefill_tokens,
-        max_batch_size=32,
-        block_size=block_size,
+        EngineConfig(
+            max_batch_total_tokens=total_tokens,
+            max_batch_prefill_tokens=prefill_tokens,
+            max_batch_size=32,
+            block_size=block_size,
+            speculation=SpeculationSettings(num_tokens, max_batch),
+        ),
         grammars=grammars,
-        speculation=SpeculationSettings(num_tokens, max_batch),
         proposer=proposer,
     )
 
@@ -383,9 +386,16 @@ def test_rejection_sampling_draws_from_the_target_distribution():
 
     def pair_counts(speculation: SpeculationSettings | None) -> tuple[torch.Tensor, PagedCore]:
         core = PagedCore(
-            model, max_batch_total_tokens=1 << 16, max_batch_prefill_tokens=4096,
-            max_batch_size=1024, block_size=4, speculation=speculation, proposer=proposer,
-        )  # fmt: skip
+            model,
+            EngineConfig(
+                max_batch_total_tokens=1 << 16,
+                max_batch_prefill_tokens=4096,
+                max_batch_size=1024,
+                block_size=4,
+                speculation=speculation,
+            ),
+            proposer=proposer,
+        )
         seqs = []
         for i in range(8000):
             sampling = SamplingParams(do_sample=True, seed=1000 + i)
@@ -434,8 +444,8 @@ class _FixedProposer:
 
 
 def strategy_core(model, proposer, strategy: str, batch_size: int = 4) -> PagedCore:
-    from textgen.service.engine.compiled_decode import CompileSettings
-    from textgen.service.engine.cuda_graphs import GraphSettings
+    from textgen.service.engine.runners.compiled import CompileSettings
+    from textgen.service.engine.runners.cuda_graphs import GraphSettings
 
     options = {
         "graphs": {"cuda_graphs": GraphSettings((1, 2, 4), 32, capture=False)},
@@ -445,12 +455,14 @@ def strategy_core(model, proposer, strategy: str, batch_size: int = 4) -> PagedC
     }[strategy]
     core = PagedCore(
         engine_copy(model),
-        max_batch_total_tokens=4096,
-        max_batch_prefill_tokens=128,
-        max_batch_size=batch_size,
-        speculation=SpeculationSettings(SPECULATE, 4),
+        EngineConfig(
+            max_batch_total_tokens=4096,
+            max_batch_prefill_tokens=128,
+            max_batch_size=batch_size,
+            speculation=SpeculationSettings(SPECULATE, 4),
+            **options,
+        ),
         proposer=proposer,
-        **options,
     )
     core.warm_up()
     return core

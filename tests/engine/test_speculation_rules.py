@@ -11,6 +11,7 @@ import json
 import jsonschema
 import pytest
 import torch
+from textgen.service.engine.config import EngineConfig
 from textgen.service.engine.detokenizer import decode_output
 from textgen.service.engine.grammar import GrammarMasks
 from textgen.service.engine.loop import EngineLoop
@@ -22,7 +23,7 @@ from textgen.service.engine.types import (
     SamplingParams,
     StoppingParams,
 )
-from textgen.service.grammar_compiler import GrammarCompiler
+from textgen.service.intake.grammar_compiler import GrammarCompiler
 from tiny_model import build_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -57,11 +58,13 @@ def compiler(tokenizer):
 def grammar_core(model, compiler, proposer=None, speculate: bool = True) -> PagedCore:
     return PagedCore(
         copy.deepcopy(model),
-        max_batch_total_tokens=8192,
-        max_batch_prefill_tokens=512,
-        max_batch_size=32,
+        EngineConfig(
+            max_batch_total_tokens=8192,
+            max_batch_prefill_tokens=512,
+            max_batch_size=32,
+            speculation=SpeculationSettings(4, 32) if speculate else None,
+        ),
         grammars=GrammarMasks(compiler.ll_tokenizer, compiler.vocab_size),
-        speculation=SpeculationSettings(4, 32) if speculate else None,
         proposer=proposer,
     )
 
@@ -164,8 +167,10 @@ def test_a_stop_sequence_inside_an_accepted_run_ends_the_stream_there(tiny_llama
     tokenizer = build_tokenizer(VOCAB_SIZE)
     g = torch.Generator().manual_seed(12)
     prompt = torch.randint(3, VOCAB_SIZE, (12,), generator=g).tolist()
-    plain_core = PagedCore(engine_copy(tiny_llama), max_batch_total_tokens=4096,
-                           max_batch_prefill_tokens=256, max_batch_size=8)  # fmt: skip
+    plain_core = PagedCore(
+        engine_copy(tiny_llama),
+        EngineConfig(max_batch_total_tokens=4096, max_batch_prefill_tokens=256, max_batch_size=8),
+    )
     free = stream(plain_core, loop_request(prompt, (), 30))
     ids = [e.token.id for e in free]
     # a stop string that first completes with output token 9 (its text's last 3 characters)
@@ -179,17 +184,23 @@ def test_a_stop_sequence_inside_an_accepted_run_ends_the_stream_there(tiny_llama
     plain = stream(
         PagedCore(
             engine_copy(tiny_llama),
-            max_batch_total_tokens=4096,
-            max_batch_prefill_tokens=256,
-            max_batch_size=8,
+            EngineConfig(
+                max_batch_total_tokens=4096, max_batch_prefill_tokens=256, max_batch_size=8
+            ),
         ),
         loop_request(prompt, (stop,), 30),
     )
     proposer = ScriptedProposer({"stop": ids}, wrong_every=1000)  # every proposal right
     spec_core = PagedCore(
-        engine_copy(tiny_llama), max_batch_total_tokens=4096, max_batch_prefill_tokens=256,
-        max_batch_size=8, speculation=SpeculationSettings(5, 8), proposer=proposer,
-    )  # fmt: skip
+        engine_copy(tiny_llama),
+        EngineConfig(
+            max_batch_total_tokens=4096,
+            max_batch_prefill_tokens=256,
+            max_batch_size=8,
+            speculation=SpeculationSettings(5, 8),
+        ),
+        proposer=proposer,
+    )
     spec = stream(spec_core, loop_request(prompt, (stop,), 30))
     assert plain[-1].finish.reason is FinishReason.STOP_SEQUENCE
     assert [e.index for e in spec] == list(range(1, len(plain) + 1)) == [e.index for e in plain]

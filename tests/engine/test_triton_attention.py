@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from textgen.service.engine import attention, triton_attention
+from textgen.service.engine.attention import paged as attention
+from textgen.service.engine.attention import triton_kernel as triton_attention
 from textgen.service.engine.kv_pool import KVCachePool, LayerCache
 
 from .factories import (
@@ -299,7 +300,7 @@ def test_kernel_compiles_for_the_gpu():
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        from textgen.service.engine import triton_attention as ta
+        from textgen.service.engine.attention import triton_kernel as ta
 
         kernel = ta._paged_attention_kernel
         pointers = {"block_tables_ptr", "query_starts_ptr", "seq_lens_ptr"}

@@ -13,11 +13,11 @@ from google.api import annotations_pb2
 from google.protobuf import descriptor_pb2
 from textgen.envoy import config, contract
 from textgen.service.grpc.errors import STATUS_BY_ERROR_TYPE
-from textgen.service.proxy import envoy_binary
+from textgen.service.processes.envoy import envoy_binary
 
 pytestmark = pytest.mark.timeout(60)
 
-# TGI's statuses (DESIGN.md §5, TGI's router): the HTTP face must answer these.
+# TGI's statuses (TGI's router): the HTTP face must answer these.
 TGI_STATUS = {
     "validation": 422,
     "overloaded": 429,

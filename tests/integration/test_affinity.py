@@ -14,13 +14,13 @@ import random
 import openai
 import pytest
 from replica_processes import Proxy, Replica, free_port
-from textgen.service.proxy import MAX_WORKERS
+from textgen.service.processes.envoy import MAX_WORKERS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 CHATS, TURNS = 4, 4
 HASH_BALANCE_FACTOR = 1.25  # envoy/affinity.py's 125 %
-ENVOY_WORKERS = min(MAX_WORKERS, os.cpu_count() or 1)  # the proxy's (service/proxy.py)
+ENVOY_WORKERS = min(MAX_WORKERS, os.cpu_count() or 1)  # the proxy's (service/processes/envoy.py)
 REPLICA_FLAGS = ("--max-batch-total-tokens", "16384", "--torch-threads", "1")
 WORDS = [
     "river", "stone", "lantern", "harbor", "meadow", "copper", "violet", "thunder",

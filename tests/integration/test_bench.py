@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 import pytest
-from textgen.service.bench import Report, add_bench_arguments, format_table, run_load
+from textgen.service.bench.command import Report, add_bench_arguments, format_table, run_load
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,7 +59,7 @@ def test_bench_requests_share_no_prefix(tiny_server):
 def test_bench_grammar_run_reports_the_constrained_ratio(tiny_server, tmp_path):
     import json
 
-    from textgen.service.bench import run
+    from textgen.service.bench.command import run
 
     grammar = tmp_path / "grammar.json"
     grammar.write_text(json.dumps({"type": "regex", "value": "[a-z ]{8,}"}))
@@ -88,7 +88,7 @@ def test_bench_compares_with_the_core_alone_and_plain_transformers(tiny_server, 
     import json
     import statistics
 
-    from textgen.service.bench import run
+    from textgen.service.bench.command import run
 
     out = tmp_path / "report.json"
     parser = argparse.ArgumentParser()
@@ -151,8 +151,8 @@ def test_bench_samples_when_asked_served_and_core_alike(tiny_server, tmp_path):
     --baseline (a plain greedy loop) refuses them."""
     import json
 
-    from textgen.service.bench import _request, run, sampling_options
-    from textgen.service.bench_baselines import CoreAlone
+    from textgen.service.bench.baselines import CoreAlone
+    from textgen.service.bench.command import _request, run, sampling_options
     from textgen.service.engine.types import SamplingParams
 
     out = tmp_path / "report.json"
@@ -196,7 +196,7 @@ def test_bench_prices_a_server_flag_against_a_second_server(tiny_model_dir, tmp_
     import json
     import statistics
 
-    from textgen.service.bench import run
+    from textgen.service.bench.command import run
 
     out = tmp_path / "report.json"
     parser = argparse.ArgumentParser()
@@ -217,7 +217,7 @@ def test_bench_prices_a_server_flag_against_a_second_server(tiny_model_dir, tmp_
 
 
 def test_bench_compare_needs_serve(tiny_server):
-    from textgen.service.bench import run
+    from textgen.service.bench.command import run
 
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
@@ -231,7 +231,7 @@ def test_bench_times_an_openai_server(http_server, tmp_path):
     textgen's own, through Envoy): the figures add up as for the gRPC load."""
     import json
 
-    from textgen.service.bench import run
+    from textgen.service.bench.command import run
 
     out = tmp_path / "report.json"
     parser = argparse.ArgumentParser()
@@ -249,7 +249,7 @@ def test_bench_times_an_openai_server(http_server, tmp_path):
 
 
 def test_bench_openai_refuses_what_needs_grpc(http_server):
-    from textgen.service.bench import run
+    from textgen.service.bench.command import run
 
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
@@ -261,7 +261,7 @@ def test_bench_openai_refuses_what_needs_grpc(http_server):
 def test_rss_of_a_process_in_mib():
     import os
 
-    from textgen.service.bench import _rss_mib
+    from textgen.service.bench.command import _rss_mib
 
     rss, peak = _rss_mib(os.getpid())
     assert 10 < rss <= peak  # this test process holds torch: tens of MiB at least
@@ -272,7 +272,7 @@ def test_bench_copy_load_reports_speculation(tiny_model_dir):
     """The copy load on a speculating server: the report counts the proposals the load's
     requests verified and kept."""
     from conftest import ServerThread, tiny_settings
-    from textgen.service.bench import load_prompts
+    from textgen.service.bench.command import load_prompts
 
     server = ServerThread(tiny_settings(tiny_model_dir, speculate=3)).start()
     try:

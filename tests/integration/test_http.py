@@ -22,9 +22,9 @@ from grpc_status import rpc_status
 from http_client import PROMPT, Http, no_eos, openapi_validator, sse_events
 from serve_process import textgen_serve
 from textgen.sdk import ValidationError, http_streams
-from textgen.service.config import Settings
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
+from textgen.service.settings.table import Settings
 from transformers import AutoTokenizer
 
 pytestmark = [

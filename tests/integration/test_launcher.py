@@ -15,7 +15,7 @@ import requests
 from serve_process import LAUNCHER, textgen_serve
 from text_generation import Client
 from text_generation.errors import ValidationError
-from textgen.service.launcher import FLAGS
+from textgen.service.settings.tgi_launcher import FLAGS
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -298,7 +298,7 @@ def test_bench_prices_the_adapters_against_the_base(tiny_model_dir, adapter_dirs
     the base model's load (alternating rounds, the median ratio)."""
     import argparse
 
-    from textgen.service.bench import add_bench_arguments, run
+    from textgen.service.bench.command import add_bench_arguments, run
 
     pairs = tuple((n, adapter_dirs[n]) for n in ("r8", "r16"))
     server = ServerThread(tiny_settings(tiny_model_dir, lora_adapters=pairs)).start()

@@ -145,7 +145,7 @@ def test_info(stub, tiny_server):
     assert not info.HasField("quantize")  # weights as loaded (tests/service/test_quantize.py)
     assert info.router == "textgen" and info.version
     # the engine's torch threads: the CPUs this process may use; validation's workers
-    from textgen.service.cpus import default_torch_threads
+    from textgen.service.processes.cpus import default_torch_threads
 
     assert info.torch_threads == default_torch_threads() == tiny_server.engine.torch_threads
     assert info.validation_workers == tiny_server.settings.validation_workers

@@ -12,10 +12,10 @@ import requests
 from conftest import ServerThread, tiny_settings
 from http_client import Http, sse_events
 from prometheus_client.parser import text_string_to_metric_families
-from textgen.service.config import SettingError
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2 as svc
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
+from textgen.service.settings.table import SettingError
 from tiny_model import build_tiny_model, build_tokenizer
 
 pytestmark = pytest.mark.timeout(180)

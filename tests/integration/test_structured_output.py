@@ -28,7 +28,7 @@ def chat_prompt(user: str) -> str:
 
 @pytest.fixture(scope="module")
 def server():
-    from textgen.service.config import Settings
+    from textgen.service.settings.table import Settings
 
     # float32 whatever the CPU: "auto" is bfloat16 where the CPU has native bf16, and the
     # greedy answers these tests lean on (a text answer under tool_choice auto, a short

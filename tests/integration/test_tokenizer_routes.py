@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import requests
-from textgen.service.build_info import source_commit
 from textgen.service.grpc.tokenize_rpcs import proto_json_string
+from textgen.service.processes.build_info import source_commit
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.timeout(60)

@@ -167,8 +167,8 @@ def test_truncate_keeps_the_last_tokens(stub):
 
 
 def test_unset_max_new_tokens_fills_to_max_total_tokens(tiny_server):
-    from textgen.service.request import GenerateRequest
-    from textgen.service.validation import Validator
+    from textgen.service.intake.request import GenerateRequest
+    from textgen.service.intake.validation import Validator
 
     validator: Validator = tiny_server.replica.servicer.validator
     valid = validator.validate(GenerateRequest(inputs="hi"), stream=False)

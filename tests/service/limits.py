@@ -1,6 +1,6 @@
 """The validator's limits for unit tests: a 64-token context, TGI's other defaults."""
 
-from textgen.service.validation import Limits
+from textgen.service.intake.validation import Limits
 
 LIMITS = Limits(
     max_input_tokens=63,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from textgen.service.admission import Admission, Overloaded
+from textgen.service.intake.admission import Admission, Overloaded
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from textgen.service import allocator
+from textgen.service.processes import allocator
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -21,7 +21,7 @@ glibc = pytest.mark.skipif(
 _KEEPCOST = """
 import ctypes, sys
 if sys.argv[1] == "keep":
-    from textgen.service.allocator import keep_freed_memory
+    from textgen.service.processes.allocator import keep_freed_memory
     assert keep_freed_memory()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

@@ -19,12 +19,12 @@ import pytest
 import quantized_checkpoints as checkpoints
 import torch
 from conftest import ServerThread, tiny_settings
-from textgen.service.config import SettingError
 from textgen.service.models import QuantizationError
 from textgen.service.models import checkpoint_quant as cq
-from textgen.service.preflight import preflight
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
+from textgen.service.settings.preflight import preflight
+from textgen.service.settings.table import SettingError
 from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.timeout(300)

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from textgen.service.config import add_serve_arguments, settings_from_args
+from textgen.service.settings.table import add_serve_arguments, settings_from_args
 
 
 def parse(argv: list[str]):
@@ -53,8 +53,8 @@ def loaded_model(device="cpu", dtype="float32", quantize=None, model_id="org/Mod
 
 
 def test_compile_settings_refuse_cuda_and_deterministic(monkeypatch, tmp_path):
-    from textgen.service.app import compile_settings
-    from textgen.service.config import Settings
+    from textgen.service.replica.assembly import compile_settings
+    from textgen.service.settings.table import Settings
 
     monkeypatch.setenv("TEXTGEN_CACHE", str(tmp_path))
     cpu = loaded_model()
@@ -68,8 +68,8 @@ def test_compile_settings_refuse_cuda_and_deterministic(monkeypatch, tmp_path):
 
 
 def test_compile_artifacts_live_in_the_textgen_cache_one_folder_per_key(monkeypatch, tmp_path):
-    from textgen.service.app import compile_settings
-    from textgen.service.config import Settings
+    from textgen.service.replica.assembly import compile_settings
+    from textgen.service.settings.table import Settings
 
     monkeypatch.setenv("TEXTGEN_CACHE", str(tmp_path))
 
@@ -91,8 +91,8 @@ def test_compile_artifacts_live_in_the_textgen_cache_one_folder_per_key(monkeypa
 
 
 def test_an_unwritable_cache_falls_back_to_the_temp_dir(monkeypatch, tmp_path):
-    from textgen.service.app import compile_settings
-    from textgen.service.config import Settings
+    from textgen.service.replica.assembly import compile_settings
+    from textgen.service.settings.table import Settings
 
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from textgen.service import cpus
+from textgen.service.processes import cpus
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -70,7 +70,7 @@ def test_engine_sets_its_threads_on_its_own_thread(tiny_model_dir):
 TEAMS_SCRIPT = """
 import asyncio, os, time
 import torch
-from textgen.service.cpus import in_own_thread
+from textgen.service.processes.cpus import in_own_thread
 
 def parallel_op():
     torch.set_num_threads(2)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from textgen.service.engine.kv_pool import KV_CACHE_DTYPES, KVCachePool
-from textgen.service.engine.runner import ModelRunner, StepInputs
+from textgen.service.engine.runners.model_runner import ModelRunner, StepInputs
 from textgen.service.models import load_model
 from textgen.service.models.loader import select_dtype
 

@@ -13,9 +13,9 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from textgen.service import launcher
-from textgen.service.config import Settings
-from textgen.service.launcher import (
+from textgen.service.settings import tgi_launcher as launcher
+from textgen.service.settings.table import Settings
+from textgen.service.settings.tgi_launcher import (
     BY_NAME,
     FLAGS,
     Accepted,

@@ -13,10 +13,10 @@ import pytest
 import torch
 from conftest import ServerThread, tiny_settings
 from textgen.sdk import Client
-from textgen.service.config import SettingError, Settings
 from textgen.service.models import LoadOptions, ModelError, load_model, resolve_model
 from textgen.service.models.loader import _config
-from textgen.service.preflight import preflight
+from textgen.service.settings.preflight import preflight
+from textgen.service.settings.table import SettingError, Settings
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -176,7 +176,7 @@ TEMPLATE = "{% for m in messages %}[[{{ m['role'] }}: {{ m['content'] }}]]{% end
 def test_the_tokenizer_configs_chat_template_is_used(tmp_path, tiny_model_dir):
     path = tmp_path / "tokenizer_config.json"
     path.write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}))
-    from textgen.service.app import load_options
+    from textgen.service.replica.assembly import load_options
 
     options = load_options(Settings(tokenizer_config_path=str(path)))
     lm = load_model(str(tiny_model_dir), options=options)

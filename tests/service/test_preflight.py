@@ -13,9 +13,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from textgen.service.config import SettingError, Settings, settings_table
 from textgen.service.models.embedded import EMBEDDED_CONTEXT, converted_embedded
-from textgen.service.preflight import preflight
+from textgen.service.settings.preflight import preflight
+from textgen.service.settings.table import SettingError, Settings, settings_table
 
 pytestmark = pytest.mark.timeout(120)
 

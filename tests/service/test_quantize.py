@@ -9,12 +9,12 @@ import pytest
 import torch
 from conftest import ServerThread, tiny_settings
 from textgen.service.cli import build_parser
-from textgen.service.config import settings_from_args
 from textgen.service.models import QuantizationError, load_model
 from textgen.service.models import quantize as q
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2 as svc
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
+from textgen.service.settings.table import settings_from_args
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,7 +29,7 @@ def serve_settings(*argv: str):
 
 
 def test_flag_and_env(monkeypatch):
-    from textgen.service.config import QUANTIZE_METHODS
+    from textgen.service.settings.table import QUANTIZE_METHODS
 
     assert QUANTIZE_METHODS == q.QUANTIZE_METHODS
     assert serve_settings().quantize is None
@@ -200,6 +200,7 @@ def test_cuda_quantized_model_generates_in_the_paged_engine(tiny_model_dir, meth
     if torch.cuda.get_device_capability() < need[method]:
         pytest.skip(f"needs a GPU of compute capability {need[method]} ({method} kernels)")
     from engine.factories import make_seq, run_to_completion
+    from textgen.service.engine.config import EngineConfig
     from textgen.service.engine.paged_core import PagedCore
 
     loaded = load_model(str(tiny_model_dir), device="cuda", dtype="auto", quantize=method)
@@ -211,9 +212,14 @@ def test_cuda_quantized_model_generates_in_the_paged_engine(tiny_model_dir, meth
     # the same model, a few bits coarser: logits close to the wide model's
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.98
     core = PagedCore(
-        loaded.model, max_batch_total_tokens=1024, max_batch_prefill_tokens=256,
-        max_batch_size=8, block_size=16,
-    )  # fmt: skip
+        loaded.model,
+        EngineConfig(
+            max_batch_total_tokens=1024,
+            max_batch_prefill_tokens=256,
+            max_batch_size=8,
+            block_size=16,
+        ),
+    )
     seqs = [make_seq([5, 17, 42, 99, 7, 3][: n + 1], request_id=f"g{n}") for n in range(4)]
     for seq in seqs:
         core.add(seq)

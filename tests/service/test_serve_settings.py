@@ -16,14 +16,14 @@ import pytest
 import torch
 from conftest import ServerThread, tiny_settings
 from textgen.sdk import Client
-from textgen.service.app import kv_floor
-from textgen.service.config import SettingError, Settings
-from textgen.service.engine import attention
-from textgen.service.engine.attention import BatchMetadata
+from textgen.service.engine.attention import paged as attention
+from textgen.service.engine.attention.paged import BatchMetadata
 from textgen.service.engine.kv_pool import KVCachePool
 from textgen.service.observability.logs import JsonFormatter, fail_line
 from textgen.service.observability.tracing import otlp_tracer_provider
-from textgen.service.preflight import check_cuda_settings
+from textgen.service.replica.kv_sizing import kv_floor
+from textgen.service.settings.preflight import check_cuda_settings
+from textgen.service.settings.table import SettingError, Settings
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,7 +14,6 @@ import pytest
 from google.api import httpbody_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from textgen.service.admission import Admission
 from textgen.service.engine.types import (
     EngineError,
     EngineRequest,
@@ -26,12 +25,13 @@ from textgen.service.engine.types import (
 from textgen.service.errors import ErrorType
 from textgen.service.grpc.server import build_server
 from textgen.service.grpc.servicer import ServedModel, TextGenerationServicer
+from textgen.service.intake.admission import Admission
+from textgen.service.intake.validation import Validator
 from textgen.service.observability.metrics import Metrics
 from textgen.service.observability.requests import RequestRecorder
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2 as svc_pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
-from textgen.service.validation import Validator
 from tiny_model import build_tokenizer
 
 from .limits import LIMITS

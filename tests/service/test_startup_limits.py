@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 from conftest import tiny_settings
-from textgen.service.app import kv_capacity_tokens, start_replica
-from textgen.service.config import Settings
+from textgen.service.replica.kv_sizing import kv_capacity_tokens
+from textgen.service.replica.lifecycle import start_replica
+from textgen.service.settings.table import Settings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,7 +40,7 @@ async def test_cuda_graphs_asked_for_on_cpu_are_refused_at_startup(tiny_model_di
 def test_cuda_graphs_flag_and_environment(monkeypatch):
     import argparse
 
-    from textgen.service.config import add_serve_arguments, settings_from_args
+    from textgen.service.settings.table import add_serve_arguments, settings_from_args
 
     def parsed(*argv):
         parser = argparse.ArgumentParser()

@@ -3,7 +3,7 @@
 N concurrent GenerateStream calls over gRPC; reports output tokens/s, time to first
 token and inter-token latency percentiles, as a table and as JSON. In the same run,
 after the served load and on the same prompts, `--core` measures the engine core alone
-and `--baseline` plain transformers (bench_baselines.py), and the report gives the
+and `--baseline` plain transformers (baselines.py), and the report gives the
 served figures as ratios of theirs. `--compare-serve-args` prices a server flag: a second
 server with it, loads alternating between the two; `--adapters` prices LoRA: the same load
 with its streams spread over the server's adapters, against the base model's.
@@ -18,17 +18,17 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .bench_baselines import (
+from ..settings.table import Settings, add_serve_arguments, settings_from_args
+from .baselines import (
     WARM_UP_TOKENS,
     CoreAlone,
     PlainLoop,
-    ServedConfig,
     distinct_prompts,
 )
-from .bench_loads import LOADS
+from .loads import LOADS
 
 PROMPTS = LOADS["chat"]
 
@@ -78,7 +78,7 @@ class Report:
 
 
 def load_prompts(path: str | None, load: str = "chat") -> list[str]:
-    """--prompts FILE, else the built-in --load (bench_loads.py)."""
+    """--prompts FILE, else the built-in --load (loads.py)."""
     if not path:
         return LOADS[load]
     text = Path(path).read_text()
@@ -421,8 +421,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--core",
         action="store_true",
-        help="after the load, run the same requests through the engine core alone (same "
-        "dtype and limits, no serving): served / core, and the ITL against the core's step",
+        help="after the load, run the same requests through the engine core alone (the "
+        "server's engine as its settings build it, no serving): served / core, and the ITL "
+        "against the core's step",
     )
     parser.add_argument("--json", default=None, help="write the report here as JSON")
     parser.add_argument("--timeout", type=float, default=600)
@@ -492,7 +493,7 @@ def run(args: argparse.Namespace) -> int:
                 args, f"{args.serve_args} {args.compare_serve_args}"
             )
             servers.append(server)
-        config = asyncio.run(served_config(args))
+        settings = asyncio.run(served_settings(args))
         report = asyncio.run(run_load(args, prompts))
         if args.grammar:
             report.constrained = _constrained_rounds(args, prompts, report)
@@ -503,7 +504,7 @@ def run(args: argparse.Namespace) -> int:
                 args, prompts, report, compared_target, servers[-1].pid
             )
         if args.core or args.baseline:
-            _comparison_rounds(args, prompts, config, report)
+            _comparison_rounds(args, prompts, settings, report)
     finally:
         memory = _rss_mib(servers[0].pid) if servers else (None, None)
         for server in servers:
@@ -560,7 +561,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_openai(args: argparse.Namespace, prompts: list[str]) -> int:
     """--openai URL: the load on another server's OpenAI face; nothing else to compare in
     the same run (--core and the rest need this project's gRPC Info)."""
-    from .bench_openai import run_openai_load
+    from .openai_client import run_openai_load
 
     others = ["serve", "core", "baseline", "grammar", "compare_serve_args"]
     if given := [f"--{name.replace('_', '-')}" for name in others if getattr(args, name)]:
@@ -572,33 +573,57 @@ def _run_openai(args: argparse.Namespace, prompts: list[str]) -> int:
     return 1 if report.errors else 0
 
 
-async def served_config(args) -> ServedConfig:
-    """How the server runs (its Info): the comparisons use its dtype and limits."""
+async def served_settings(args) -> Settings:
+    """The settings the served engine runs with, so that --core builds the same engine and
+    --baseline loads the same model in the same dtype: the serve flags when this bench
+    started the server (--serve), else what the server's Info says; the KV pool the size
+    the server's is, and its dtype, either way."""
     from textgen.sdk import AsyncClient
 
     async with AsyncClient(args.target, timeout=args.timeout) as client:
         info = await client.info()
-    return ServedConfig(
-        model_id=args.model_id,
+    if args.serve:
+        settings = _parse_serve_args(args)
+    else:
+        settings = Settings(
+            model_id=args.model_id,
+            quantize=info.quantize if info.HasField("quantize") else None,
+            max_batch_prefill_tokens=info.max_batch_prefill_tokens,
+            max_batch_size=info.max_batch_size,
+            deterministic=info.deterministic,
+            compile=info.compile,
+            cuda_graphs=info.cuda_graphs,
+            speculate=info.speculate,
+            speculate_max_batch=info.speculate_max_batch,
+            speculate_model=info.speculate_model if info.HasField("speculate_model") else None,
+        )
+    return replace(
+        settings,
         dtype=info.model_dtype,
         max_batch_total_tokens=info.max_batch_total_tokens,
-        max_batch_prefill_tokens=info.max_batch_prefill_tokens,
-        max_batch_size=info.max_batch_size,
-        block_size=info.kv_cache_block_size,
-        deterministic=info.deterministic,
-        speculate=0 if info.speculate_model else info.speculate,
-        speculate_max_batch=info.speculate_max_batch,
+        num_shard=None,  # the engine alone runs on one shard
     )
 
 
-def _comparison_rounds(args, prompts: list[str], config: ServedConfig, report: Report) -> None:
+def _parse_serve_args(args) -> Settings:
+    """`textgen serve`'s settings from the flags _start_server gave it (and the same
+    environment, which the server inherited)."""
+    import shlex
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    argv = (["--model-id", args.model_id] if args.model_id else []) + shlex.split(args.serve_args)
+    return settings_from_args(parser.parse_args(argv))
+
+
+def _comparison_rounds(args, prompts: list[str], settings: Settings, report: Report) -> None:
     """The same load through the engine core alone (--core) and plain transformers'
     greedy loop (--baseline), in this process while the server idles, alternating with
     the served load for --rounds rounds: each is compared with the served load just
     before it and the median ratios are reported (a shared machine's speed drifts
     between loads). Fills report.core and report.baseline."""
-    core_alone = CoreAlone(config, prompts, sampling_options(args)) if args.core else None
-    loop = PlainLoop(config) if args.baseline else None
+    core_alone = CoreAlone(settings, prompts, sampling_options(args)) if args.core else None
+    loop = PlainLoop(settings) if args.baseline else None
     requests = args.requests or args.concurrency
     served, core_rounds, loop_rounds = report, [], []
     for round_ in range(args.rounds):

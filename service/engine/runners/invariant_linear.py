@@ -2,7 +2,7 @@
 fixed blocks of `LINEAR_BLOCK_ROWS` rows, the last one zero-padded, so a row's result never
 depends on how many rows the step has.
 
-Why padding the batch to a multiple of 4 rows (runner.py) is not enough on every CPU:
+Why padding the batch to a multiple of 4 rows (model_runner.py) is not enough on every CPU:
 measured on a 2-core Intel Xeon with AMX (torch 2.13, oneDNN/MKL), a row of `F.linear`
 differs between products of 64, 65, 128 and 300 rows in float32 (input width 1536), and
 between 5-128 rows and 300 in bfloat16: the library picks its blocking by the row count.

@@ -2,8 +2,8 @@
 in the same run after the served load (nothing else running):
 
 - the engine core alone (`--core`): the same requests through `PagedCore.step()` in this
-  process, with the served engine's dtype and limits: no gRPC, no event loop, no thread
-  handoff. served / core is what the serving path costs; the core's decode step is what
+  process, the engine built from the server's own settings: no gRPC, no event loop, no
+  thread handoff. served / core is what the serving path costs; the core's decode step is what
   one stream's inter-token latency can be at best;
 - plain transformers (`--baseline`): a left-padded batched prefill, then greedy decode
   steps with a DynamicCache, in the served dtype (the loop anyone writes first), and
@@ -19,7 +19,10 @@ import inspect
 import itertools
 import statistics
 import time
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from textgen.service.settings.table import Settings
 
 # New tokens per stream of the warm-up load before every measured one (served and
 # core alone alike): allocations, caches, a connection's flow-control windows.
@@ -36,53 +39,26 @@ def distinct_prompts(prompts: list[str], count: int) -> list[str]:
     return [f"({next(_request_numbers)}) {prompts[i % len(prompts)]}" for i in range(count)]
 
 
-@dataclass(frozen=True)
-class ServedConfig:
-    """How the served engine ran (from its Info), so the comparisons run alike."""
-
-    model_id: str | None
-    dtype: str  # "bfloat16", "float32", ...
-    max_batch_total_tokens: int
-    max_batch_prefill_tokens: int
-    max_batch_size: int
-    block_size: int
-    deterministic: bool = False  # the batch-invariant engine (--deterministic)
-    # n-gram speculation (--speculate, --speculate-max-batch; 0: off). A draft model's is
-    # not rebuilt here: the core alone then runs without speculation.
-    speculate: int = 0
-    speculate_max_batch: int = 8
-
-
 # the engine core alone --------------------------------------------------------------
 
 
 class CoreAlone:
-    """The engine core in this process, built like the served one (dtype and limits):
-    load once, then `run()` the served load through it as often as needed."""
+    """The served engine in this process, built from the server's settings as the server
+    builds it (replica/assembly.py's `standalone_engine`: model, quantization, KV pool and
+    its dtype, runner strategy, speculation, adapters): load once, then `run()` the served
+    load through it as often as needed."""
 
-    def __init__(self, config: ServedConfig, prompts: list[str], sampling: dict) -> None:
+    def __init__(self, settings: Settings, prompts: list[str], sampling: dict) -> None:
         """sampling: the served requests' SamplingParams fields ({} for greedy)."""
-        from textgen.service.engine.paged_core import PagedCore
-        from textgen.service.engine.speculation import SpeculationSettings
-        from textgen.service.models import load_model
+        from textgen.service.replica.assembly import standalone_engine
 
-        self.config = config
+        self.settings = settings
         self.prompts = prompts
         self.sampling = sampling
-        loaded = load_model(config.model_id, dtype=config.dtype, device="auto")
+        loaded, self.core = standalone_engine(settings)
+        self.dtype = str(loaded.dtype).removeprefix("torch.")
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
-        self.core = PagedCore(
-            loaded.model,
-            max_batch_total_tokens=config.max_batch_total_tokens,
-            max_batch_prefill_tokens=config.max_batch_prefill_tokens,
-            max_batch_size=config.max_batch_size,
-            block_size=config.block_size,
-            batch_invariant=config.deterministic,
-            speculation=SpeculationSettings(config.speculate, config.speculate_max_batch)
-            if config.speculate
-            else None,
-        )
         self._requests = 0
 
     def run(
@@ -99,7 +75,7 @@ class CoreAlone:
                 concurrency, requests, max_new_tokens, ignore_eos
             )
         return {
-            "dtype": self.config.dtype,
+            "dtype": self.dtype,
             "output_tokens": tokens,
             "output_tokens_per_s": round(tokens / elapsed, 2),
             "decode_step_p50_ms": round(1000 * statistics.median(decode_steps), 2)
@@ -155,11 +131,11 @@ class PlainLoop:
     """Plain transformers on the same model, in the served dtype: load once, then
     `run()` the batched greedy loop on the served load's prompts as often as needed."""
 
-    def __init__(self, config: ServedConfig) -> None:
+    def __init__(self, settings: Settings) -> None:
         from textgen.service.models import load_model
 
-        self.config = config
-        self.loaded = load_model(config.model_id, dtype=config.dtype, device="auto")
+        self.loaded = load_model(settings.model_id, dtype=settings.dtype, device="auto")
+        self.dtype = str(self.loaded.dtype).removeprefix("torch.")
 
     def run(self, prompts: list[str], batch: int, max_new_tokens: int) -> dict:
         """The greedy loop on `batch` prompts (the served load's first ones, numbered as
@@ -167,7 +143,7 @@ class PlainLoop:
         batch_prompts = distinct_prompts(prompts, batch)
         loaded = self.loaded
         return {
-            "dtype": self.config.dtype,
+            "dtype": self.dtype,
             "loop_tokens_per_s": round(
                 _greedy_loop(loaded.model, loaded.tokenizer, batch_prompts, max_new_tokens), 2
             ),

@@ -10,7 +10,7 @@ On CPU each local rank gets its own cores (disjoint affinity, `--torch-threads` 
 default the available CPUs split evenly); on CUDA rank R takes GPU R of those visible.
 
 A local shard that dies is seen by `ShardProcesses.dead()` within a poll; a remote one by the
-next collective, which fails. Either way the server stops serving and exits non-zero (app.py):
+next collective, which fails. Either way the server stops serving and exits non-zero (lifecycle.py):
 a half model cannot answer, and a supervisor restarts the whole group. Every group operation
 has a timeout (`GROUP_TIMEOUT_S`), so no rank waits forever on one that is gone.
 """
@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
-from .child_process import die_with_parent
-from .config import SettingError, Settings, settings_argv
-from .cpus import available_cpus
+from ..processes.child_process import die_with_parent
+from ..processes.cpus import available_cpus
+from ..settings.table import SettingError, Settings, settings_argv
 
 log = logging.getLogger("textgen.shards")
 
@@ -147,7 +147,7 @@ def _spawn(rank: int, world_size: int, argv: list[str]) -> subprocess.Popen:
         [*command, "--num-shard", str(world_size), *argv],
         env=env,
         stdin=subprocess.DEVNULL,
-        preexec_fn=die_with_parent,  # noqa: PLW1509 - one prctl call (child_process.py)
+        preexec_fn=die_with_parent,  # noqa: PLW1509 - one prctl call (processes/child_process.py)
     )
 
 

@@ -2,7 +2,7 @@
 
 Rank 0 holds the scheduler, the engine loop and everything above them; every rank holds a
 slice of the model (models/sharding.py) and a KV pool of its own heads, the same number of
-blocks each. A step's device side (runner.py's `run(StepInputs)`) runs on every rank in
+blocks each. A step's device side (model_runner.py's `run(StepInputs)`) runs on every rank in
 lockstep: rank 0's `ShardedRunner` sends the step's inputs to the others in a fixed layout
 (one small header, then one int64 tensor: no pickled objects), every rank runs its runner
 stack (eager, compiled or CUDA graphs, the same choice on every rank since it depends only
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .runner import StepInputs, StepRunner
+from .model_runner import StepInputs, StepRunner
 
 log = logging.getLogger("textgen.engine")
 
@@ -161,7 +161,7 @@ def decode(
 
 
 class ShardedRunner(StepRunner):
-    """Rank 0's runner (the Runner protocol, runner.py): each step's inputs to every rank,
+    """Rank 0's runner (the Runner protocol, model_runner.py): each step's inputs to every rank,
     the same device side on each, the logits gathered here."""
 
     def __init__(self, inner, group: ShardGroup) -> None:

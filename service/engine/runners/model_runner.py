@@ -2,8 +2,8 @@
 flattened ragged batch and hands back the logits the step needs.
 
 The model's own code runs unchanged; only its attention is swapped for our paged function
-(attention.py) through `AttentionInterface`. The runner never touches queues; the scheduler
-never touches tensors.
+(engine/attention/paged.py) through `AttentionInterface`. The runner never touches queues;
+the scheduler never touches tensors.
 
 A step has two sides. The host side (`StepRunner.execute`, the same for every runner) lays
 the scheduled sequences out as a flattened batch, `StepInputs`: plain token ids, positions,
@@ -11,9 +11,9 @@ per-entry query and context lengths, block tables and the rows whose logits are 
 no Sequence in it. A decode verifying proposed tokens (speculation.py) is one more chunk
 there: its last token and its proposals, every row kept. The device side (`run(inputs)`)
 turns those into logits: `ModelRunner` eagerly, cuda_graphs.py's GraphedRunner through its
-graphs for pure decodes (a verifying step is not one: eager), compiled_decode.py's
+graphs for pure decodes (a verifying step is not one: eager), compiled.py's
 CompiledRunner through its graphs for decodes and verifying steps alike (each keeps every
-token's logits), and shards.py's ShardedRunner by sending the inputs to the other ranks,
+token's logits), and sharded.py's ShardedRunner by sending the inputs to the other ranks,
 which run the same device side on their slice of the model. The host side then picks the
 sampled rows and prompt logprobs out of the logits.
 
@@ -42,19 +42,19 @@ from typing import Protocol
 import torch
 from transformers import AttentionInterface
 
-from ..models.lora_layers import LoraLayers, LoraStep, bound_lora, register_layers
-from .adapters import AdapterRegistry, SlotTable
-from .attention import ATTENTION_NAME, METADATA_KWARG, BatchMetadata, paged_attention_forward
-from .invariant_attention import ROW_MULTIPLE
+from ...models.lora_layers import LoraLayers, LoraStep, bound_lora, register_layers
+from ..adapters import AdapterRegistry, SlotTable
+from ..attention.invariant import ROW_MULTIPLE
+from ..attention.paged import ATTENTION_NAME, METADATA_KWARG, BatchMetadata, paged_attention_forward
+from ..kv_pool import KVCachePool
+from ..scheduler import SchedulerOutput
+from ..sequence import Sequence
 from .invariant_linear import (
     LINEAR_BLOCK_ROWS,
     fixed_rows_linears,
     linear_modules,
     probe_min_rows,
 )
-from .kv_pool import KVCachePool
-from .scheduler import SchedulerOutput
-from .sequence import Sequence
 
 # Layer kinds the flattened batch handles; anything else (conv, mamba, linear attention)
 # keeps per-sequence state the paged cache doesn't have.
@@ -108,7 +108,7 @@ class StepInputs:
     @property
     def is_pure_decode(self) -> bool:
         """Every entry computes one token and keeps its logits (its sequence's last token):
-        the steps the runner strategies (cuda_graphs.py, compiled_decode.py) take over."""
+        the steps the runner strategies (cuda_graphs.py, compiled.py) take over."""
         return len(self.keep) == len(self.query_lens) and all(n == 1 for n in self.query_lens)
 
     @classmethod
@@ -118,7 +118,7 @@ class StepInputs:
 
 class Runner(Protocol):
     """What PagedCore drives: ModelRunner, or a strategy wrapping it (cuda_graphs.py's
-    GraphedRunner, compiled_decode.py's CompiledRunner, shards.py's ShardedRunner)."""
+    GraphedRunner, compiled.py's CompiledRunner, sharded.py's ShardedRunner)."""
 
     pool: KVCachePool
     batch_invariant: bool
@@ -384,7 +384,7 @@ def lay_out(
     # Single-token queries first: they form the cheap decode groups of the attention (and
     # the padding tokens join them). Then the chunks, those that start their sequence
     # first. Each kind runs largest first, so that the attention can cut a run into groups
-    # where sizes fall far apart (attention.py, `_split_run`). With LoRA adapters, the
+    # where sizes fall far apart (engine/attention/paged.py, `_split_run`). With LoRA adapters, the
     # decodes of one adapter run together (largest first within it): each adapter's rows
     # are then one slice of the batch for the LoRA matmuls, not gathered and scattered.
     decodes = [e for e in batch.scheduled if e[1] == 1]
@@ -420,7 +420,7 @@ def attention_size(entry: tuple[Sequence, int]) -> int:
 
 
 def check_model_supported(model: torch.nn.Module) -> None:
-    """Refuse models the paged path would serve wrong text for (engine-facts)."""
+    """Refuse models the paged path would serve wrong text for."""
     name = type(model).__name__
     if not model._can_set_attn_implementation():
         raise ValueError(

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from ..models.lora_layers import LoraStep
-from . import attention
-from .attention import BatchMetadata
-from .runner import ModelRunner, StepInputs, StepRunner, decode_bucket
+from ...models.lora_layers import LoraStep
+from ..attention import paged as attention
+from ..attention.paged import BatchMetadata
+from .model_runner import ModelRunner, StepInputs, StepRunner, decode_bucket
 
 log = logging.getLogger("textgen.engine")
 
@@ -203,7 +203,7 @@ class _DecodeGraph:
 
 
 class GraphedRunner(StepRunner):
-    """The Runner protocol (runner.py): pure decode steps from graphs, the rest eagerly."""
+    """The Runner protocol (model_runner.py): pure decode steps from graphs, the rest eagerly."""
 
     def __init__(self, eager: ModelRunner, settings: GraphSettings) -> None:
         reason = unavailable_reason(eager.device, capture=settings.capture)

@@ -19,8 +19,8 @@ Three backends; this module only picks one per call (`_pick_kernel`):
   ones' length (`_split_run`). A sequence decoding alone (one stream) attends a slice of
   its gathered keys with no mask: SDPA's fastest case, as in plain transformers' decode. With
   `batch_invariant` the keys are cut into fixed chunks and each row's result no longer
-  depends on the rest of the batch (invariant_attention.py).
-- CUDA with `triton`: triton_attention.py's kernel, one launch per layer for decodes and
+  depends on the rest of the batch (invariant.py).
+- CUDA with `triton`: triton_kernel.py's kernel, one launch per layer for decodes and
   chunks alike, reading the pool in place through the block tables.
 - CUDA with the `flash_attn` package: `flash_attn_varlen_func` over the unpadded batch.
 """
@@ -37,9 +37,9 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from . import invariant_attention
-from .invariant_attention import ChunkedMask
-from .kv_pool import KVCachePool, LayerCache, read_blocks, read_slots
+from ..kv_pool import KVCachePool, LayerCache, read_blocks, read_slots
+from . import invariant as invariant_attention
+from .invariant import ChunkedMask
 
 try:  # optional CUDA kernel; absent on CPU machines
     from flash_attn import flash_attn_varlen_func
@@ -47,7 +47,7 @@ except ImportError:  # pragma: no cover - depends on the install
     flash_attn_varlen_func = None
 
 # The registry name. It must not contain "sdpa": transformers treats such names as SDPA and
-# refuses them on models without SDPA support (engine-facts).
+# refuses them on models without SDPA support.
 ATTENTION_NAME = "textgen_paged"
 # The keyword argument that carries the BatchMetadata through the model.
 METADATA_KWARG = "textgen_batch"
@@ -218,7 +218,7 @@ class BatchMetadata:
         block_tables: torch.Tensor,
     ) -> BatchMetadata:
         """A layout of B one-token queries over tensors the caller owns and rewrites in place
-        before each step, for CUDA-graph replay (cuda_graphs.py): slot_mapping `[B]`,
+        before each step, for CUDA-graph replay (engine/runners/cuda_graphs.py): slot_mapping `[B]`,
         positions `[B]` (each query's position) and block_tables `[B, max_blocks]` (long, on
         the device). Call `refresh_static()` at the start of each forward, inside the graph.
 
@@ -551,7 +551,7 @@ def _paged_attention(
     return attend(query, cache, meta, scaling, window, softcap)
 
 
-# compiled decode steps (compiled_decode.py): the attention as one opaque op ----------------
+# compiled decode steps (runners/compiled.py): the attention as one opaque op -----------------
 
 # The step's BatchMetadata while a compiled forward runs: block tables and context lengths
 # change every step, and as graph inputs they would make torch.compile recompile.
@@ -674,7 +674,7 @@ def _attend_single(
     # [1, KVH, n, D], an 8-bit pool's widened
     keys = read_slots(cache.key_rows, slots, cache.keys.dtype, query.dtype).transpose(1, 2)
     values = read_slots(cache.value_rows, slots, cache.values.dtype, query.dtype).transpose(1, 2)
-    # GQA fold (engine-facts): [1, KVH, G, D], the G query heads of a KV head as G rows
+    # GQA fold: [1, KVH, G, D], the G query heads of a KV head as G rows
     rows = query.view(1, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = _attend(rows, keys, values, None, scaling, softcap)
     return out.reshape(1, 1, num_heads, out.shape[-1])
@@ -691,7 +691,7 @@ def _attend_decodes(
     """One query token per sequence: query `[H, b, D]` -> `[b, H, Dv]`."""
     num_heads, b, head_dim = query.shape
     num_kv_heads = cache.keys.shape[2]
-    # GQA fold (engine-facts): the G query heads sharing a KV head become G query rows,
+    # GQA fold: the G query heads sharing a KV head become G query rows,
     # [b, KVH, G, D]; several times faster on CPU than SDPA's enable_gqa.
     rows = query.transpose(0, 1).reshape(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
     # the mask has one row per sequence: it broadcasts over the G rows
@@ -803,9 +803,9 @@ def _attend(
 
 @functools.cache
 def _triton_module() -> ModuleType | None:
-    """triton_attention.py, imported on first use: CPU processes never import triton."""
+    """triton_kernel.py, imported on first use: CPU processes never import triton."""
     try:
-        from . import triton_attention
+        from . import triton_kernel as triton_attention
     except ImportError:  # pragma: no cover - depends on the install
         return None
     return triton_attention

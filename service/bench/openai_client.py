@@ -14,8 +14,8 @@ import json
 import sys
 import time
 
-from .bench import RequestResult, summarize
-from .bench_baselines import WARM_UP_TOKENS, distinct_prompts
+from .baselines import WARM_UP_TOKENS, distinct_prompts
+from .command import RequestResult, summarize
 
 
 def completion_body(args, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:

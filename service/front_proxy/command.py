@@ -1,11 +1,11 @@
-"""`textgen proxy`: Envoy in front of several replicas (DESIGN.md §8).
+"""`textgen proxy`: Envoy in front of several replicas (README, "Several replicas").
 
 The same HTTP faces and native gRPC as `textgen serve`'s Envoy, over N gRPC
 replicas (`textgen serve --no-envoy`): least-request balancing, gRPC health
 checks, outlier detection, and a retry onto another replica of a request refused
 before its first byte (overloaded, draining, dead). The config is
 textgen.envoy.config's `render(front=True)`; the process is supervised by
-service/proxy.py, as `textgen serve` supervises its own Envoy.
+service/processes/envoy.py, as `textgen serve` supervises its own Envoy.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from textgen.envoy import config as envoy_config
 from textgen.envoy.docs import installed_swagger_ui
 from textgen.sdk.keepalive import DEFAULT_KEEPALIVE, Keepalive
 
-from .config import ENV_PREFIX
-from .proxy import ip_literal, start_front_proxy
+from ..processes.envoy import ip_literal, start_front_proxy
+from ..settings.table import ENV_PREFIX
 
 log = logging.getLogger("textgen.proxy")
 

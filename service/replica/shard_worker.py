@@ -2,7 +2,7 @@
 
 It joins the ranks' group, loads its slice of the model, builds the same runner stack as
 rank 0 over a KV pool of the size rank 0 decides, and runs whatever steps rank 0 sends
-(engine/shards.py, `follow_steps`) until rank 0 says stop or is gone. Exit status 0 after a
+(engine/runners/sharded.py, `follow_steps`) until rank 0 says stop or is gone. Exit status 0 after a
 stop, 1 when a rank is gone or a step failed.
 """
 
@@ -10,23 +10,12 @@ from __future__ import annotations
 
 import logging
 
-from .app import (
-    KV_BLOCK_SIZE,
-    cap_cuda_memory,
-    compile_settings,
-    cuda_graph_settings,
-    load_adapters,
-    load_options,
-    lora_plan,
-)
-from .config import Settings
-from .engine.block_manager import num_blocks_for_tokens
-from .engine.kv_pool import KV_CACHE_DTYPES
-from .engine.paged_core import build_runner
-from .engine.shards import ShardGroup, agree, follow_steps
-from .models import load_model
-from .models.loader import LoraSetup, ModelShard
-from .preflight import device_type
+from ..engine.paged_core import build_runner
+from ..engine.runners.sharded import ShardGroup, agree, follow_steps
+from ..models.loader import ModelShard
+from ..settings.preflight import device_type
+from ..settings.table import Settings
+from .assembly import cap_cuda_memory, engine_config, load_adapters, load_served, lora_plan
 from .shard_processes import join, leave, pin, placement
 
 log = logging.getLogger("textgen.shards")
@@ -41,31 +30,15 @@ def run_shard(settings: Settings, rank: int, world_size: int, local_rank: int = 
     try:
         cap_cuda_memory(settings, str(place.device))
         plan = lora_plan(settings)
-        loaded = load_model(
-            settings.model_id,
-            settings.revision,
-            settings.dtype,
-            place.device,
-            quantize=settings.quantize,
-            shard=ModelShard(rank, world_size, groups.model),
-            options=load_options(settings),
-            lora=LoraSetup(plan.slots, plan.max_rank) if plan else None,
+        loaded = load_served(
+            settings, place.device, ModelShard(rank, world_size, groups.model), plan
         )
         # the same adapters in the same order as rank 0: the same uids, sliced for this rank
         adapters = load_adapters(settings, loaded, plan) if plan else None
         capacity = agree(0, groups.control)  # rank 0 sizes the pool; every rank the same
         _, max_total = settings.resolved_limits(loaded.max_position_embeddings, capacity)
-        runner = build_runner(
-            loaded.model,
-            num_blocks_for_tokens(capacity, KV_BLOCK_SIZE),
-            KV_BLOCK_SIZE,
-            cuda_graphs=cuda_graph_settings(settings, loaded, max_total),
-            compile=compile_settings(settings, loaded),
-            custom_kernels=not settings.disable_custom_kernels,
-            lora=loaded.lora,
-            adapters=adapters,
-            kv_cache_dtype=KV_CACHE_DTYPES.get(settings.kv_cache_dtype),
-        )
+        config = engine_config(settings, loaded, capacity, max_total)  # rank 0's, as it built
+        runner = build_runner(loaded.model, config, loaded.lora, adapters)
         group = ShardGroup(
             rank,
             world_size,

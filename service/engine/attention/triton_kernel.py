@@ -10,7 +10,7 @@ softmax over the tiles. Decodes are query blocks of one token; a batch of decode
 is one launch whose grid depends only on the token and sequence counts.
 
 The pools are `[num_blocks, block_size, KVH, D]` (kv_pool.py) and the step's new K/V are
-already in them. This module imports triton at the top: attention.py imports it lazily, so a
+already in them. This module imports triton at the top: paged.py imports it lazily, so a
 machine without triton never loads it. Under `TRITON_INTERPRET=1` the kernel runs on CPU
 tensors, which is how tests/engine/test_triton_attention.py checks it against the SDPA path.
 """

@@ -13,12 +13,12 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .engine.adapters import AdapterRegistry
-from .engine.block_manager import num_blocks_for_choices
-from .engine.types import EngineRequest, SamplingParams, StoppingParams
-from .errors import ErrorType
+from ..engine.adapters import AdapterRegistry
+from ..engine.block_manager import num_blocks_for_choices
+from ..engine.types import EngineRequest, SamplingParams, StoppingParams
+from ..errors import ErrorType
+from ..models.lora import LoraAdapter
 from .grammar_compiler import GrammarCompiler, GrammarError
-from .models.lora import LoraAdapter
 from .request import GenerateParameters, GenerateRequest, Grammar
 
 # Below these, logits / temperature (or / penalty) overflow float32 to inf: the
@@ -398,7 +398,7 @@ class Validator:
     def _max_new_tokens(self, check: _Checker, requested: int | None, input_length: int) -> int:
         """The request's max_new_tokens (already checked positive), or what fits in
         max_total_tokens after the prompt. Validation is the one place it is bounded:
-        the KV pool holds at least max_total_tokens (checked at startup, app.py)."""
+        the KV pool holds at least max_total_tokens (checked at startup, replica/kv_sizing.py)."""
         limits = self.limits
         max_new = (
             requested if requested is not None else max(limits.max_total_tokens - input_length, 0)

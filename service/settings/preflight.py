@@ -1,6 +1,6 @@
 """Everything about the settings that can be checked before the model loads.
 
-config.py refuses a value out of its own bounds; this refuses what only the other
+table.py refuses a value out of its own bounds; this refuses what only the other
 settings, the model's config or the machine can show: token limits against each other
 and against the model's context (read from its config.json, before any weight), the
 device, dtype and quantization, the decode strategies the device can run, files that
@@ -21,7 +21,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import SettingError, Settings, flag_name
+from .table import SettingError, Settings, flag_name
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,8 @@ def chat_template_of(path_text: str) -> str | dict:
 
 
 def _check_weights_folder(folder: str) -> None:
-    from .models.errors import ModelError
-    from .models.hub import check_model_folder
+    from ..models.errors import ModelError
+    from ..models.hub import check_model_folder
 
     path = Path(folder).expanduser()
     if not path.is_dir():
@@ -227,15 +227,15 @@ def check_quantization(settings: Settings, kind: str, config: dict) -> None:
     """The quantization rules of models/quantize.py and checkpoint_quant.py for --quantize
     and the checkpoint's own quantization_config, on the device found above; and what
     a quantized checkpoint can't be served with."""
-    from .models.checkpoint_quant import checkpoint_method
+    from ..models.checkpoint_quant import checkpoint_method
 
     if settings.quantize is None and not _quantized_checkpoint(config):
         return
     import torch
 
-    from .models.errors import ModelError
-    from .models.loader import select_dtype
-    from .models.quantize import QuantizationError, resolve_quantization
+    from ..models.errors import ModelError
+    from ..models.loader import select_dtype
+    from ..models.quantize import QuantizationError, resolve_quantization
 
     wanted = settings.device
     dev = torch.device(kind if wanted == "auto" else wanted)
@@ -348,8 +348,8 @@ def check_speculation(settings: Settings) -> None:
         raise SettingError(
             "--speculate-model", settings.speculate_model, "is not supported with --num-shard > 1"
         )
-    from .models.errors import ModelError
-    from .models.hub import config_json
+    from ..models.errors import ModelError
+    from ..models.hub import config_json
 
     try:
         config_json(settings.speculate_model, None)
@@ -363,8 +363,8 @@ def check_speculation(settings: Settings) -> None:
 def model_config(settings: Settings) -> tuple[str, dict]:
     """(the model as named, its config.json): the embedded model's, a local folder's, or
     the Hub's (config.json alone is fetched)."""
-    from .models.errors import ModelError
-    from .models.hub import config_json
+    from ..models.errors import ModelError
+    from ..models.hub import config_json
 
     try:
         return config_json(
@@ -379,7 +379,7 @@ def model_config(settings: Settings) -> tuple[str, dict]:
 
 def check_remote_code(settings: Settings, model: str, config: dict) -> None:
     """A model whose type only its own code knows needs --trust-remote-code."""
-    from .models.hub import needs_remote_code
+    from ..models.hub import needs_remote_code
 
     if needs_remote_code(config) and not settings.trust_remote_code:
         raise SettingError(
@@ -391,8 +391,8 @@ def check_remote_code(settings: Settings, model: str, config: dict) -> None:
 
 
 def _context(model: str, config: dict) -> int:
-    from .models.errors import ModelError
-    from .models.hub import context_length
+    from ..models.errors import ModelError
+    from ..models.hub import context_length
 
     try:
         return context_length(config)
@@ -402,8 +402,8 @@ def _context(model: str, config: dict) -> int:
 
 def check_shards(settings: Settings, kind: str, config: dict) -> int:
     """--num-shard against the device and the model's heads; -> the number of shards."""
-    from .models.shard_layout import ShardingError, shard_layout
-    from .shard_processes import num_shards
+    from ..models.shard_layout import ShardingError, shard_layout
+    from ..replica.shard_processes import num_shards
 
     world_size = num_shards(settings, kind, visible_gpus() if kind == "cuda" else 0)
     if world_size == 1:
@@ -465,7 +465,7 @@ def check_lora(settings: Settings, base_names: tuple[str, ...]) -> LoraPlan | No
     """--lora-adapters (each adapter's config: a LoRA textgen serves, trained on this model,
     within --max-lora-rank), --max-loras and --max-lora-rank; -> the slots (None: no LoRA).
     The weights are read and checked against the layers once the model is loaded."""
-    from .models.lora import (
+    from ..models.lora import (
         AdapterError,
         check_adapter_config,
         read_adapter_config,
@@ -503,7 +503,7 @@ def check_lora(settings: Settings, base_names: tuple[str, ...]) -> LoraPlan | No
 def base_model_names(settings: Settings, model: str) -> tuple[str, ...]:
     """What an adapter's base_model_name_or_path may call the served model: its id and,
     for a local or embedded one, its folder."""
-    from .models.embedded import EMBEDDED_ALIASES, converted_embedded
+    from ..models.embedded import EMBEDDED_ALIASES, converted_embedded
 
     names = [model]
     if settings.model_id is None or settings.model_id in EMBEDDED_ALIASES:
@@ -528,7 +528,7 @@ def check_kv_capacity(settings: Settings, max_total_tokens: int) -> None:
 def check_envoy(settings: Settings) -> None:
     if settings.no_envoy:
         return
-    from .proxy import EnvoyError, envoy_binary
+    from ..processes.envoy import EnvoyError, envoy_binary
 
     try:
         envoy_binary()

@@ -33,10 +33,10 @@ from unittest import mock
 import torch
 from tqdm import tqdm
 
-from ..models.lora_layers import bound_lora
-from .attention import BatchMetadata, bound_metadata
-from .runner import ModelRunner, StepInputs, StepRunner
-from .speculation import SpeculationSettings
+from ...models.lora_layers import bound_lora
+from ..attention.paged import BatchMetadata, bound_metadata
+from ..speculation import SpeculationSettings
+from .model_runner import ModelRunner, StepInputs, StepRunner
 
 log = logging.getLogger("textgen.engine")
 
@@ -89,7 +89,7 @@ class CompileStats:
 
 
 class CompiledRunner(StepRunner):
-    """The Runner protocol (runner.py): decode and verification steps through compiled
+    """The Runner protocol (model_runner.py): decode and verification steps through compiled
     graphs, the rest eagerly."""
 
     def __init__(self, eager: ModelRunner, settings: CompileSettings) -> None:
@@ -190,7 +190,7 @@ class CompiledRunner(StepRunner):
 
     def _run_padded(self, inputs: StepInputs, bucket: int) -> torch.Tensor:
         """The entries of `inputs` in the eager layout's order (longest context first: the
-        attention may then split them where contexts fall far apart, attention.py's
+        attention may then split them where contexts fall far apart, engine/attention/paged.py's
         `_split_run`), padded to `bucket` tokens with one-token entries."""
         n = len(inputs.token_ids)
         pad = bucket - n

@@ -2,7 +2,7 @@
 
 A TGI deployment is a command line or a set of variables (`--model-id X --num-shard 2`,
 `MODEL_ID=X`, `docker run IMAGE --model-id X`). This entry point takes them as they are
-and translates them onto textgen's settings table (config.py), then serves exactly as
+and translates them onto textgen's settings table (table.py), then serves exactly as
 `textgen serve` does: the same preflight, the same server. It keeps no rules of its own
 beyond TGI's translation; every TGI flag is in FLAGS with what textgen does with it:
 
@@ -31,8 +31,8 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 
-from . import __version__
-from .config import (
+from .. import __version__
+from .table import (
     QUANTIZE_METHODS,
     Settings,
     env_value,
@@ -458,8 +458,8 @@ def launcher_table() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import serve_settings
-    from .observability.logs import configure_logging, fail_line
+    from ..cli import serve_settings
+    from ..observability.logs import configure_logging, fail_line
 
     argv = sys.argv[1:] if argv is None else argv
     environ = os.environ

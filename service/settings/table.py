@@ -491,7 +491,7 @@ class Settings:
     max_batch_size: int = option(256, "most sequences per step", positive_int)
     # TGI's --waiting-served-ratio and --max-waiting-tokens have no counterpart: prefill
     # chunks ride in the decodes' forward, so nothing needs rationing (engine/scheduler.py;
-    # text-generation-launcher accepts them as TGI 3 does with chunked prefill: launcher.py)
+    # text-generation-launcher accepts them as TGI 3 does with chunked prefill: tgi_launcher.py)
     validation_workers: int = option(
         2, "threads that validate long prompts and compile grammars (TGI's flag)", positive_int
     )

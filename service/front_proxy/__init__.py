@@ -1,0 +1,1 @@
+"""`textgen proxy`: Envoy in front of several replicas."""

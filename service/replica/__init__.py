@@ -1,0 +1,2 @@
+"""One replica: assembled from the settings, started, drained and stopped, with its shard
+processes."""

@@ -1,0 +1,78 @@
+"""How many tokens the KV pool holds: --max-batch-total-tokens, or a share of the memory
+free once the weights are loaded, in the pool's dtype; never less than one request of
+--max-total-tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.kv_pool import KV_CACHE_DTYPES
+from ..models import LoadedModel
+from ..settings.preflight import check_kv_capacity
+from ..settings.table import DEFAULT_MAX_TOTAL_TOKENS, Settings
+
+# Share of free memory the KV cache takes when --max-batch-total-tokens is unset: most
+# of what a GPU has left after the weights; on CPU a tenth of free RAM, since the pool
+# is zero-filled up front and shares the machine with everything else.
+KV_MEMORY_FRACTION = {"cuda": 0.85, "cpu": 0.1}
+KV_BLOCK_SIZE = 16
+
+
+def kv_bytes_per_token(
+    model: torch.nn.Module, dtype: torch.dtype, kv_heads: int | None = None
+) -> int:
+    """KV-cache bytes one token takes in this process's pool (`kv_heads`: a shard's own)."""
+    cfg = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
+    heads = kv_heads or getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers * 2 * heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def free_memory_bytes(device: torch.device, cuda_memory_fraction: float = 1.0) -> int:
+    """Memory still free for the KV cache; on CUDA within --cuda-memory-fraction of the
+    device's total, less what torch holds already (the weights)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        if cuda_memory_fraction < 1.0:
+            allowed = int(total * cuda_memory_fraction) - torch.cuda.memory_reserved(device)
+            free = max(0, min(free, allowed))
+        return free
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def kv_floor(settings: Settings, context: int) -> int:
+    """The fewest tokens the KV pool holds: one request of --max-total-tokens. With
+    --full-context, which the pool then bounds, one of serve's default length (or just
+    past --max-input-tokens), or --max-batch-total-tokens when that is given."""
+    if settings.max_total_tokens or not settings.full_context:
+        return settings.resolved_limits(context)[1]
+    if settings.max_batch_total_tokens:
+        return min(context, settings.max_batch_total_tokens)
+    return min(context, max(DEFAULT_MAX_TOTAL_TOKENS, (settings.max_input_tokens or 0) + 1))
+
+
+def kv_cache_dtype(settings: Settings, loaded: LoadedModel) -> torch.dtype:
+    """The KV pool's storage dtype: --kv-cache-dtype, else the model's."""
+    return KV_CACHE_DTYPES[settings.kv_cache_dtype] if settings.kv_cache_dtype else loaded.dtype
+
+
+def kv_capacity_tokens(settings: Settings, loaded: LoadedModel, max_total_tokens: int) -> int:
+    """--max-batch-total-tokens, or what a share of free memory holds in the pool's dtype
+    (--kv-cache-dtype): at least one full-length request either way (a smaller pool is
+    refused at startup, so that validation's bound, max_total_tokens, is the only one a
+    request meets)."""
+    if settings.max_batch_total_tokens:
+        check_kv_capacity(settings, max_total_tokens)
+        return settings.max_batch_total_tokens
+    layout = loaded.shard_layout
+    per_token = kv_bytes_per_token(
+        loaded.model, kv_cache_dtype(settings, loaded), layout.kv_heads_per_rank if layout else None
+    )
+    fraction = KV_MEMORY_FRACTION.get(loaded.device.type, 0.1)
+    free = free_memory_bytes(loaded.device, settings.cuda_memory_fraction)
+    fits = int(free * fraction) // per_token
+    return max(max_total_tokens, min(fits, 1 << 20))
