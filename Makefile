@@ -1,4 +1,5 @@
-# The two commands a new user needs: `make serve` and `make test`.
+# The two commands a new user needs: `make serve` and `make test` (`make test-fast`: the
+# tests that start no server or subprocess, in under 3 minutes).
 # Everything installs into .venv (Python 3.11) and .tools (buf, from the npm registry).
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -24,13 +25,19 @@ TGI_CLIENT := text-generation==0.7.0
 
 SERVE_ARGS ?=
 
-.PHONY: serve test proto lint-proto tools install-server install-test clean
+.PHONY: serve test test-fast proto lint-proto tools install-server install-test clean
 
 serve: $(VENV)/.installed-server
 	@$(BIN)/textgen serve $(SERVE_ARGS)
 
+# Every test, the slowest 25 named at the end.
 test: $(VENV)/.installed-test $(BUF)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=25
+
+# The tiers (tests/support/tiers.py) left out: tests that start a server or a subprocess
+# (`server`), need a CUDA device (`gpu`) or load the embedded model (`slow`). A few minutes.
+test-fast: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -m "not server and not gpu and not slow" --durations=25
 
 proto: $(VENV)/.installed-test
 	$(BIN)/python scripts/codegen.py

@@ -5,11 +5,14 @@ routes Envoy serves (textgen.envoy.config.ROUTES; tests/integration/test_fuzz.py
 match), with TGI's request and response schemas kept and adjusted where textgen differs:
 
 - TGI routes: `GenerateParameters` gains presence_penalty, logit_bias, ignore_eos and
-  max_time, and states the bounds validation enforces; `grammar`
+  max_time, and states the bounds validation enforces (its constants,
+  service/intake/validation.py, and the server's default limits, Settings'; an
+  `exclusiveMinimum` of 0 is TGI's "must be strictly positive"); `grammar`
   (json / json_schema / regex) constrains the output; responses carry
   `details.input_length` and `details.timings`; a seed is a JSON number (it is echoed
   as a double); `finish_reason` may be `time_limit`; a stream may end with an in-band
-  `{"error", "error_type"}` event.
+  `{"error", "error_type"}` event. GET /info's `Info` is the InfoResponse message
+  (info_schema(), from the contract's descriptor set and its comments).
 - OpenAI routes (/v1/*): the request fields service/openai parses, with OpenAI's types
   (`stop` a string or a list, `logit_bias` a map, content a string or text parts);
   OpenAI's response and chunk shapes; OpenAI's error object. /v1/responses (OpenAI's
@@ -38,9 +41,20 @@ import json
 import tomllib
 from pathlib import Path
 
+from google.protobuf import descriptor_pb2
+from textgen.envoy.contract import DESCRIPTOR
 from textgen.service.errors import ErrorType
 from textgen.service.errors import ErrorType as E
+from textgen.service.intake.validation import (
+    INT32_MAX,
+    INT32_MIN,
+    LOGIT_BIAS_BOUND,
+    MAX_MASS,
+    MIN_MASS,
+    PENALTY_BOUND,
+)
 from textgen.service.openai import protocol, responses_protocol
+from textgen.service.settings.table import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 TGI_SPEC = REPO / "tests" / "data" / "tgi-openapi.json"
@@ -49,7 +63,8 @@ OUT = REPO / "envoy" / "openapi.json"
 UINT64_MAX = 2**64 - 1
 # A token id as a JSON object key (3.1's propertyNames; uint32 on the wire).
 TOKEN_ID = {"type": "string", "pattern": "^[0-9]{1,10}$"}
-INT32_MAX = 2**31 - 1
+# The server's defaults for the limits a request meets (--max-top-n-tokens, ...).
+DEFAULTS = Settings()
 
 # The error_types a typed error may carry (service/errors.py's vocabulary). Envoy's
 # fallbacks for an unexpected failure (`internal`, `proxy`, `unimplemented`) are not
@@ -128,6 +143,11 @@ def clean(node):
 # TGI's face ------------------------------------------------------------------------
 
 
+def _number(value: float) -> int | float:
+    """A bound as JSON writes it most simply (1, not 1.0)."""
+    return int(value) if float(value).is_integer() else value
+
+
 def _bounded(kind: str, description: str, *, fmt: str | None = None, **bounds) -> dict:
     schema = {"type": kind, "description": description, "nullable": True}
     if fmt:
@@ -143,7 +163,7 @@ def _priority() -> dict:
         " order; a full bounded queue refuses the lowest first. Unset: the"
         " `x-textgen-priority` header's, else 0.",
         fmt="int32",
-        minimum=-(2**31),
+        minimum=INT32_MIN,
         maximum=INT32_MAX,
         example=0,
     )
@@ -175,16 +195,16 @@ def generate_parameters(tgi: dict) -> dict:
         "Penalize tokens by how often they already occurred in the output (OpenAI"
         " semantics); 0 means none.",
         fmt="float",
-        minimum=-2,
-        maximum=2,
+        minimum=-PENALTY_BOUND,
+        maximum=PENALTY_BOUND,
         example=0.1,
     )
     props["presence_penalty"] = _bounded(
         "number",
         "Penalize tokens that already occurred in the output (OpenAI semantics); 0 means none.",
         fmt="float",
-        minimum=-2,
-        maximum=2,
+        minimum=-PENALTY_BOUND,
+        maximum=PENALTY_BOUND,
         example=0.1,
     )
     props["grammar"] = {
@@ -210,22 +230,29 @@ def generate_parameters(tgi: dict) -> dict:
         maximum=UINT64_MAX,
         example=42,
     )
+    longest = DEFAULTS.max_stop_sequence_length
     props["stop"].update(
         description="Stop generating when one of these strings is generated. At most the"
-        " server's max_stop_sequences (GET /info), each 1 to 256 characters.",
-        items={"type": "string", "minLength": 1, "maxLength": 256},
+        f" server's max_stop_sequences (GET /info), each 1 to {longest} characters.",
+        items={"type": "string", "minLength": 1, "maxLength": longest},
+        maxItems=DEFAULTS.max_stop_sequences,
     )
     props["top_k"]["minimum"] = 0
     props["top_k"]["exclusiveMinimum"] = True
     props["top_n_tokens"].update(
         description="Also return the top_n_tokens most probable alternatives at each"
-        " position. At most 5 (the server's max_top_n_tokens).",
+        f" position. At most {DEFAULTS.max_top_n_tokens} (the server's max_top_n_tokens).",
         minimum=0,
-        maximum=5,
+        maximum=DEFAULTS.max_top_n_tokens,
     )
     props["top_n_tokens"].pop("exclusiveMinimum", None)
     for name in ("top_p", "typical_p"):
-        props[name].update(minimum=0, exclusiveMinimum=True, maximum=1, exclusiveMaximum=True)
+        props[name].update(
+            minimum=_number(MIN_MASS),
+            exclusiveMinimum=True,
+            maximum=_number(MAX_MASS),
+            exclusiveMaximum=True,
+        )
     props["truncate"].update(
         description="Keep only the last `truncate` prompt tokens. At most max_input_tokens.",
         format="int32",
@@ -241,13 +268,14 @@ def generate_parameters(tgi: dict) -> dict:
     props["logit_bias"] = {
         "type": "object",
         "description": "Bias added to the logits of token ids before sampling: keys are"
-        " token ids (decimal strings, inside the vocabulary), values in [-100, 100].",
+        " token ids (decimal strings, inside the vocabulary), values in"
+        f" [{-LOGIT_BIAS_BOUND}, {LOGIT_BIAS_BOUND}].",
         "propertyNames": TOKEN_ID,
         "additionalProperties": {
             "type": "number",
             "format": "float",
-            "minimum": -100,
-            "maximum": 100,
+            "minimum": -LOGIT_BIAS_BOUND,
+            "maximum": LOGIT_BIAS_BOUND,
         },
         "example": {"2": -100},
     }
@@ -394,89 +422,78 @@ def tgi_schemas(tgi: dict) -> dict:
         "example": {"error": "Input validation error", "error_type": "validation"},
     }
 
-    info = copy.deepcopy(tgi["Info"])
-    ours = {
-        "model_dtype": ("string", "Weights dtype in use: float32, bfloat16 or float16."),
-        "model_device_type": ("string", "cpu or cuda."),
-        "max_batch_prefill_tokens": ("integer", "Token budget of one batch's prefill."),
-        "max_batch_total_tokens": (
-            "integer",
-            "Token budget of a whole batch (the KV cache's capacity).",
-        ),
-        "max_batch_size": ("integer", "Most sequences in one batch."),
-        "kv_cache_block_size": ("integer", "Tokens per KV-cache block."),
-        "kv_cache_blocks": ("integer", "Blocks in the KV-cache pool."),
-        "max_position_embeddings": ("integer", "The model's own context length."),
-        "torch_threads": (
-            "integer",
-            "torch's intra-op threads on the engine's thread (--torch-threads).",
-        ),
-        "deterministic": (
-            "boolean",
-            "Batch-invariant engine (--deterministic): a greedy or seeded request gives "
-            + "the same tokens whatever other requests run beside it.",
-        ),
-        "quantize": (
-            "string",
-            "--quantize applied to the weights (int8, int4 or fp8); absent if none.",
-        ),
-        "cuda_graphs": (
-            "boolean",
-            "Decode steps replayed from CUDA graphs captured per batch bucket at start-up "
-            + "(--cuda-graphs; on by default on a CUDA device).",
-        ),
-        "compile": (
-            "boolean",
-            "Decode steps run through torch.compile'd graphs, one per batch bucket "
-            + "(--compile; CPU only, off by default).",
-        ),
-        "arrival_gap_ms": (
-            "number",
-            "An idle engine woken by a request takes its first step once no other request "
-            + "has arrived for this many milliseconds, so a burst starts in one prefill step "
-            + "(--arrival-gap-ms; 0: at once).",
-        ),
-        "num_shard": (
-            "integer",
-            "Tensor-parallel shards the model is split over (--num-shard; 1: unsharded).",
-        ),
-        "speculate": (
-            "integer",
-            "Speculative decoding (--speculate): tokens proposed per sequence per step and "
-            + "verified in one forward (0: off).",
-        ),
-        "speculate_model": (
-            "string",
-            "The draft model that proposes them (--speculate-model); absent: n-gram lookup "
-            + "over the sequence's own prompt and output.",
-        ),
-        "speculate_max_batch": (
-            "integer",
-            "Steps with more running sequences than this don't speculate "
-            + "(--speculate-max-batch).",
-        ),
-        "max_loras": (
-            "integer",
-            "LoRA adapters resident at once (--max-loras): the most one batch mixes; 0: no LoRA.",
-        ),
-        "max_lora_rank": ("integer", "The largest LoRA rank served (--max-lora-rank)."),
-    }
-    for name, (kind, description) in ours.items():
-        info["properties"][name] = {"type": kind, "description": description}
-        if kind in ("integer", "number"):
-            info["properties"][name]["minimum"] = 0
-        if name not in ("quantize", "speculate_model"):  # proto3 `optional`: absent when unset
-            info["required"].append(name)
-    info["properties"]["lora_adapters"] = {
-        "type": "array",
-        "items": {"type": "string"},
-        "description": "The LoRA adapters served beside the base model, by the names requests"
-        " give them (`adapter_id`, OpenAI's `model`), in load order.",
-    }
-    info["required"].append("lora_adapters")
-    info["properties"]["router"]["example"] = "textgen"
-    s["Info"] = info
+    s["Info"] = info_schema(tgi)
     return s
+
+
+# GET /info: the InfoResponse message ----------------------------------------------
+
+F = descriptor_pb2.FieldDescriptorProto
+# JSON types of the proto scalars /info carries (64-bit integers, which the transcoder
+# prints as strings, and messages would need a rule of their own)
+JSON_TYPES = {
+    F.TYPE_STRING: "string",
+    F.TYPE_BOOL: "boolean",
+    F.TYPE_UINT32: "integer",
+    F.TYPE_INT32: "integer",
+    F.TYPE_DOUBLE: "number",
+    F.TYPE_FLOAT: "number",
+}
+
+
+def proto_message(name: str, package: str = "textgen.v1") -> tuple[list, dict[str, str]]:
+    """The fields of message `name` in the contract's descriptor set (envoy/textgen.binpb,
+    with source info), in declaration order, and each field's comment by field name."""
+    files = descriptor_pb2.FileDescriptorSet.FromString(DESCRIPTOR.read_bytes())
+    for file in files.file:
+        if file.package != package:
+            continue
+        for index, message in enumerate(file.message_type):
+            if message.name != name:
+                continue
+            comments = {}
+            for location in file.source_code_info.location:
+                path = list(location.path)  # 4: message_type, 2: field
+                if len(path) == 4 and path[:2] == [4, index] and path[2] == 2:
+                    text = " ".join(line.strip() for line in location.leading_comments.splitlines())
+                    comments[message.field[path[3]].name] = text.strip()
+            return list(message.field), comments
+    raise LookupError(f"{package}.{name} is not in {DESCRIPTOR}")
+
+
+def info_schema(tgi: dict) -> dict:
+    """GET /info: the InfoResponse message as the transcoder prints it (proto field names,
+    every field but a proto3 `optional` one printed, so required), its fields in
+    declaration order after TGI's. TGI's own fields keep TGI's schemas (their examples);
+    textgen's take their types from the proto's and their descriptions from its comments.
+    Every number /info gives is a count, a size or a duration: none is negative."""
+    info = copy.deepcopy(tgi["Info"])
+    fields, comments = proto_message("InfoResponse")
+    required = {f.name for f in fields if not f.proto3_optional}
+    tgi_fields = set(info["properties"])
+    missing = tgi_fields - {f.name for f in fields}
+    assert not missing, f"TGI's /info fields missing from InfoResponse: {sorted(missing)}"
+    assert set(info["required"]) == tgi_fields & required, "TGI's required /info fields"
+    for field in fields:
+        if field.type not in JSON_TYPES:
+            raise TypeError(f"InfoResponse.{field.name}: no JSON type for proto type {field.type}")
+        if field.name in tgi_fields:
+            assert info["properties"][field.name]["type"] == JSON_TYPES[field.type], field.name
+            continue
+        scalar: dict = {"type": JSON_TYPES[field.type]}
+        if field.label == F.LABEL_REPEATED:
+            schema = {"type": "array", "items": scalar}
+        else:
+            schema = scalar
+        if comments.get(field.name):
+            schema["description"] = comments[field.name]
+        if scalar["type"] in ("integer", "number"):
+            scalar["minimum"] = 0
+        info["properties"][field.name] = schema
+        if field.name in required:
+            info["required"].append(field.name)
+    info["properties"]["router"]["example"] = "textgen"
+    return info
 
 
 def sse_event(name: str, *, done: bool = False) -> dict:

@@ -5,7 +5,7 @@ request (process time, so that other processes on the machine count less; the me
 and the minimum of `--repeat` runs of `--number` parses each): a ~2 KB chat completions
 body (system prompt, a few turns, a tool, sampling fields, stop, logprobs), a
 completions body and a Responses API body. Chat and responses go through the chat
-template (the tiny test tokenizer's, tests/tiny_model.py), as a request does; the
+template (the tiny test tokenizer's, tests/support/tiny_model.py), as a request does; the
 "template stubbed" rows replace it with a constant, leaving the parsing itself.
 
 `--baseline REV` also times service/ as it was at git revision REV (extracted into a
@@ -33,8 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
+from support.tiny_model import build_tokenizer
 from textgen.service.openai.response_store import ResponseStore
-from tiny_model import build_tokenizer
 
 WEATHER = {
     "name": "get_weather",

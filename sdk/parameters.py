@@ -1,9 +1,11 @@
 """Generation keyword arguments (TGI's Python client names) to the request message.
 
-`GenerateOptions` types the keywords that `Client.generate` and friends accept;
-`generate_parameters` turns them into a `GenerateParameters` message. Optional
-fields the caller leaves at None stay unset on the wire, so the server applies its
-own defaults, while an explicit 0 or False is sent as set (proto3 presence).
+`GenerateOptions` types the keywords that `Client.generate` and friends accept: one
+per field of the proto's `GenerateParameters`, under its name
+(tests/sdk/test_generation_keywords.py holds them to it). `generate_parameters` turns
+them into a `GenerateParameters` message. Optional fields the caller leaves at None
+stay unset on the wire, so the server applies its own defaults, while an explicit 0 or
+False is sent as set (proto3 presence).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class GenerateOptions(TypedDict, total=False):
     ignore_eos: bool
     max_time: float | None
     adapter_id: str | None
+    watermark: bool
+    priority: int | None
 
 
 def generate_parameters(
@@ -68,6 +72,8 @@ def generate_parameters(
     ignore_eos: bool = False,
     max_time: float | None = None,
     adapter_id: str | None = None,
+    watermark: bool = False,
+    priority: int | None = None,
 ) -> GenerateParameters:
     """The `GenerateParameters` message for TGI-style keyword arguments.
 
@@ -75,6 +81,9 @@ def generate_parameters(
     list of strings (a lone string counts as one stop sequence). `grammar` is a
     `Grammar` or TGI's dict, e.g. `{"type": "json", "value": {...schema...}}`.
     `adapter_id` names a LoRA adapter the server serves (None: the base model).
+    `watermark` marks the output with the server's green-list watermark. `priority`
+    schedules the request (lower is served sooner; None: the `x-textgen-priority`
+    header's, else 0).
     """
     return GenerateParameters(
         max_new_tokens=max_new_tokens,
@@ -99,6 +108,8 @@ def generate_parameters(
         ignore_eos=ignore_eos,
         max_time=max_time,
         adapter_id=adapter_id,
+        watermark=watermark,
+        priority=priority,
     )
 
 

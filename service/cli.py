@@ -1,4 +1,5 @@
-"""The `textgen` command: serve, proxy, generate, bench."""
+"""The commands: `textgen` (serve, shard, proxy, generate, bench) and
+`text-generation-launcher` (TGI's flags and environment, served as `textgen serve`)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,32 @@ import argparse
 import asyncio
 import logging
 import os
+import shlex
 import sys
+from collections.abc import Mapping
+from dataclasses import replace
 
 from .observability.logs import configure_logging, fail_line
-from .settings.table import SettingError, Settings, add_serve_arguments, settings_from_args
+from .settings.table import (
+    SettingError,
+    Settings,
+    add_serve_arguments,
+    settings_argv,
+    settings_from_args,
+)
+from .settings.tgi_launcher import (
+    PROG,
+    LaunchError,
+    given,
+    log_level,
+    parse_bool,
+    runtime_environment,
+    settings_from,
+    tgi_environment,
+)
+from .settings.tgi_launcher import (
+    log as launcher_log,
+)
 
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 log = logging.getLogger("textgen.serve")
@@ -236,3 +259,50 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# text-generation-launcher ----------------------------------------------------------
+
+
+def tgi_launcher_main(argv: list[str] | None = None) -> int:
+    """`text-generation-launcher`: TGI's flags and environment translated onto the
+    settings (settings/tgi_launcher.py), then served as `textgen serve` serves them."""
+    argv = sys.argv[1:] if argv is None else argv
+    environ = os.environ
+    json_output = _json_output(argv, environ)
+    try:
+        level = log_level(environ)
+        configure_logging(level, json_output)
+        tgi_environment(environ)
+        settings, show_env = _settings_and_env(argv, environ)
+    except LaunchError as exc:
+        print(fail_line(PROG, str(exc), json_output), file=sys.stderr)
+        return 2
+    if show_env:
+        launcher_log.info("%s", runtime_environment())
+    shown = replace(settings, api_key="(redacted)") if settings.api_key else settings
+    launcher_log.info("serving as: textgen serve %s", shlex.join(settings_argv(shown)))
+    if settings.trust_remote_code:
+        launcher_log.warning(
+            "--trust-remote-code is set: trusting that model %s does not contain malicious code",
+            settings.model_id,
+        )
+    return serve_settings(PROG, settings, debug=level == "DEBUG")
+
+
+def _settings_and_env(argv: list[str], environ: Mapping[str, str]) -> tuple[Settings, bool]:
+    values_env = "--env" in given(argv, environ)
+    return settings_from(argv, environ), values_env
+
+
+def _json_output(argv: list[str], environ: Mapping[str, str]) -> bool:
+    """--json-output as early as the first log line (a bad value is refused later)."""
+    if "--json-output" in argv:
+        return True
+    for variable in ("JSON_OUTPUT", "TEXTGEN_JSON_OUTPUT"):
+        try:
+            if parse_bool(environ.get(variable, "") or "false"):
+                return True
+        except ValueError:
+            pass
+    return False

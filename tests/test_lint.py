@@ -1,7 +1,8 @@
 """The house rules, in `make test`: ruff (lint, and the formatter's layout) over every
 hand-written Python folder, and the layer contracts of pyproject.toml's
-[tool.importlinter] (lint-imports): the engine knows no face, the SDK nothing of the
-server, protobuf stops at service/grpc/, models know no engine."""
+[tool.importlinter] (lint-imports): the server's layers (entry points -> replica ->
+settings -> faces -> request path -> engine -> models -> errors), the SDK nothing of the
+server, protobuf stops at service/grpc/, Envoy's config takes only the error vocabulary."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.server, pytest.mark.timeout(120)]  # ruff, lint-imports: subprocesses
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

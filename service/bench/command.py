@@ -573,11 +573,30 @@ def _run_openai(args: argparse.Namespace, prompts: list[str]) -> int:
     return 1 if report.errors else 0
 
 
+# The Info fields that say how the served engine is built, each a Settings field of the
+# same name (tests/service/test_bench_info.py holds them to both messages): --core builds
+# its engine with them when the bench did not start the server. The other fields shared
+# with Settings are the front's limits, the engine loop's (torch_threads, arrival_gap_ms),
+# or, for LoRA, need the adapters' sources that Info doesn't give.
+ENGINE_INFO_FIELDS = (
+    "quantize",
+    "max_batch_prefill_tokens",
+    "max_batch_size",
+    "deterministic",
+    "compile",
+    "cuda_graphs",
+    "speculate",
+    "speculate_max_batch",
+    "speculate_model",
+)
+
+
 async def served_settings(args) -> Settings:
     """The settings the served engine runs with, so that --core builds the same engine and
     --baseline loads the same model in the same dtype: the serve flags when this bench
-    started the server (--serve), else what the server's Info says; the KV pool the size
-    the server's is, and its dtype, either way."""
+    started the server (--serve), else what the server's Info says (ENGINE_INFO_FIELDS; an
+    unset optional field is None); the KV pool the size the server's is, and its dtype,
+    either way."""
     from textgen.sdk import AsyncClient
 
     async with AsyncClient(args.target, timeout=args.timeout) as client:
@@ -586,16 +605,7 @@ async def served_settings(args) -> Settings:
         settings = _parse_serve_args(args)
     else:
         settings = Settings(
-            model_id=args.model_id,
-            quantize=info.quantize if info.HasField("quantize") else None,
-            max_batch_prefill_tokens=info.max_batch_prefill_tokens,
-            max_batch_size=info.max_batch_size,
-            deterministic=info.deterministic,
-            compile=info.compile,
-            cuda_graphs=info.cuda_graphs,
-            speculate=info.speculate,
-            speculate_max_batch=info.speculate_max_batch,
-            speculate_model=info.speculate_model if info.HasField("speculate_model") else None,
+            model_id=args.model_id, **{name: getattr(info, name) for name in ENGINE_INFO_FIELDS}
         )
     return replace(
         settings,

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ErrorType
-from .core import EngineCore, StepOutput
 from .detokenizer import IncrementalDetokenizer, decode_output
+from .paged_core import PagedCore, StepOutput
 from .sequence import Sequence
 from .stopping import StopSequenceMatcher
 from .types import (
@@ -71,7 +71,7 @@ class _Stream:
 class EngineLoop:
     def __init__(
         self,
-        core: EngineCore,
+        core: PagedCore,
         tokenizer,
         eos_token_ids: frozenset[int],
         metrics=None,

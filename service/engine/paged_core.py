@@ -5,12 +5,13 @@ One step = proposals for the decoding sequences when speculation is on (speculat
 over the flattened ragged batch (`ModelRunner`) -> `Sampler` on the sequences that reached
 their last token (and on every proposal's position) -> the tokens kept appended, the step's
 computed tokens committed, finished sequences' blocks freed at once.
-Implements the `EngineCore` protocol (core.py).
+The engine loop (loop.py) drives it: add, abort, has_work, warm_up, step, stats.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -19,7 +20,6 @@ from ..models.lora_layers import LoraLayers
 from .adapters import AdapterRegistry, SlotTable
 from .block_manager import BlockManager, num_blocks_for_choices
 from .config import EngineConfig
-from .core import StepOutput
 from .grammar import GrammarMasks, PendingMasks
 from .kv_pool import KVCachePool
 from .runners.compiled import CompiledRunner
@@ -38,6 +38,26 @@ from .speculation import (
 from .stopping import token_stop_reason
 from .types import EngineError, EngineStats
 from .watermark import Watermark
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """A token one sequence gained in a step (the sequence already holds it). A speculative
+    step can give a sequence several, one StepOutput each, in order."""
+
+    seq: Sequence
+    token_id: int
+    logprob: float
+    top_tokens: list[tuple[int, float]]  # (id, logprob), top_n_tokens of them
+    # prompt logprobs (first is None) on the step that finished the prefill, when
+    # the request asked for decoder_input_details
+    prefill_logprobs: list[float | None] | None = None
+    num_tokens: int = 0  # the sequence's length with this token (token_ids[num_tokens - 1])
+
+    @property
+    def is_last(self) -> bool:
+        """The sequence's last token so far (a finished sequence's final one)."""
+        return self.num_tokens == self.seq.num_tokens
 
 
 class PagedCore:

@@ -21,6 +21,9 @@ from ..models.lora import LoraAdapter
 from .grammar_compiler import GrammarCompiler, GrammarError
 from .request import GenerateParameters, GenerateRequest, Grammar
 
+# The parameters' bounds, declared once: validation enforces them, and the faces' request
+# schemas state them (service/openai/protocol.py; scripts/make_openapi.py for TGI's
+# GenerateParameters in envoy/openapi.json).
 # Below these, logits / temperature (or / penalty) overflow float32 to inf: the
 # distribution is no longer a distribution.
 MIN_TEMPERATURE = 1e-4
@@ -28,12 +31,18 @@ MIN_REPETITION_PENALTY = 1e-4
 MAX_REPETITION_PENALTY = 10_000  # 1 / MIN_REPETITION_PENALTY
 PENALTY_BOUND = 2  # frequency_penalty and presence_penalty lie in [-2, 2] (OpenAI's)
 LOGIT_BIAS_BOUND = 100  # a logit_bias value lies in [-100, 100] (OpenAI's)
+# top_p and typical_p, probability masses, lie strictly between these (TGI's)
+MIN_MASS, MAX_MASS = 0.0, 1.0
 _FLOAT_FIELDS = (
     "temperature", "repetition_penalty", "frequency_penalty", "presence_penalty",
     "top_p", "typical_p", "max_time",
 )  # fmt: skip
 
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # priority's range
+
+# TGI's messages for the ranges above ("must be >= -2.0 and <= 2.0", "must be > 0.0 and < 1.0")
+_PENALTY_RANGE = f"must be >= {-float(PENALTY_BOUND)} and <= {float(PENALTY_BOUND)}"
+_MASS_RANGE = f"must be > {MIN_MASS} and < {MAX_MASS}"
 
 # Random seeds stay below 2^53 so the JSON face (a double) prints them exactly.
 _MAX_RANDOM_SEED = 2**53 - 1
@@ -244,14 +253,14 @@ class Validator:
             )
         frequency_penalty = _default(p.frequency_penalty, 0.0)
         if not -PENALTY_BOUND <= frequency_penalty <= PENALTY_BOUND:
-            raise check.error("frequency_penalty", "must be >= -2.0 and <= 2.0")
+            raise check.error("frequency_penalty", _PENALTY_RANGE)
         presence_penalty = _default(p.presence_penalty, 0.0)
         if not -PENALTY_BOUND <= presence_penalty <= PENALTY_BOUND:
-            raise check.error("presence_penalty", "must be >= -2.0 and <= 2.0")
-        if p.top_p is not None and not 0.0 < p.top_p < 1.0:
-            raise check.error("top_p", "must be > 0.0 and < 1.0")
-        if p.typical_p is not None and not 0.0 < p.typical_p < 1.0:
-            raise check.error("typical_p", "must be > 0.0 and < 1.0")
+            raise check.error("presence_penalty", _PENALTY_RANGE)
+        if p.top_p is not None and not MIN_MASS < p.top_p < MAX_MASS:
+            raise check.error("top_p", _MASS_RANGE)
+        if p.typical_p is not None and not MIN_MASS < p.typical_p < MAX_MASS:
+            raise check.error("typical_p", _MASS_RANGE)
         if p.top_k is not None and p.top_k <= 0:
             raise check.error("top_k", "must be strictly positive")
         if p.seed is not None and best_of > 1:
@@ -292,7 +301,9 @@ class Validator:
                     f"(size {self.limits.vocab_size})",
                 )
             if not -LOGIT_BIAS_BOUND <= bias <= LOGIT_BIAS_BOUND:
-                raise check.error("logit_bias", "values must be >= -100 and <= 100")
+                raise check.error(
+                    "logit_bias", f"values must be >= {-LOGIT_BIAS_BOUND} and <= {LOGIT_BIAS_BOUND}"
+                )
         return tuple(sorted(logit_bias.items()))
 
     def _stops(self, check: _Checker, stops: tuple[str, ...]) -> tuple[str, ...]:

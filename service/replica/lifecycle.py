@@ -30,10 +30,7 @@ from ..observability.tracing import otlp_tracer_provider, server_interceptors
 from ..openai.response_store import ResponseStore
 from ..processes.cpus import default_torch_threads, in_own_thread
 from ..processes.envoy import Envoy, HttpOptions, start_envoy
-from ..settings.preflight import (
-    device_type,
-    visible_gpus,
-)
+from ..settings.preflight import device_type, num_shards, visible_gpus
 from ..settings.table import Settings
 from .assembly import (
     adapter_reader,
@@ -54,7 +51,6 @@ from .shard_processes import (
     ShardProcesses,
     join,
     leave,
-    num_shards,
     placement,
 )
 

@@ -29,7 +29,7 @@ from datetime import timedelta
 
 from ..processes.child_process import die_with_parent
 from ..processes.cpus import available_cpus
-from ..settings.table import SettingError, Settings, settings_argv
+from ..settings.table import Settings, settings_argv
 
 log = logging.getLogger("textgen.shards")
 
@@ -42,19 +42,6 @@ class ShardError(RuntimeError):
 # bucket takes a minute or more on a loaded CPU); a dead peer fails sooner, by its socket
 GROUP_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 10.0
-
-
-def num_shards(settings: Settings, device_type: str, visible_gpus: int) -> int:
-    """--num-shard, else TGI's rule: every visible GPU on CUDA, one shard on CPU;
-    --sharded false forces one, --sharded true refuses one."""
-    if settings.sharded is False:
-        return 1
-    n = settings.num_shard or (max(visible_gpus, 1) if device_type == "cuda" else 1)
-    if settings.sharded and n < 2:
-        raise SettingError(
-            "--sharded", "true", "needs --num-shard 2 or more (or 2+ visible GPUs on CUDA)"
-        )
-    return n
 
 
 @dataclass(frozen=True)

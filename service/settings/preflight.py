@@ -196,6 +196,19 @@ def visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
+def num_shards(settings: Settings, device_type: str, visible_gpus: int) -> int:
+    """--num-shard, else TGI's rule: every visible GPU on CUDA, one shard on CPU;
+    --sharded false forces one, --sharded true refuses one."""
+    if settings.sharded is False:
+        return 1
+    n = settings.num_shard or (max(visible_gpus, 1) if device_type == "cuda" else 1)
+    if settings.sharded and n < 2:
+        raise SettingError(
+            "--sharded", "true", "needs --num-shard 2 or more (or 2+ visible GPUs on CUDA)"
+        )
+    return n
+
+
 def device_type(settings: Settings) -> str:
     """The device type the model loads on: --device, or auto's choice."""
     kind = settings.device.split(":")[0]
@@ -403,7 +416,6 @@ def _context(model: str, config: dict) -> int:
 def check_shards(settings: Settings, kind: str, config: dict) -> int:
     """--num-shard against the device and the model's heads; -> the number of shards."""
     from ..models.shard_layout import ShardingError, shard_layout
-    from ..replica.shard_processes import num_shards
 
     world_size = num_shards(settings, kind, visible_gpus() if kind == "cuda" else 0)
     if world_size == 1:

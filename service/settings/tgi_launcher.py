@@ -10,9 +10,7 @@ beyond TGI's translation; every TGI flag is in FLAGS with what textgen does with
 - `Accepted`: validated and accepted, with the reason it changes nothing here (e.g.
   --max-waiting-tokens: textgen admits waiting requests at every step, as TGI 3 does with
   chunked prefill; --usage-stats: textgen collects nothing);
-- `Refused`: has no meaning here; given, the launcher exits 2 with the reason;
-- `Pending`: a setting textgen does not have yet; refused ("not yet") until a `Settings`
-  field of that name exists, then honoured by it with no change here.
+- `Refused`: has no meaning here; given, the launcher exits 2 with the reason.
 
 Where a value comes from, first found: the flag, TGI's variable (the bare name, MODEL_ID,
 PORT, ...: only this entry point reads those), textgen's TEXTGEN_<SETTING>, the launcher's
@@ -26,21 +24,17 @@ import ipaddress
 import logging
 import os
 import platform
-import shlex
-import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from .. import __version__
 from .table import (
-    QUANTIZE_METHODS,
     Settings,
     env_value,
     format_value,
     non_negative_float,
     non_negative_int,
     parse_bool,
-    settings_argv,
 )
 
 PROG = "text-generation-launcher"
@@ -60,11 +54,6 @@ LAUNCHER_DEFAULTS: dict[str, object] = {
     "cors_allow_origin": ("*",),  # TGI's CORS layer allows any origin unless told
     "otlp_service_name": "text-generation-inference.router",
 }
-# TGI's --quantize values: those QUANTIZE_METHODS lacks are refused as not yet built
-TGI_QUANTIZE = (
-    "awq", "compressed-tensors", "eetq", "exl2", "gptq", "marlin",
-    "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8",
-)  # fmt: skip
 LOG_LEVELS = {"trace": "DEBUG", "debug": "DEBUG", "info": "INFO", "warn": "WARNING",
               "warning": "WARNING", "error": "ERROR"}  # fmt: skip
 
@@ -100,19 +89,11 @@ class Refused:
 
 
 @dataclass(frozen=True)
-class Pending:
-    """A setting textgen lacks yet: refused until Settings has a field `name`."""
-
-    name: str
-    what: str  # what is not built yet
-
-
-@dataclass(frozen=True)
 class Flag:
     """One of TGI's launcher flags."""
 
     name: str  # --model-id
-    does: Setting | Accepted | Refused | Pending
+    does: Setting | Accepted | Refused
     env: str | None = ""  # TGI's variable; "" derives it from the name; None: none
     switch: bool = False  # takes no value (its variable reads true/false)
     short: str | None = None
@@ -150,11 +131,15 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--validation-workers", Setting("validation_workers"), tgi_default="2"),
     Flag("--sharded", Setting("sharded")),
     Flag("--num-shard", Setting("num_shard"), tgi_default="all visible GPUs"),
-    Flag("--quantize", Setting("quantize", "int8, int4, fp8 (quantized at load); TGI's "
-                                           "pre-quantized formats (gptq, awq, ...): not yet")),
-    Flag("--speculate", Pending("speculate", "speculative decoding")),
+    Flag("--quantize", Setting("quantize", "TGI's values and int8, int4 (quantized at "
+                                           "load); a checkpoint that arrives quantized loads "
+                                           "in its format; exl2 is refused at startup "
+                                           "(docs/quantization.md)")),
+    Flag("--speculate", Setting("speculate", "n-gram lookup, or a draft model by "
+                                             "TEXTGEN_SPECULATE_MODEL (docs/speculation.md)")),
     Flag("--dtype", Setting("dtype", "also auto and float32")),
-    Flag("--kv-cache-dtype", Pending("kv_cache_dtype", "8-bit KV cache")),
+    Flag("--kv-cache-dtype", Setting("kv_cache_dtype", "fp8_e4m3fn, fp8_e5m2, on CPU too "
+                                                       "(docs/quantization.md)")),
     Flag("--trust-remote-code", Setting("trust_remote_code"), switch=True, tgi_default="off"),
     Flag("--max-concurrent-requests", Setting("max_concurrent_requests"), tgi_default="128"),
     Flag("--max-best-of", Setting("max_best_of"), tgi_default="2"),
@@ -204,8 +189,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--cors-allow-origin", Setting("cors_allow_origin", "repeat it, or separate origins "
                                         "by commas"), tgi_default="any origin"),
     Flag("--api-key", Setting("api_key")),
-    Flag("--watermark-gamma", Pending("watermark_gamma", "watermarking")),
-    Flag("--watermark-delta", Pending("watermark_delta", "watermarking")),
+    Flag("--watermark-gamma", Setting("watermark_gamma", "for requests with "
+                                                         "`watermark: true`")),
+    Flag("--watermark-delta", Setting("watermark_delta", "for requests with "
+                                                         "`watermark: true`")),
     Flag("--ngrok", Refused(_NO_TUNNEL), switch=True, tgi_default="off"),
     Flag("--ngrok-authtoken", Refused(_NO_TUNNEL)),
     Flag("--ngrok-edge", Refused(_NO_TUNNEL)),
@@ -216,7 +203,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--env", Accepted(parse_bool, "logs the runtime environment at startup, then serves"),
          env=None, switch=True, short="-e"),
     Flag("--max-client-batch-size", Setting("max_client_batch_size"), tgi_default="4"),
-    Flag("--lora-adapters", Pending("lora_adapters", "LoRA adapters")),
+    Flag("--lora-adapters", Setting("lora_adapters", "`id` or `name=path`, comma-separated; "
+                                                     "a request picks one by name "
+                                                     "(docs/lora.md)")),
     Flag("--usage-stats", Accepted(_usage_stats, "textgen collects no usage statistics "
                                                  "whatever the value"), tgi_default="on"),
     Flag("--payload-limit", Setting("payload_limit"), tgi_default="2000000"),
@@ -311,19 +300,12 @@ def _apply(flag: Flag, where: str, text: str, values: dict[str, object]) -> None
     """Set what `flag` (given as `where` = `text`) says in `values`, or refuse it."""
     shown = f"{where} {text!r}" if where.startswith("-") else f"{where}={text!r}"
     does = flag.does
-    if isinstance(does, Pending):
-        if does.name not in Settings.__dataclass_fields__:
-            raise LaunchError(
-                f"{shown}: not yet: textgen has no {does.what} yet (the flag will be honoured "
-                "once it has)"
-            )
-        does = Setting(does.name)
     if isinstance(does, Refused):
         raise LaunchError(f"{shown}: {does.reason}")
     try:
         if isinstance(does, Accepted):
             does.parse("true" if flag.switch else text)
-            if flag.name != "--env":  # main() acts on that one
+            if flag.name != "--env":  # cli.tgi_launcher_main acts on that one
                 log.info("%s accepted: %s", shown, does.reason)
             return
         _set(flag, does.name, text, values)
@@ -341,18 +323,8 @@ def _set(flag: Flag, name: str, text: str, values: dict[str, object]) -> None:
     elif flag.name == "--cuda-graphs":
         values["cuda_graphs"] = True
         values[name] = option.parse(text)
-    elif flag.name == "--quantize" and text.strip().lower() in _quantize_not_yet():
-        raise ValueError(
-            "not yet: textgen quantizes at load time (" + ", ".join(QUANTIZE_METHODS) + "); "
-            "TGI's pre-quantized formats are not loaded yet"
-        )
     else:
         values[name] = option.parse(text)
-
-
-def _quantize_not_yet() -> set[str]:
-    """TGI's --quantize values textgen does not load yet."""
-    return set(TGI_QUANTIZE) - set(QUANTIZE_METHODS)
 
 
 def _hostname(values: dict[str, object]) -> None:
@@ -420,11 +392,7 @@ def _does(flag: Flag) -> str:
         return f"{text}; {does.note}" if does.note else text
     if isinstance(does, Accepted):
         return f"accepted: {does.reason}"
-    if isinstance(does, Refused):
-        return f"refused: {does.reason}"
-    if does.name in Settings.__dataclass_fields__:
-        return f"honoured: {_setting_flag(does.name)}"
-    return f"refused, not yet: textgen has no {does.what} yet"
+    return f"refused: {does.reason}"
 
 
 def _setting_flag(name: str) -> str:
@@ -455,52 +423,3 @@ def launcher_table() -> str:
 
 
 # the command ------------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    from ..cli import serve_settings
-    from ..observability.logs import configure_logging, fail_line
-
-    argv = sys.argv[1:] if argv is None else argv
-    environ = os.environ
-    json_output = _json_output(argv, environ)
-    try:
-        level = log_level(environ)
-        configure_logging(level, json_output)
-        tgi_environment(environ)
-        settings, show_env = _settings_and_env(argv, environ)
-    except LaunchError as exc:
-        print(fail_line(PROG, str(exc), json_output), file=sys.stderr)
-        return 2
-    if show_env:
-        log.info("%s", runtime_environment())
-    shown = replace(settings, api_key="(redacted)") if settings.api_key else settings
-    log.info("serving as: textgen serve %s", shlex.join(settings_argv(shown)))
-    if settings.trust_remote_code:
-        log.warning(
-            "--trust-remote-code is set: trusting that model %s does not contain malicious code",
-            settings.model_id,
-        )
-    return serve_settings(PROG, settings, debug=level == "DEBUG")
-
-
-def _settings_and_env(argv: list[str], environ: Mapping[str, str]) -> tuple[Settings, bool]:
-    values_env = "--env" in given(argv, environ)
-    return settings_from(argv, environ), values_env
-
-
-def _json_output(argv: list[str], environ: Mapping[str, str]) -> bool:
-    """--json-output as early as the first log line (a bad value is refused later)."""
-    if "--json-output" in argv:
-        return True
-    for variable in ("JSON_OUTPUT", "TEXTGEN_JSON_OUTPUT"):
-        try:
-            if parse_bool(environ.get(variable, "") or "false"):
-                return True
-        except ValueError:
-            pass
-    return False
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,6 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 GENERATED = ["service/proto", "sdk/_generated", "envoy/textgen.binpb"]
 BUF = REPO / ".tools" / "node_modules" / ".bin" / "buf"
 
+pytestmark = pytest.mark.server  # codegen and buf run as subprocesses
+
 
 def _diff(a: Path, b: Path) -> list[str]:
     if a.is_file():

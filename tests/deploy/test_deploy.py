@@ -94,6 +94,7 @@ def test_every_manifest_parses():
     assert (K8S / "multi-host" / "leaderworkerset.yaml") in paths
 
 
+@pytest.mark.server
 def test_configmap_is_the_rendered_front_config_and_envoy_validates_it(tmp_path):
     spec = importlib.util.spec_from_file_location("render_configmap", K8S / "render_configmap.py")
     render = importlib.util.module_from_spec(spec)
@@ -116,6 +117,7 @@ def test_configmap_is_the_rendered_front_config_and_envoy_validates_it(tmp_path)
     assert "outlier_detection" in cluster
 
 
+@pytest.mark.server
 def test_replica_deployment_matches_the_image_and_the_cli():
     objects = k8s_objects()
     deployment = objects[("Deployment", "textgen")]
@@ -283,6 +285,7 @@ def test_compose_replicas_and_front_use_real_flags():
     assert front["ports"] == [f"{args.port}:{args.port}"]
 
 
+@pytest.mark.server
 def test_dockerfile_passes_hadolint():
     """The image's recipe, linted offline (hadolint, with .hadolint.yaml's reasons)."""
     hadolint = Path(sys.executable).with_name("hadolint")
@@ -345,7 +348,7 @@ def test_the_image_runs_as_tgis_does():
     entrypoint, exposed = dockerfile()
     assert entrypoint == ["text-generation-launcher"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["text-generation-launcher"] == "textgen.service.settings.tgi_launcher:main"
+    assert scripts["text-generation-launcher"] == "textgen.service.cli:tgi_launcher_main"
     env = dockerfile_env()
     assert (env["PORT"], env["HUGGINGFACE_HUB_CACHE"]) == ("80", "/data")
     settings = settings_from(["--model-id", "org/name"], {**env, "HOSTNAME": "3f2a9c1d0b7e"})

@@ -6,9 +6,9 @@ across tokens."""
 from __future__ import annotations
 
 import pytest
+from support.tiny_model import build_tokenizer
 from textgen.service.engine.detokenizer import IncrementalDetokenizer, decode_output
 from textgen.service.engine.stopping import StopSequenceMatcher
-from tiny_model import build_tokenizer
 from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import PreTrainedTokenizerFast
 

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from support.tiny_model import build_tokenizer
 from textgen.service.engine.config import EngineConfig
 from textgen.service.engine.draft_model import (
     DraftModelProposer,
@@ -15,7 +16,6 @@ from textgen.service.engine.draft_model import (
 )
 from textgen.service.engine.paged_core import PagedCore
 from textgen.service.engine.speculation import SpeculationSettings
-from tiny_model import build_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from .factories import (

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from support.tiny_model import build_tokenizer
 from textgen.service.engine import loop as engine_loop
 from textgen.service.engine.loop import EngineLoop
 from textgen.service.engine.types import EngineRequest, SamplingParams, StoppingParams
-from tiny_model import build_tokenizer
 
 from .factories import VOCAB_SIZE, make_core
 

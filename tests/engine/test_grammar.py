@@ -11,13 +11,13 @@ from dataclasses import replace
 import jsonschema
 import pytest
 import torch
+from support.tiny_model import build_tokenizer
 from textgen.service.engine.config import EngineConfig
 from textgen.service.engine.grammar import GrammarMasks
 from textgen.service.engine.paged_core import PagedCore
 from textgen.service.engine.sequence import Sequence
 from textgen.service.engine.types import EngineRequest, FinishReason, SamplingParams, StoppingParams
 from textgen.service.intake.grammar_compiler import GrammarCompiler, GrammarError
-from tiny_model import build_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from .factories import assert_idle, run_to_completion

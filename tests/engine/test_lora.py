@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from lora_adapters import make_adapter
 from peft import PeftModel
+from support.lora_adapters import make_adapter
 from textgen.service.engine.adapters import AdapterRegistry, SlotTable
 from textgen.service.engine.config import EngineConfig
 from textgen.service.engine.paged_core import PagedCore

@@ -11,6 +11,7 @@ import json
 import jsonschema
 import pytest
 import torch
+from support.tiny_model import build_tokenizer
 from textgen.service.engine.config import EngineConfig
 from textgen.service.engine.detokenizer import decode_output
 from textgen.service.engine.grammar import GrammarMasks
@@ -24,7 +25,6 @@ from textgen.service.engine.types import (
     StoppingParams,
 )
 from textgen.service.intake.grammar_compiler import GrammarCompiler
-from tiny_model import build_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from .factories import VOCAB_SIZE, assert_idle, engine_copy, run_to_completion

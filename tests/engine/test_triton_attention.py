@@ -292,6 +292,7 @@ def test_kernel_order_falls_back_when_triton_refuses_the_shape():
     )
 
 
+@pytest.mark.server
 def test_kernel_compiles_for_the_gpu():
     """The interpreter accepts code the compiler rejects: compile the kernel for an H100/H200
     (sm_90) ahead of time, as the GPU would on first launch; ptxas ships in the triton wheel."""

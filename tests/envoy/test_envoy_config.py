@@ -40,6 +40,7 @@ def validate(path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.server
 def test_rendered_config_validates(tmp_path):
     path = config.write(
         config.render([config.Upstream("127.0.0.1", 50051)]), tmp_path / "envoy.json"
@@ -49,6 +50,7 @@ def test_rendered_config_validates(tmp_path):
     assert "OK" in result.stdout
 
 
+@pytest.mark.server
 def test_several_replicas_and_a_dns_name_validate(tmp_path):
     upstreams = [
         config.Upstream("127.0.0.1", 50051),
@@ -152,6 +154,7 @@ def _routes(bootstrap: dict) -> list[dict]:
     ]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(
     "upstreams",
     [
@@ -264,6 +267,7 @@ def test_keepalive_is_one_policy_on_both_sides():
     )
 
 
+@pytest.mark.server
 def test_textgen_proxy_prints_the_front_config():
     out = subprocess.run(
         [sys.executable, "-m", "textgen.service.cli", "proxy", "--upstream", "localhost:50051",
@@ -279,6 +283,7 @@ def test_textgen_proxy_prints_the_front_config():
     assert cluster["type"] == "STRICT_DNS" and "outlier_detection" in cluster
 
 
+@pytest.mark.server
 def test_payload_limit_and_cors_origins_render_and_validate(tmp_path):
     """--payload-limit bounds the body (the buffer filter and the transcoder, the 413's
     message says it); --cors-allow-origin adds Envoy's CORS filter first, its policy on

@@ -13,7 +13,8 @@ import random
 
 import openai
 import pytest
-from replica_processes import Proxy, Replica, free_port
+from support.replica_processes import Proxy, Replica, free_port
+from support.tiers import server_fixture
 from textgen.service.processes.envoy import MAX_WORKERS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -37,7 +38,7 @@ def system_prompt(seed: int) -> str:
     return f"You are assistant number {seed}. Keep this story in mind: {story}."
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def replicas(tmp_path_factory):
     """One replica behind its own proxy (the baseline), and two behind another."""
     logs = tmp_path_factory.mktemp("affinity")

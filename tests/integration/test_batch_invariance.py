@@ -15,7 +15,8 @@ import time
 
 import pytest
 import torch
-from serve_process import textgen_serve
+from support.serve_process import textgen_serve
+from support.tiers import server_fixture
 from textgen.sdk import Client
 from textgen.service.models.loader import select_dtype
 
@@ -57,7 +58,7 @@ def _generate(target: str, i: int, delay: float = 0.0) -> list[int]:
     return [t.id for t in out.details.tokens]
 
 
-@pytest.fixture(scope="module", params=DTYPES)
+@server_fixture(scope="module", params=DTYPES)
 def server(request):
     dtype = request.param
     args = [

@@ -189,6 +189,7 @@ def test_bench_samples_when_asked_served_and_core_alike(tiny_server, tmp_path):
         run(greedy_only)
 
 
+@pytest.mark.server
 def test_bench_prices_a_server_flag_against_a_second_server(tiny_model_dir, tmp_path):
     """--compare-serve-args starts a second server with the extra flags; loads alternate
     between the two for --rounds rounds, each against the first server's load just before
@@ -268,10 +269,11 @@ def test_rss_of_a_process_in_mib():
     assert _rss_mib(2**22 + 1) == (None, None)  # above Linux's pid_max: no such process
 
 
+@pytest.mark.server
 def test_bench_copy_load_reports_speculation(tiny_model_dir):
     """The copy load on a speculating server: the report counts the proposals the load's
     requests verified and kept."""
-    from conftest import ServerThread, tiny_settings
+    from support.servers import ServerThread, tiny_settings
     from textgen.service.bench.command import load_prompts
 
     server = ServerThread(tiny_settings(tiny_model_dir, speculate=3)).start()

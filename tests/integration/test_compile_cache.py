@@ -9,10 +9,10 @@ import re
 import signal
 
 import pytest
-from serve_process import textgen_serve
+from support.serve_process import textgen_serve
 from textgen.sdk import Client
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.server, pytest.mark.timeout(600)]
 
 PROMPT = "compiled once"
 

@@ -20,6 +20,8 @@ import torch
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "device_check.py"
 SECTIONS = {"env", "bandwidth", "serving"}
 
+pytestmark = pytest.mark.server  # the script runs as a subprocess
+
 
 def run_check(out: Path, *args: str, timeout: float) -> dict:
     done = subprocess.run(

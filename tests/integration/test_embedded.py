@@ -7,7 +7,8 @@ import signal
 import subprocess
 
 import pytest
-from serve_process import TEXTGEN, textgen_serve
+from support.serve_process import TEXTGEN, textgen_serve
+from support.tiers import server_fixture
 from textgen.sdk import Client
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -15,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 QUESTION = "What is the capital of France?"
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def embedded_server():
     """`textgen serve --no-envoy` on the embedded default model, as a user starts it."""
     # float32 whatever the CPU: the equality test below compares token for token with

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import ServerThread, tiny_settings
+from support.servers import ServerThread, tiny_settings
+from support.tiers import server_fixture
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.timeout(60)
@@ -24,7 +25,7 @@ PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def server(tiny_model_dir):
     # the tiny model's whole context: tools are described in ~530 of its byte-sized tokens
     srv = ServerThread(tiny_settings(tiny_model_dir, max_total_tokens=1024), http=True).start()

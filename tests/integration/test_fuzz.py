@@ -42,7 +42,6 @@ import grpc
 import pytest
 import requests
 import schemathesis
-from conftest import ServerThread, tiny_settings
 from google.protobuf import struct_pb2, text_format
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
@@ -54,6 +53,8 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+from support.servers import ServerThread, tiny_settings
+from support.tiers import server_fixture
 from textgen.envoy.config import HTTP_STATUS_BY_ERROR_TYPE, ROUTES
 from textgen.service.grpc.errors import DOMAIN, STATUS_BY_ERROR_TYPE
 from textgen.service.proto import generate_pb2 as pb
@@ -130,7 +131,7 @@ class FuzzReplica:
         self.server.stop()
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def replica(tiny_model_dir, request):
     rep = FuzzReplica(tiny_model_dir)
     started = time.monotonic()

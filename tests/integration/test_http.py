@@ -16,11 +16,11 @@ import huggingface_hub
 import jsonschema
 import pytest
 import text_generation
-from conftest import ServerThread
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from http_client import PROMPT, Http, no_eos, openapi_validator, sse_events
-from serve_process import textgen_serve
+from support.http_client import PROMPT, Http, no_eos, openapi_validator, sse_events
+from support.serve_process import textgen_serve
+from support.servers import ServerThread
 from textgen.sdk import ValidationError, http_streams
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
@@ -281,6 +281,7 @@ def test_native_grpc_through_envoy(http_server, grpc_stub):
 # the embedded model ------------------------------------------------------------------
 
 
+@pytest.mark.server
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # the first use converts the embedded GGUF
 def test_embedded_model_over_http():
@@ -302,6 +303,7 @@ def test_embedded_model_over_http():
 # `textgen serve` --------------------------------------------------------------------
 
 
+@pytest.mark.server
 def test_textgen_serve_starts_and_supervises_envoy(tiny_model_dir):
     """The CLI starts the replica and Envoy, logs the HTTP URL and a curl line;
     when Envoy dies the whole service stops (exit 1), not half up."""

@@ -16,8 +16,9 @@ from urllib.parse import urlsplit
 import grpc
 import huggingface_hub
 import pytest
-from conftest import ServerThread, tiny_settings
-from http_client import PROMPT, Http, no_eos, openapi_validator, sse_events
+from support.http_client import PROMPT, Http, no_eos, openapi_validator, sse_events
+from support.servers import ServerThread, tiny_settings
+from support.tiers import server_fixture
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
 from transformers import AutoTokenizer
@@ -100,7 +101,7 @@ def test_unknown_query_parameter_is_ignored(web):
 # overload and health (their own replicas) -------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def busy_server(tiny_model_dir):
     server = ServerThread(
         tiny_settings(tiny_model_dir, max_concurrent_requests=1), http=True
@@ -138,6 +139,7 @@ def test_overloaded_is_429(busy_server, tokenizer):
             )
 
 
+@pytest.mark.server
 def test_unhealthy_replica(tiny_model_dir):
     server = ServerThread(tiny_settings(tiny_model_dir), http=True).start()
     try:

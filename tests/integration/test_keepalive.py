@@ -12,7 +12,8 @@ import urllib.request
 
 import pytest
 import requests
-from conftest import ServerThread, tiny_settings
+from support.servers import ServerThread, tiny_settings
+from support.tiers import server_fixture
 from textgen.sdk import Client
 from textgen.sdk.keepalive import Keepalive
 
@@ -26,7 +27,7 @@ TOKENS = int(HOLD / STEP_DELAY)
 GOAWAYS = "cluster.textgen_grpc.upstream_cx_close_notify"
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def server(tiny_model_dir):
     srv = ServerThread(
         tiny_settings(tiny_model_dir, keepalive_interval=INTERVAL), http=True

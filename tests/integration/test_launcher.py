@@ -12,7 +12,8 @@ import threading
 
 import pytest
 import requests
-from serve_process import LAUNCHER, textgen_serve
+from support.serve_process import LAUNCHER, textgen_serve
+from support.tiers import server_fixture
 from text_generation import Client
 from text_generation.errors import ValidationError
 from textgen.service.settings.tgi_launcher import FLAGS
@@ -60,7 +61,7 @@ class Launched:
         return status
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def flags_server(tiny_model_dir, tmp_path_factory):
     config = tmp_path_factory.mktemp("tokenizer") / "tokenizer_config.json"
     config.write_text(json.dumps({"chat_template": TEMPLATE}))
@@ -86,7 +87,7 @@ def flags_server(tiny_model_dir, tmp_path_factory):
         launched.stop()
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def env_server(tiny_model_dir):
     port, metrics_port = free_port(), free_port()
     env = clean_environment(

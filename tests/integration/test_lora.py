@@ -14,9 +14,10 @@ import openai
 import pytest
 import requests
 import torch
-from conftest import ServerThread, tiny_settings
-from lora_adapters import make_adapter
 from peft import PeftModel
+from support.lora_adapters import make_adapter
+from support.servers import ServerThread, tiny_settings
+from support.tiers import server_fixture
 from textgen.sdk import Client
 from textgen.sdk.errors import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -74,7 +75,7 @@ def expected(base, adapter_dirs, tiny_model_dir) -> dict[str | None, list[int]]:
     return out
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def server(tiny_model_dir, adapter_dirs):
     settings = tiny_settings(
         tiny_model_dir,
@@ -293,6 +294,7 @@ def test_metrics_count_requests_by_loaded_adapter(server):
     assert 'adapter="late"' not in text  # unloaded: its series went with it
 
 
+@pytest.mark.server
 def test_bench_prices_the_adapters_against_the_base(tiny_model_dir, adapter_dirs, tmp_path):
     """`textgen bench --adapters`: the same load spread over the adapters, its tok/s over
     the base model's load (alternating rounds, the median ratio)."""

@@ -12,7 +12,8 @@ import signal
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from serve_process import textgen_serve
+from support.serve_process import textgen_serve
+from support.tiers import server_fixture
 from textgen.sdk import Client
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -86,7 +87,7 @@ def templated(tokenizer, prompt: str) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def server(adapters):
     lora = ",".join(f"{name}={path}" for name, path in adapters.items())
     args = ["--no-envoy", "--grpc-port", "0", "--dtype", "float32", "--lora-adapters", lora]

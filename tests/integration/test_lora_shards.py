@@ -10,15 +10,15 @@ import concurrent.futures as cf
 
 import pytest
 import torch
-from conftest import ServerThread, tiny_settings
-from lora_adapters import make_adapter
-from serve_process import textgen_serve
+from support.lora_adapters import make_adapter
+from support.serve_process import textgen_serve
+from support.servers import ServerThread, tiny_settings
+from support.tiny_model import build_tiny_model
 from textgen.sdk import Client
 from textgen.sdk.errors import ValidationError
-from tiny_model import build_tiny_model
 from transformers import AutoModelForCausalLM
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.timeout(600)]
 
 ADAPTERS = {
     "attn": (8, ["q_proj", "k_proj", "v_proj", "o_proj"]),

@@ -12,17 +12,18 @@ import time
 import grpc
 import pytest
 import requests
-from conftest import ServerThread, tiny_settings
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
+from support.servers import ServerThread, tiny_settings
+from support.tiers import server_fixture
 from textgen.sdk import Client, OverloadedError
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def traced_server(tiny_model_dir):
     """One request at a time (so a held stream makes the next one `overloaded`),
     spans kept in memory, Envoy in front."""

@@ -14,7 +14,8 @@ import jsonschema
 import openai
 import pytest
 import requests
-from conftest import ServerThread, tiny_settings
+from support.servers import ServerThread, tiny_settings
+from support.tiers import server_fixture
 from textgen.sdk import Client
 from transformers import AutoTokenizer
 
@@ -42,7 +43,7 @@ ANSWER = {
 }
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def server(tiny_model_dir):
     # the tiny model's whole context: tools are described in ~530 of its byte-sized tokens
     srv = ServerThread(tiny_settings(tiny_model_dir, max_total_tokens=1024), http=True).start()

@@ -12,7 +12,8 @@ import time
 
 import grpc
 import pytest
-from conftest import ServerThread, tiny_settings
+from support.servers import ServerThread, tiny_settings
+from support.tiers import server_fixture
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2 as svc_pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
@@ -53,7 +54,7 @@ def stream(stub, req, first_token_at: dict, name: str, metadata=()) -> None:
         first_token_at.setdefault(name, time.monotonic())
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def saturable(tiny_model_dir):
     """Two sequences run at once; the rest wait in the engine's queue."""
     server = slowed(ServerThread(tiny_settings(tiny_model_dir, max_batch_size=2)).start())
@@ -87,6 +88,7 @@ def test_a_high_priority_request_starts_before_earlier_low_ones(saturable):
     assert all(b > a - STEP_DELAY / 2 for a, b in itertools.pairwise(waiting_low)), waiting_low
 
 
+@pytest.mark.server
 def test_a_full_queue_refuses_the_lowest_priority_first(tiny_model_dir):
     server = slowed(
         ServerThread(

@@ -27,7 +27,8 @@ import grpc
 import openai
 import pytest
 from grpc_health.v1 import health_pb2
-from replica_processes import Proc, Proxy, Replica, free_port, wait_until
+from support.replica_processes import Proc, Proxy, Replica, free_port, wait_until
+from support.tiers import server_fixture
 from textgen.envoy.clusters import NUM_RETRIES
 from textgen.sdk import Client, IncompleteGenerationError, TextGenError, http_streams
 from textgen.service.openai.response_store import replica_of
@@ -160,7 +161,7 @@ def short_request(port: int, i: int, prompt: str = "hi") -> tuple[str, str | Non
 # fixtures -----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def stable(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("replicas") / "stable.log"
     replica = Replica(tiny_model_dir, free_port(), log)
@@ -173,7 +174,7 @@ def victim_port() -> int:
     return free_port()
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def proxy(stable, victim_port, tmp_path_factory):
     log = tmp_path_factory.mktemp("proxy") / "proxy.log"
     front = Proxy([stable.port, victim_port], log)

@@ -21,9 +21,9 @@ import weakref
 import openai
 import pytest
 import requests
-from conftest import ServerThread, tiny_settings
-from http_client import JSON, Http, sse_events
-from serve_process import textgen_serve
+from support.http_client import JSON, Http, sse_events
+from support.serve_process import textgen_serve
+from support.servers import ServerThread, tiny_settings
 from textgen.sdk import (
     Client,
     IncompleteGenerationError,
@@ -69,6 +69,7 @@ def idle(s) -> bool:
 # bursts ----------------------------------------------------------------------------
 
 
+@pytest.mark.server
 def test_burst_past_the_limit(tiny_model_dir):
     """4 x max_concurrent_requests at once, half gRPC, half HTTP: the excess gets
     `overloaded` quickly, every admitted stream completes correctly."""
@@ -116,6 +117,7 @@ def test_burst_past_the_limit(tiny_model_dir):
         assert wait_until(lambda: idle(s), 5)
 
 
+@pytest.mark.server
 def test_bounded_queue_waits_instead_of_refusing(tiny_model_dir):
     settings = {"http": False, "max_concurrent_requests": 1, "max_queued_requests": 1}
     # retries=0: the refusal of a third request is under test, not the SDK's retry of it
@@ -134,6 +136,7 @@ def test_bounded_queue_waits_instead_of_refusing(tiny_model_dir):
 # clients that walk away --------------------------------------------------------------
 
 
+@pytest.mark.server
 def test_fifty_disconnects_return_everything(tiny_model_dir):
     """25 gRPC cancels and 25 HTTP clients that close the socket mid-stream: blocks and
     permits are back to idle within a second, and the server keeps serving."""
@@ -163,6 +166,7 @@ def test_fifty_disconnects_return_everything(tiny_model_dir):
         assert wait_until(lambda: cancelled._value.get() >= 50, 1.0), cancelled._value.get()
 
 
+@pytest.mark.server
 def test_churn_leaves_no_request_state_behind(tiny_model_dir):
     """Streams cancelled after their first token (gRPC and through Envoy) and streams that
     finish, some under a grammar, some with stop sequences or sampling: once idle, every
@@ -226,6 +230,7 @@ def test_churn_leaves_no_request_state_behind(tiny_model_dir):
 # SIGTERM -----------------------------------------------------------------------------
 
 
+@pytest.mark.server
 def test_sigterm_drains_live_streams_and_exits_zero(tiny_model_dir):
     args = ["--model-id", str(tiny_model_dir), "--dtype", "float32", "--grpc-port", "0",
             "--port", "0", "--max-batch-total-tokens", "8192"]  # fmt: skip
@@ -313,6 +318,7 @@ def envoy_state(admin_url: str) -> str:
         return "gone"
 
 
+@pytest.mark.server
 @pytest.mark.timeout(400)
 def test_sigterm_delivers_every_event_to_slow_readers(tiny_model_dir):
     """Two HTTP clients read two events each, then pause across the SIGTERM. One stream
@@ -355,6 +361,7 @@ def test_sigterm_delivers_every_event_to_slow_readers(tiny_model_dir):
         assert final["details"]["generated_tokens"] == tokens and final["generated_text"]
 
 
+@pytest.mark.server
 def test_sigterm_past_the_timeout_ends_streams_typed(tiny_model_dir):
     """--graceful-termination-timeout 0 cuts what runs at once: a stream that has
     started ends with a typed error, in-band (HTTP through Envoy, read with the SDK's
@@ -388,6 +395,7 @@ def test_sigterm_past_the_timeout_ends_streams_typed(tiny_model_dir):
 # engine failure ----------------------------------------------------------------------
 
 
+@pytest.mark.server
 def test_engine_fault_ends_streams_typed_and_flips_health(tiny_model_dir):
     with server(tiny_model_dir) as s:
         web = Http(s.http_url)
@@ -417,6 +425,7 @@ def test_engine_fault_ends_streams_typed_and_flips_health(tiny_model_dir):
 # API keys ----------------------------------------------------------------------------
 
 
+@pytest.mark.server
 def test_api_key_on_every_face(tiny_model_dir, tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# one per line\nsecond-key\n")

@@ -10,8 +10,9 @@ import threading
 import time
 
 import pytest
-from conftest import ServerThread, tiny_settings
-from http_client import Http
+from support.http_client import Http
+from support.servers import ServerThread, tiny_settings
+from support.tiers import server_fixture
 from textgen.sdk import Client, OverloadedError, RetryPolicy
 
 pytestmark = pytest.mark.timeout(120)
@@ -20,7 +21,7 @@ STEP_DELAY = 0.05  # seconds added to each engine step: a 16-token request holds
 # for 0.8 s and more, the same length each time (the server spaces retries by it)
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def one_at_a_time(tiny_model_dir):
     server = ServerThread(tiny_settings(tiny_model_dir, max_concurrent_requests=1), http=True)
     server.start()

@@ -14,12 +14,12 @@ import signal
 import time
 
 import pytest
-from conftest import ServerThread, tiny_settings
-from serve_process import textgen_serve
+from support.serve_process import textgen_serve
+from support.servers import ServerThread, tiny_settings
+from support.tiny_model import build_tiny_model
 from textgen.sdk import Client, TextGenError
-from tiny_model import build_tiny_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.timeout(600)]
 
 PROMPTS = [
     "The quick brown fox",

@@ -9,14 +9,15 @@ import json
 import grpc
 import pytest
 import requests
-from conftest import ServerThread, tiny_settings
-from http_client import Http, sse_events
 from prometheus_client.parser import text_string_to_metric_families
+from support.http_client import Http, sse_events
+from support.servers import ServerThread, tiny_settings
+from support.tiers import server_fixture
+from support.tiny_model import build_tiny_model, build_tokenizer
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2 as svc
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
 from textgen.service.settings.table import SettingError
-from tiny_model import build_tiny_model, build_tokenizer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,7 +29,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def draft_server(tiny_model_dir):
     """The model as its own draft (it is almost always right), behind Envoy."""
     settings = tiny_settings(tiny_model_dir, speculate=3, speculate_model=str(tiny_model_dir))
@@ -37,7 +38,7 @@ def draft_server(tiny_model_dir):
     server.stop()
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def ngram_server(tiny_model_dir):
     server = ServerThread(tiny_settings(tiny_model_dir, speculate=4)).start()
     yield server
@@ -149,6 +150,7 @@ def test_plain_server_info_says_off(tiny_server):
     assert info.speculate == 0 and not info.HasField("speculate_model")
 
 
+@pytest.mark.server
 def test_a_draft_with_another_tokenizer_is_refused(tiny_model_dir, tmp_path):
     other = build_tiny_model(tmp_path / "other")
     build_tokenizer(300).save_pretrained(other)  # same model files, another vocabulary

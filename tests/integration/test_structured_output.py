@@ -15,7 +15,8 @@ import jsonschema
 import openai
 import pytest
 import requests
-from conftest import ServerThread
+from support.servers import ServerThread
+from support.tiers import server_fixture
 from textgen.sdk import Client
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -26,7 +27,7 @@ def chat_prompt(user: str) -> str:
     return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def server():
     from textgen.service.settings.table import Settings
 

@@ -12,7 +12,7 @@ from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
-MAX_TOTAL = 512  # tiny_server's limits (conftest.tiny_settings)
+MAX_TOTAL = 512  # tiny_server's limits (support.servers.tiny_settings)
 MAX_INPUT = 511
 
 

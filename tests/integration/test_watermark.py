@@ -11,8 +11,8 @@ import json
 import huggingface_hub
 import pytest
 import torch
-from conftest import ServerThread, tiny_settings
-from http_client import PROMPT, Http
+from support.http_client import PROMPT, Http
+from support.servers import ServerThread, tiny_settings
 from transformers import AutoConfig, WatermarkDetector, WatermarkingConfig
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,6 +65,7 @@ def test_the_detector_flags_watermarked_outputs_only(http_server, tiny_model_dir
     assert all(z < Z_THRESHOLD for z in plain_z), plain_z
 
 
+@pytest.mark.server
 def test_the_servers_gamma_and_delta_are_the_detectors(tiny_model_dir):
     server = ServerThread(
         tiny_settings(tiny_model_dir, watermark_gamma=0.25, watermark_delta=3.0), http=True

@@ -911,6 +911,7 @@ async def test_async_streams_are_async_iterators(aclient: AsyncClient) -> None:
 # --- packaging ----------------------------------------------------------------------
 
 
+@pytest.mark.server
 def test_sdk_imports_without_server_dependencies() -> None:
     """The SDK install has no torch, transformers, grpcio-status or health checking."""
     script = (

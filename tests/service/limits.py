@@ -8,5 +8,5 @@ LIMITS = Limits(
     max_best_of=2,
     max_stop_sequences=4,
     max_top_n_tokens=5,
-    vocab_size=400,  # the tiny tokenizer's (tests/tiny_model.py)
+    vocab_size=400,  # the tiny tokenizer's (tests/support/tiny_model.py)
 )

@@ -44,6 +44,7 @@ def _keepcost(mode: str) -> int:
     return int(out.stdout)
 
 
+@pytest.mark.server
 @glibc
 def test_freed_memory_is_kept_for_the_next_step():
     assert _keepcost("default") < 1 << 20

@@ -3,9 +3,9 @@ their formats (models/checkpoint_quant.py).
 
 On CPU: tiny checkpoints of every format whose kernels run here (GPTQ, AWQ, bitsandbytes
 8-bit/nf4/fp4) or that the library widens at load (compressed-tensors, FP8), made in the
-test (tests/quantized_checkpoints.py), served by a real server whose greedy tokens equal the
-library's own `generate` on the same checkpoint; bitsandbytes quantizing a dense checkpoint
-as it loads, likewise. Then every refusal, at startup, with its reason. The CUDA-only
+test (tests/support/quantized_checkpoints.py), served by a real server whose greedy tokens
+equal the library's own `generate` on the same checkpoint; bitsandbytes quantizing a dense
+checkpoint as it loads, likewise. Then every refusal, at startup, with its reason. The CUDA-only
 kernels (Marlin, EETQ, FP8 matmuls) are tested at the end, on a GPU only."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-import quantized_checkpoints as checkpoints
 import torch
-from conftest import ServerThread, tiny_settings
+from support import quantized_checkpoints as checkpoints
+from support.servers import ServerThread, tiny_settings
 from textgen.service.models import QuantizationError
 from textgen.service.models import checkpoint_quant as cq
 from textgen.service.proto import generate_pb2 as pb
@@ -93,6 +93,7 @@ CPU_FORMATS = [
 ]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("kind, method, dtype, layer", CPU_FORMATS)
 def test_served_greedy_tokens_are_the_librarys(
     kind, method, dtype, layer, tiny_model_dir, tmp_path
@@ -110,6 +111,7 @@ def test_served_greedy_tokens_are_the_librarys(
     assert served_tokens(tiny_settings(path, dtype="auto", quantize=method))[1] == served
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("method", ["bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4"])
 def test_bitsandbytes_quantizes_a_dense_checkpoint_as_it_loads(method, tiny_model_dir):
     from transformers import BitsAndBytesConfig
@@ -279,6 +281,8 @@ cuda_only = pytest.mark.skipif(
 )
 
 
+@pytest.mark.gpu
+@pytest.mark.server
 @cuda_only
 def test_marlin_serves_a_gptq_checkpoint_as_the_library_does(gptq_dir):
     if torch.cuda.get_device_capability() < cq.MARLIN_MIN_CAPABILITY:
@@ -297,6 +301,8 @@ def test_marlin_serves_a_gptq_checkpoint_as_the_library_does(gptq_dir):
     assert served == expected
 
 
+@pytest.mark.gpu
+@pytest.mark.server
 @cuda_only
 def test_fp8_checkpoint_runs_on_fp8_gpus(tiny_model_dir, tmp_path):
     if torch.cuda.get_device_capability() < cq.FP8_MIN_CAPABILITY:

@@ -49,8 +49,8 @@ def test_omp_num_threads_is_honoured(monkeypatch):
 def test_engine_sets_its_threads_on_its_own_thread(tiny_model_dir):
     """OpenMP keeps the thread count per thread: the engine sets it where torch runs."""
     import torch
+    from support.tiny_model import build_tokenizer
     from textgen.service.engine.loop import EngineLoop
-    from tiny_model import build_tokenizer
 
     seen = []
 
@@ -94,6 +94,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.server
 @pytest.mark.timeout(60)
 def test_in_own_thread_leaves_no_openmp_team_behind():
     """Loading on a pooled thread left its OpenMP team alive beside the engine's, and the

@@ -20,7 +20,6 @@ from textgen.service.settings.tgi_launcher import (
     FLAGS,
     Accepted,
     LaunchError,
-    Pending,
     Refused,
     Setting,
     launcher_table,
@@ -77,6 +76,12 @@ SAMPLES: dict[str, tuple[str, dict]] = {
     "--payload-limit": ("4096", {"payload_limit": 4096}),
     "--enable-prefill-logprobs": ("true", {"prefill_logprobs": True}),
     "--graceful-termination-timeout": ("5", {"graceful_termination_timeout": 5.0}),
+    # once pending (refused "not yet"), honoured since their settings were built
+    "--speculate": ("3", {"speculate": 3}),
+    "--kv-cache-dtype": ("fp8_e4m3fn", {"kv_cache_dtype": "fp8_e4m3fn"}),
+    "--watermark-gamma": ("0.25", {"watermark_gamma": 0.25}),
+    "--watermark-delta": ("3.0", {"watermark_delta": 3.0}),
+    "--lora-adapters": ("a=/x,b=/y", {"lora_adapters": (("a", "/x"), ("b", "/y"))}),
 }
 # What a refused flag's reason must say.
 REFUSED = {
@@ -84,13 +89,6 @@ REFUSED = {
     "--ngrok": ("true", "ngrok"),
     "--ngrok-authtoken": ("tok", "ngrok"),
     "--ngrok-edge": ("edge", "ngrok"),
-}
-PENDING = {
-    "--speculate": "2",
-    "--kv-cache-dtype": "fp8_e4m3fn",
-    "--watermark-gamma": "0.25",
-    "--watermark-delta": "3.0",
-    "--lora-adapters": "org/adapter",
 }
 ACCEPTED = {  # flag: (a good value, a bad one)
     "--max-waiting-tokens": ("20", "-1"),
@@ -131,7 +129,6 @@ def test_each_flag_is_sampled_by_what_it_does():
     kinds = {
         Setting: set(SAMPLES),
         Refused: set(REFUSED),
-        Pending: set(PENDING),
         Accepted: set(ACCEPTED),
     }
     for flag in FLAGS:
@@ -172,7 +169,8 @@ def test_a_bad_value_is_refused_with_the_flag_and_the_rule(name):
            "--tokenizer-config-path": None, "--master-addr": "a b", "--hostname": None,
            "--cors-allow-origin": "not an origin", "--otlp-endpoint": "nowhere",
            "--rope-scaling": "yarn", "--dtype": "int3", "--quantize": "int3",
-           "--cuda-graphs": "1,x", "--cuda-memory-fraction": "1.5"}.get(name, "-3")  # fmt: skip
+           "--cuda-graphs": "1,x", "--cuda-memory-fraction": "1.5",
+           "--lora-adapters": "a="}.get(name, "-3")  # fmt: skip
     if bad is None:  # free text: any value is a valid name, path or key
         return
     with pytest.raises(LaunchError) as flag_error:
@@ -195,21 +193,50 @@ def test_a_refused_flag_stops_the_launcher_with_its_reason(name):
         launched(env={flag.variable: text})
 
 
-@pytest.mark.parametrize("name", sorted(PENDING))
-def test_a_pending_flag_is_not_yet_until_its_setting_exists(name):
-    does = BY_NAME[name].does
-    if does.name in Settings.__dataclass_fields__:  # built since: honoured by it
-        assert launched([name, PENDING[name]]) != launched()
-        return
-    with pytest.raises(LaunchError, match=rf"^{name} '{PENDING[name]}': not yet: "):
-        launched([name, PENDING[name]])
+def tgi_quantize_values() -> list[str]:
+    """The --quantize values of TGI's launcher reference."""
+    for line in REFERENCE.read_text().splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if cells and cells[0] == "`--quantize`":
+            return [v.strip() for v in cells[3].split(";")[0].split(",")]
+    raise AssertionError("no --quantize row in the reference")
 
 
-def test_quantize_refuses_tgis_formats_textgen_does_not_load_yet():
-    for method in sorted(launcher._quantize_not_yet()):
-        with pytest.raises(LaunchError, match=r"not yet"):
-            launched(["--quantize", method])
-    assert launched(["--quantize", "fp8"]).quantize == "fp8"  # TGI's name and textgen's
+# The flags once refused as "not yet" (and TGI's pre-quantized --quantize names), each value
+# with the setting it must give: (flag, text, setting, value).
+FORMERLY_PENDING = [
+    ("--speculate", "3", "speculate", 3),
+    ("--speculate", "0", "speculate", 0),
+    ("--lora-adapters", "a=/x,b=/y", "lora_adapters", (("a", "/x"), ("b", "/y"))),
+    ("--lora-adapters", "org/adapter", "lora_adapters", (("org/adapter", "org/adapter"),)),
+    ("--kv-cache-dtype", "fp8_e4m3fn", "kv_cache_dtype", "fp8_e4m3fn"),
+    ("--kv-cache-dtype", "fp8_e5m2", "kv_cache_dtype", "fp8_e5m2"),
+    ("--kv-cache-dtype", "auto", "kv_cache_dtype", None),
+    ("--watermark-gamma", "0.25", "watermark_gamma", 0.25),
+    ("--watermark-delta", "3.0", "watermark_delta", 3.0),
+    ("--watermark-delta", "0", "watermark_delta", 0.0),
+    *[("--quantize", method, "quantize", method) for method in tgi_quantize_values()],
+]
+
+
+def test_tgis_quantize_values_are_all_sampled():
+    assert sorted(tgi_quantize_values()) == sorted([
+        "awq", "compressed-tensors", "eetq", "exl2", "gptq", "marlin", "bitsandbytes",
+        "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8",
+    ])  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "text", "setting", "value"), FORMERLY_PENDING)
+def test_a_formerly_pending_flag_sets_its_setting_by_flag_and_by_variable(
+    name, text, setting, value
+):
+    """Honoured by the setting of its name: the flag and, alone, TGI's variable give the
+    same value (a pre-quantized format is checked against the checkpoint at startup, by
+    preflight, not here)."""
+    flag = BY_NAME[name]
+    assert isinstance(flag.does, Setting) and flag.does.name == setting, name
+    assert getattr(launched([name, text]), setting) == value, (name, text)
+    assert getattr(launched(env={flag.variable: text}), setting) == value, (flag.variable, text)
 
 
 @pytest.mark.parametrize("name", sorted(ACCEPTED))
@@ -296,6 +323,7 @@ def test_the_docs_table_is_the_launchers():
         assert f"`{flag.name}`" in doc
 
 
+@pytest.mark.server  # runs text-generation-launcher as a subprocess
 @pytest.mark.parametrize(
     ("args", "env", "words"),
     [

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ServerThread, tiny_settings
+from support.servers import ServerThread, tiny_settings
 from textgen.sdk import Client
 from textgen.service.models import LoadOptions, ModelError, load_model, resolve_model
 from textgen.service.models.loader import _config
@@ -112,6 +112,7 @@ def test_a_remote_code_model_is_refused_without_trust_remote_code(remote_code_mo
         preflight_context(Settings(model_id=str(remote_code_model)))
 
 
+@pytest.mark.server
 def test_a_remote_code_model_serves_with_trust_remote_code(remote_code_model, tiny_model_dir):
     """Its own class loads, and it answers as the plain tiny model (the same weights)."""
     lm = load_model(str(remote_code_model), options=LoadOptions(trust_remote_code=True))

@@ -132,6 +132,7 @@ BAD = [
 ]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(("args", "words"), BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_a_bad_setting_is_one_line_and_status_2_before_loading(args, words):
     status, lines, took = serve(*args)
@@ -140,6 +141,7 @@ def test_a_bad_setting_is_one_line_and_status_2_before_loading(args, words):
     assert took < NO_LOAD_S, f"{took:.1f}s: something loaded"
 
 
+@pytest.mark.server
 def test_ports_in_use_are_refused(busy_port):
     for flag in ("--grpc-port", "--port"):
         status, lines, took = serve(flag, str(busy_port))
@@ -149,6 +151,7 @@ def test_ports_in_use_are_refused(busy_port):
     assert status == 2 and refused(lines, "--port 8111", "--grpc-port"), lines
 
 
+@pytest.mark.server
 def test_a_hub_model_missing_offline(tmp_path):
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)}
     status, lines, took = serve("--model-id", "someone/no-such-model", env=env)
@@ -156,6 +159,7 @@ def test_a_hub_model_missing_offline(tmp_path):
     assert took < NO_LOAD_S
 
 
+@pytest.mark.server
 def test_a_model_with_a_shorter_context(tiny_model_dir):
     # the tiny model's context is 1024: 4096 fits the embedded model, not this one
     status, lines, took = serve("--model-id", str(tiny_model_dir), "--max-total-tokens", "4096")
@@ -163,6 +167,7 @@ def test_a_model_with_a_shorter_context(tiny_model_dir):
     assert took < NO_LOAD_S
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(
     ("env", "words"),
     [
@@ -179,6 +184,7 @@ def test_the_environment_is_checked_as_the_flags_are(env, words):
     assert took < NO_LOAD_S
 
 
+@pytest.mark.server
 def test_debug_shows_the_traceback():
     proc = subprocess.run(
         [TEXTGEN, "--log-level", "debug", "serve", "--max-total-tokens", "100000"],
@@ -241,6 +247,7 @@ def test_the_settings_doc_is_the_table():
     assert settings_table() in doc, "docs/settings.md is stale: python scripts/make_settings_doc.py"
 
 
+@pytest.mark.server
 def test_lora_adapters_are_checked_before_loading(tiny_model_dir, tmp_path):
     """An adapter's config is read before the model loads: its rank against
     --max-lora-rank, its base model against the served one; a good one sizes the slots."""

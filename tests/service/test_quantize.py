@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from conftest import ServerThread, tiny_settings
+from support.servers import ServerThread, tiny_settings
 from textgen.service.cli import build_parser
 from textgen.service.models import QuantizationError, load_model
 from textgen.service.models import quantize as q
@@ -167,6 +167,7 @@ def test_tied_lm_head_is_quantized_and_the_embedding_kept():
 # ------------------------------------------------------------------- served
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_server_reports_it_and_generates_greedily(tiny_model_dir, method):
     reference = load_model(str(tiny_model_dir), dtype="bfloat16", quantize=method)

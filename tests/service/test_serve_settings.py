@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import ServerThread, tiny_settings
+from support.servers import ServerThread, tiny_settings
 from textgen.sdk import Client
 from textgen.service.engine.attention import paged as attention
 from textgen.service.engine.attention.paged import BatchMetadata
@@ -72,6 +72,7 @@ def test_disable_custom_kernels_keeps_attention_off_the_triton_kernel(monkeypatc
     assert not BatchMetadata.build(pool, [1], [1], [[0]], cpu, custom_kernels=False).use_triton
 
 
+@pytest.mark.server
 @pytest.mark.gpu
 def test_the_cuda_settings_take_effect_on_a_gpu(tiny_model_dir):
     if not torch.cuda.is_available():
@@ -134,6 +135,7 @@ def test_a_json_log_line_has_tgis_shape():
     assert fail_line("textgen serve", "x", json_output=False) == "textgen serve: error: x"
 
 
+@pytest.mark.server
 def test_whatever_reaches_stderr_becomes_json():
     """Lines written to fd 2 by C code or a child process, and a warning, are JSON too."""
     script = (

@@ -14,6 +14,7 @@ import pytest
 from google.api import httpbody_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from support.tiny_model import build_tokenizer
 from textgen.service.engine.types import (
     EngineError,
     EngineRequest,
@@ -32,7 +33,6 @@ from textgen.service.observability.requests import RequestRecorder
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2 as svc_pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
-from tiny_model import build_tokenizer
 
 from .limits import LIMITS
 

@@ -4,7 +4,7 @@ which flags, instead of refusing requests one by one at run time."""
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_settings
+from support.servers import tiny_settings
 from textgen.service.replica.kv_sizing import kv_capacity_tokens
 from textgen.service.replica.lifecycle import start_replica
 from textgen.service.settings.table import Settings

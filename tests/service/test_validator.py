@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from support.tiny_model import build_tokenizer
 from textgen.service.engine.block_manager import num_blocks_for_choices
 from textgen.service.intake.grammar_compiler import GrammarCompiler
 from textgen.service.intake.request import GenerateParameters, GenerateRequest, Grammar
@@ -14,7 +15,6 @@ from textgen.service.intake.validation import ValidationError, Validator
 from textgen.service.openai.chat import parse_chat_request
 from textgen.service.openai.common import OpenAIRequestError
 from textgen.service.openai.completions import parse_completion_request
-from tiny_model import build_tokenizer
 
 from .limits import LIMITS
 

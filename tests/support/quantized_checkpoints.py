@@ -1,5 +1,5 @@
-"""Tiny pre-quantized checkpoints, made offline from tests/tiny_model.py's model in a second:
-the folder a user downloads, with config.json's `quantization_config` naming the format.
+"""Tiny pre-quantized checkpoints, made offline from tiny_model.py's model in a second: the
+folder a user downloads, with config.json's `quantization_config` naming the format.
 
 - GPTQ (v1, symmetric, 4 bits) and AWQ (GEMM, 4 bits): round-to-nearest codes packed in each
   format's published layout (the GPTQ algorithm only chooses better codes, in the same

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import jsonschema
 import referencing
 
-OPENAPI = Path(__file__).parent / "data" / "tgi-openapi.json"  # TGI 3.3's published API
+OPENAPI = Path(__file__).parent.parent / "data" / "tgi-openapi.json"  # TGI 3.3's published API
 PROMPT = "The quick brown fox"
 JSON = {"Content-Type": "application/json"}
 
