@@ -22,8 +22,9 @@ def source_commit() -> str | None:
     stamped = os.environ.get(COMMIT_ENV, "").strip().lower()
     if stamped:
         return stamped if _SHA.fullmatch(stamped) else None
-    # service/ of a checkout sits beside its .git; an installed package has none
-    root = Path(__file__).resolve().parent.parent
+    # service/ of a checkout sits beside its .git (this file: service/processes/); an
+    # installed package has none
+    root = Path(__file__).resolve().parents[2]
     if not (root / ".git").exists() or not (root / "pyproject.toml").exists():
         return None
     try:
