@@ -42,6 +42,12 @@ from typing import Protocol
 import torch
 from transformers import AttentionInterface
 
+from ...models.architectures import (
+    SUPPORTED_LAYER_TYPES,
+    interface_reason,
+    layer_types_reason,
+    sinks_reason,
+)
 from ...models.lora_layers import LoraLayers, LoraStep, bound_lora, register_layers
 from ..adapters import AdapterRegistry, SlotTable
 from ..attention.invariant import ROW_MULTIPLE
@@ -56,9 +62,6 @@ from .invariant_linear import (
     probe_min_rows,
 )
 
-# Layer kinds the flattened batch handles; anything else (conv, mamba, linear attention)
-# keeps per-sequence state the paged cache doesn't have.
-SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 PROMPT_LOGPROB_ROWS = 256  # rows per float32 log_softmax when scoring prompt tokens
 
 
@@ -420,25 +423,19 @@ def attention_size(entry: tuple[Sequence, int]) -> int:
 
 
 def check_model_supported(model: torch.nn.Module) -> None:
-    """Refuse models the paged path would serve wrong text for."""
+    """Refuse models the paged path would serve wrong text for: the rules of
+    models/architectures.py (which the settings' checks apply to config.json before
+    loading), held here on the loaded model."""
     name = type(model).__name__
     if not model._can_set_attn_implementation():
-        raise ValueError(
-            f"{name} does not route attention through transformers' AttentionInterface "
-            "(e.g. Falcon, Bloom): the paged engine can't serve it"
-        )
+        raise ValueError(interface_reason(name))
     for module_name, module in model.named_modules():
         if getattr(module, "sinks", None) is not None:
-            raise ValueError(
-                f"{name} has attention sinks ({module_name}.sinks), "
-                "which paged attention doesn't implement"
-            )
+            raise ValueError(f"{sinks_reason(name)} ({module_name}.sinks)")
     layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
     unsupported = sorted(set(layer_types) - SUPPORTED_LAYER_TYPES)
     if unsupported:
-        raise ValueError(
-            f"{name} has layers of type {unsupported}, which keep state the paged cache can't hold"
-        )
+        raise ValueError(layer_types_reason(name, unsupported))
 
 
 def decode_bucket(inputs: StepInputs, buckets: list[int]) -> int | None:

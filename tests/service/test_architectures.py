@@ -1,0 +1,99 @@
+"""Models the paged engine can't serve are refused from their config.json, before any
+weight loads (models/architectures.py, through the settings' checks), and the families it
+serves pass the same rules. Configs come from transformers' own config classes; the
+loaded-model side of the same rules is tests/engine/test_paged_core.py's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import save_file
+from textgen.service.models.architectures import unserved_reason
+from textgen.service.settings.preflight import preflight
+from textgen.service.settings.table import SettingError, Settings
+from transformers import AutoConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+# model_type -> what the refusal names
+REFUSED = {
+    "falcon": "AttentionInterface",
+    "bloom": "AttentionInterface",
+    "mpt": "AttentionInterface",
+    "gpt_oss": "attention sinks",
+    "llama4_text": "chunked_attention",
+    "qwen3_next": "linear_attention",
+}
+# families the engine serves token for token (tests/integration, tests/engine)
+SERVED = [
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi", "phi3", "granite",
+    "cohere", "cohere2", "olmo2", "starcoder2", "gpt_bigcode", "gpt_neox", "gptj", "gpt2",
+    "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe",
+    "olmoe", "granitemoe",
+]  # fmt: skip
+
+
+def config_of(model_type: str) -> dict:
+    """config.json as save_pretrained writes it for transformers' default config."""
+    return AutoConfig.for_model(model_type).to_dict()
+
+
+def write_model_folder(folder: Path, model_type: str) -> Path:
+    """A model folder whose safetensors file holds no tensor: a load would fail on the
+    missing weights, so a refusal that names the architecture came before any load."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config_of(model_type)))
+    save_file({}, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize(("model_type", "words"), sorted(REFUSED.items()))
+def test_an_unserved_architecture_is_refused_from_its_config(model_type, words):
+    reason = unserved_reason(config_of(model_type))
+    assert reason is not None and words in reason
+
+
+@pytest.mark.parametrize("model_type", SERVED)
+def test_a_served_architecture_passes(model_type):
+    assert unserved_reason(config_of(model_type)) is None
+
+
+def test_a_model_with_its_own_code_is_left_to_the_load():
+    """auto_map: only the model's code knows; the loaded model is checked instead."""
+    config = {**config_of("falcon"), "auto_map": {"AutoModelForCausalLM": "x.Y"}}
+    assert unserved_reason(config) is None
+
+
+@pytest.mark.parametrize("model_type", ["falcon", "gpt_oss"])
+def test_preflight_names_the_flag_and_the_missing_feature(tmp_path, model_type):
+    folder = write_model_folder(tmp_path / model_type, model_type)
+    with pytest.raises(SettingError) as refused:
+        preflight(Settings(model_id=str(folder), grpc_port=0, port=0, no_envoy=True))
+    assert str(refused.value).startswith(f"--model-id {folder}: ")
+    assert REFUSED[model_type] in str(refused.value)
+
+
+@pytest.mark.server  # runs `textgen serve`
+def test_serve_refuses_in_one_line_and_status_2_before_loading(tmp_path):
+    folder = write_model_folder(tmp_path / "falcon", "falcon")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TEXTGEN_")}
+    started = time.monotonic()
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("textgen")), "serve", "--model-id", str(folder)],
+        env={**env, "TEXTGEN_CACHE": str(tmp_path / "cache")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("textgen serve: error: --model-id")
+    assert "AttentionInterface" in lines[0]
+    assert time.monotonic() - started < 20.0  # a load would fail on the missing weights
