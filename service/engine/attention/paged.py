@@ -515,7 +515,12 @@ def paged_attention_forward(
     """query `[1, H, T, D]`, key/value `[1, KVH, T, D]` -> (`[1, T, H, Dv]`, no weights)."""
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    # The runner passes the step's metadata as a keyword argument and binds it too: some
+    # families' decoder layers (StableLM's) call their attention without the keywords
+    # the model was given, and those find it bound.
     meta: BatchMetadata | None = kwargs.get(METADATA_KWARG)
+    if meta is None and not torch.compiler.is_compiling():
+        meta = _bound_metadata.get()
     if meta is None and torch.compiler.is_compiling():
         # a compiled decode step: the metadata comes through bound_metadata(), not the graph
         out = paged_attention_op(
@@ -553,8 +558,9 @@ def _paged_attention(
 
 # compiled decode steps (runners/compiled.py): the attention as one opaque op -----------------
 
-# The step's BatchMetadata while a compiled forward runs: block tables and context lengths
-# change every step, and as graph inputs they would make torch.compile recompile.
+# The step's BatchMetadata while a forward runs. A compiled forward reads it only here:
+# block tables and context lengths change every step, and as graph inputs they would make
+# torch.compile recompile.
 _bound_metadata: contextvars.ContextVar[BatchMetadata | None] = contextvars.ContextVar(
     "textgen_bound_metadata", default=None
 )

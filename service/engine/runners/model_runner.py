@@ -51,7 +51,13 @@ from ...models.architectures import (
 from ...models.lora_layers import LoraLayers, LoraStep, bound_lora, register_layers
 from ..adapters import AdapterRegistry, SlotTable
 from ..attention.invariant import ROW_MULTIPLE
-from ..attention.paged import ATTENTION_NAME, METADATA_KWARG, BatchMetadata, paged_attention_forward
+from ..attention.paged import (
+    ATTENTION_NAME,
+    METADATA_KWARG,
+    BatchMetadata,
+    bound_metadata,
+    paged_attention_forward,
+)
 from ..kv_pool import KVCachePool
 from ..scheduler import SchedulerOutput
 from ..sequence import Sequence
@@ -289,7 +295,7 @@ class ModelRunner(StepRunner):
         if keep.numel() == 0:  # a step of prefill chunks only: nothing to project
             keep = keep.new_zeros(1)
         linears = fixed_rows_linears(self._linears, self._min_rows) if self._linears else None
-        with linears or contextlib.nullcontext(), bound_lora(lora):
+        with linears or contextlib.nullcontext(), bound_lora(lora), bound_metadata(meta):
             out = self.model(
                 input_ids=ids,
                 position_ids=positions,

@@ -1,0 +1,62 @@
+"""Families whose transformers code needs something of the paged engine the Llama-like
+ones don't, each a tiny random model against its own `generate` (float32, greedy): a mixed
+batch of different lengths, prefill chunks beside decodes, a preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import StableLmConfig, StableLmForCausalLM
+
+from .factories import (
+    VOCAB_SIZE,
+    assert_idle,
+    assert_matches_generate,
+    make_core,
+    make_seq,
+    random_prompt,
+    run_to_completion,
+)
+
+
+def tiny_stablelm(**options) -> torch.nn.Module:
+    torch.manual_seed(3)
+    config = StableLmConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        attn_implementation="sdpa",
+        **options,
+    )
+    model = StableLmForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"use_parallel_residual": True, "qk_layernorm": True}],
+    ids=["sequential", "parallel-qk-norm"],
+)
+def test_stablelm_whose_layers_drop_the_attention_keywords(options):
+    """StableLM's decoder layer calls its attention without the keywords the model was
+    given: the step's metadata reaches it bound (attention/paged.py)."""
+    model = tiny_stablelm(**options)
+    g = torch.Generator().manual_seed(5)
+    seqs = [
+        make_seq(random_prompt(10 + 3 * i, VOCAB_SIZE, g), request_id=f"s{i}", max_new_tokens=9 + i)
+        for i in range(6)
+    ]
+    # 12 blocks of 8 tokens: prompts wait for room, and running sequences that grow preempt
+    core = make_core(model, total_tokens=96, prefill_tokens=64, batch_size=4, block_size=8)
+    for seq in seqs:
+        core.add(seq)
+    run_to_completion(core)
+    assert_matches_generate(model, seqs)
+    assert core.stats().preemptions > 0
+    assert_idle(core)
