@@ -6,7 +6,8 @@ A model is served by its transformers code with our attention beneath, so what d
 the code transformers runs for the config's `model_type`, read as text (never imported,
 never run): whether its attention goes through `AttentionInterface` (transformers' own
 heuristic, `PreTrainedModel._can_set_attn_implementation`, on the same source), whether
-its attention keeps sinks, and which kinds of layers the config lists.
+its attention keeps sinks (served, but not batch-invariant), and which kinds of layers the
+config lists.
 """
 
 from __future__ import annotations
@@ -45,9 +46,20 @@ def unserved_reason(config: dict) -> str | None:
         return None  # transformers has no code for it: the loader says so
     if _ATTENTION_CLASS.search(source) and _INTERFACE_CALL not in source:
         return interface_reason(model_type)
-    if _SINKS.search(source):
-        return sinks_reason(model_type)
     return None
+
+
+def has_sinks(config: dict) -> bool:
+    """Whether the model's attention keeps sinks (gpt-oss), from its config.json."""
+    text = config.get("text_config") or config
+    model_type = text.get("model_type") or config.get("model_type")
+    source = modeling_source(model_type) if model_type else None
+    return bool(source and _SINKS.search(source))
+
+
+def module_has_sinks(model) -> bool:
+    """Whether a loaded model's attention keeps sinks."""
+    return any(getattr(module, "sinks", None) is not None for module in model.modules())
 
 
 def interface_reason(name: str) -> str:
@@ -57,8 +69,7 @@ def interface_reason(name: str) -> str:
     )
 
 
-def sinks_reason(name: str) -> str:
-    return f"{name} has attention sinks, which paged attention doesn't implement"
+SINKS_NOT_INVARIANT = "attention sinks (gpt-oss) have no batch-invariant attention path"
 
 
 def layer_types_reason(name: str, unsupported: list[str]) -> str:

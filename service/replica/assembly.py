@@ -33,6 +33,7 @@ from ..grpc.servicer import ServedModel
 from ..intake.grammar_compiler import GrammarCompiler
 from ..intake.validation import Limits
 from ..models import LoadedModel, load_model
+from ..models.architectures import module_has_sinks
 from ..models.compile_cache import compile_cache_dir
 from ..models.loader import LoadOptions, LoraSetup, ModelShard
 from ..models.lora import AdapterError, read_adapter
@@ -62,6 +63,8 @@ def cuda_graph_settings(
     reason = unavailable_reason(loaded.device)
     if settings.disable_custom_kernels and reason is None:
         reason = "CUDA graphs replay the Triton kernel that --disable-custom-kernels turns off"
+    if reason is None and module_has_sinks(loaded.model):
+        reason = "attention sinks run on the SDPA path, which CUDA graphs don't replay"
     if settings.cuda_graphs and reason:
         raise SettingError("--cuda-graphs", None, f"{reason} (pass --no-cuda-graphs)")
     if settings.cuda_graphs is None:

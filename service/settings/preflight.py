@@ -47,7 +47,7 @@ def preflight(settings: Settings) -> Preflight:
     check_speculation(settings)
     model, config = model_config(settings)
     check_remote_code(settings, model, config)
-    check_architecture(model, config)
+    check_architecture(settings, model, config)
     check_quantization(settings, device, config)
     context = settings.context_length(_context(model, config))
     # with --full-context the limits are bounded by the KV cache: here by the one given
@@ -404,13 +404,15 @@ def check_remote_code(settings: Settings, model: str, config: dict) -> None:
         )
 
 
-def check_architecture(model: str, config: dict) -> None:
+def check_architecture(settings: Settings, model: str, config: dict) -> None:
     """A model whose attention or layers the paged engine doesn't implement is refused
     from its config.json, before its weights load (models/architectures.py)."""
-    from ..models.architectures import unserved_reason
+    from ..models.architectures import SINKS_NOT_INVARIANT, has_sinks, unserved_reason
 
     if reason := unserved_reason(config):
         raise SettingError("--model-id", model, reason)
+    if settings.deterministic and has_sinks(config):
+        raise SettingError("--deterministic", "true", f"{model}: {SINKS_NOT_INVARIANT}")
 
 
 def _context(model: str, config: dict) -> int:

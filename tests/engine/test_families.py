@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import StableLmConfig, StableLmForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, StableLmConfig, StableLmForCausalLM
 
 from .factories import (
     VOCAB_SIZE,
@@ -60,3 +60,58 @@ def test_stablelm_whose_layers_drop_the_attention_keywords(options):
     assert_matches_generate(model, seqs)
     assert core.stats().preemptions > 0
     assert_idle(core)
+
+
+def tiny_gpt_oss() -> torch.nn.Module:
+    """Attention sinks (a learned logit per head in the softmax's denominator), sliding
+    and full layers alternating, a mixture of experts."""
+    torch.manual_seed(4)
+    config = AutoConfig.for_model(
+        "gpt_oss",
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=12,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # sinks large enough to take a real share of each row
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_gpt_oss_attention_sinks_equal_generate():
+    """gpt-oss's sinks through the paged attention: decodes alone and beside prefill
+    chunks, chunks past a sliding window, waits and preemptions."""
+    model = tiny_gpt_oss()
+    g = torch.Generator().manual_seed(6)
+    seqs = [
+        make_seq(random_prompt(n, VOCAB_SIZE, g), request_id=f"o{i}", max_new_tokens=8 + i)
+        for i, n in enumerate([10, 13, 30, 17, 26, 9])
+    ]
+    core = make_core(model, total_tokens=96, prefill_tokens=24, batch_size=4, block_size=8)
+    for seq in seqs:
+        core.add(seq)
+    run_to_completion(core)
+    assert_matches_generate(model, seqs)
+    assert core.stats().preemptions > 0
+    assert_idle(core)
+
+    alone = make_seq(random_prompt(20, VOCAB_SIZE, g), request_id="alone", max_new_tokens=12)
+    core.add(alone)  # one stream: the single-sequence decode path
+    run_to_completion(core)
+    assert_matches_generate(model, [alone])
+
+
+def test_gpt_oss_is_refused_batch_invariant():
+    with pytest.raises(ValueError, match="sinks"):
+        make_core(tiny_gpt_oss(), batch_invariant=True)

@@ -293,10 +293,16 @@ def test_models_the_paged_path_cannot_serve_are_refused(tiny_llama):
             EngineConfig(max_batch_total_tokens=64, max_batch_prefill_tokens=64, max_batch_size=2),
         )
 
+    # attention sinks are served (tests/engine/test_families.py), but not batch-invariant
     with_sinks = engine_copy(tiny_llama)
     with_sinks.model.layers[1].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
     with pytest.raises(ValueError, match="sinks"):
         PagedCore(
             with_sinks,
-            EngineConfig(max_batch_total_tokens=64, max_batch_prefill_tokens=64, max_batch_size=2),
+            EngineConfig(
+                max_batch_total_tokens=64,
+                max_batch_prefill_tokens=64,
+                max_batch_size=2,
+                batch_invariant=True,
+            ),
         )

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,6 @@ REFUSED = {
     "falcon": "AttentionInterface",
     "bloom": "AttentionInterface",
     "mpt": "AttentionInterface",
-    "gpt_oss": "attention sinks",
     "llama4_text": "chunked_attention",
     "qwen3_next": "linear_attention",
 }
@@ -35,7 +35,7 @@ SERVED = [
     "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi", "phi3", "granite",
     "cohere", "cohere2", "olmo2", "starcoder2", "gpt_bigcode", "gpt_neox", "gptj", "gpt2",
     "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe",
-    "olmoe", "granitemoe", "stablelm",
+    "olmoe", "granitemoe", "stablelm", "gpt_oss",
 ]  # fmt: skip
 
 
@@ -70,13 +70,25 @@ def test_a_model_with_its_own_code_is_left_to_the_load():
     assert unserved_reason(config) is None
 
 
-@pytest.mark.parametrize("model_type", ["falcon", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["falcon", "qwen3_next"])
 def test_preflight_names_the_flag_and_the_missing_feature(tmp_path, model_type):
     folder = write_model_folder(tmp_path / model_type, model_type)
     with pytest.raises(SettingError) as refused:
         preflight(Settings(model_id=str(folder), grpc_port=0, port=0, no_envoy=True))
     assert str(refused.value).startswith(f"--model-id {folder}: ")
     assert REFUSED[model_type] in str(refused.value)
+
+
+def test_attention_sinks_are_refused_batch_invariant(tmp_path):
+    """gpt-oss is served, but its sinks have no batch-invariant path: --deterministic is
+    refused before loading."""
+    folder = write_model_folder(tmp_path / "gpt_oss", "gpt_oss")
+    settings = Settings(model_id=str(folder), grpc_port=0, port=0, no_envoy=True)
+    preflight(settings)  # without --deterministic: served
+    with pytest.raises(SettingError) as refused:
+        preflight(replace(settings, deterministic=True))
+    assert str(refused.value).startswith("--deterministic true: ")
+    assert "attention sinks" in str(refused.value)
 
 
 @pytest.mark.server  # runs `textgen serve`

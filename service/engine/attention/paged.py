@@ -518,13 +518,15 @@ def paged_attention_forward(
     # The runner passes the step's metadata as a keyword argument and binds it too: some
     # families' decoder layers (StableLM's) call their attention without the keywords
     # the model was given, and those find it bound.
+    # attention sinks (gpt-oss: `s_aux`): one logit per head in the softmax's denominator
+    sinks: torch.Tensor | None = kwargs.get("s_aux")
     meta: BatchMetadata | None = kwargs.get(METADATA_KWARG)
     if meta is None and not torch.compiler.is_compiling():
         meta = _bound_metadata.get()
     if meta is None and torch.compiler.is_compiling():
         # a compiled decode step: the metadata comes through bound_metadata(), not the graph
         out = paged_attention_op(
-            query, key, value, module.layer_idx, scaling, sliding_window or 0, softcap or 0.0
+            query, key, value, module.layer_idx, scaling, sliding_window or 0, softcap or 0.0, sinks
         )
         return out, None
     if meta is None:
@@ -533,7 +535,7 @@ def paged_attention_forward(
             "belongs to a PagedCore and can only run through its ModelRunner"
         )
     return _paged_attention(
-        meta, module.layer_idx, query, key, value, scaling, sliding_window, softcap
+        meta, module.layer_idx, query, key, value, scaling, sliding_window, softcap, sinks
     ), None
 
 
@@ -546,12 +548,15 @@ def _paged_attention(
     scaling: float,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if query.shape[0] != 1 or query.shape[2] != meta.num_tokens:
         raise ValueError(
             f"expected one flattened batch of {meta.num_tokens} tokens, got {tuple(query.shape)}"
         )
     cache = meta.pool.write(layer_idx, key, value, meta.slot_mapping)
+    if sinks is not None:  # only the SDPA path adds them to the softmax
+        return _sdpa_attention(query, cache, meta, scaling, window, softcap, sinks)
     attend = _pick_kernel(meta, query, cache)
     return attend(query, cache, meta, scaling, window, softcap)
 
@@ -588,6 +593,7 @@ def paged_attention_op(
     scaling: float,
     window: int,
     softcap: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """paged_attention_forward's output `[1, T, H, Dv]` (contiguous) under the metadata
     bound by bound_metadata(); window 0 and softcap 0.0 mean none."""
@@ -595,14 +601,14 @@ def paged_attention_op(
     if meta is None:
         raise RuntimeError("textgen::paged_attention ran outside bound_metadata()")
     out = _paged_attention(
-        meta, layer_idx, query, key, value, scaling, window or None, softcap or None
+        meta, layer_idx, query, key, value, scaling, window or None, softcap or None, sinks
     )
     # the compiled graph assumes the fake's contiguous layout below
     return out.contiguous()
 
 
 @paged_attention_op.register_fake
-def _paged_attention_fake(query, key, value, layer_idx, scaling, window, softcap):
+def _paged_attention_fake(query, key, value, layer_idx, scaling, window, softcap, sinks):
     _, num_heads, num_tokens, _ = query.shape
     return query.new_empty(1, num_tokens, num_heads, value.shape[-1])
 
@@ -640,23 +646,24 @@ def _sdpa_attention(
     scaling: float,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     groups = meta.groups()  # the decodes, then runs of fresh chunks and of later ones
     if len(groups) == 1:  # most steps (all decodes, or all chunks): no slice, no cat
         group = groups[0]
         if group.context_slots is not None:
-            return _attend_single(query, cache, group, scaling, window, softcap)
+            return _attend_single(query, cache, group, scaling, window, softcap, sinks)
         attend = _attend_decodes if group.max_query_len == 1 else _attend_chunks
-        return attend(query[0], cache, group, scaling, window, softcap)[None]
+        return attend(query[0], cache, group, scaling, window, softcap, sinks)[None]
     outputs = []
     for group in groups:
         if group.context_slots is not None:  # one decode beside chunks
             rows = query[:, :, group.token_start : group.token_end]
-            outputs.append(_attend_single(rows, cache, group, scaling, window, softcap)[0])
+            outputs.append(_attend_single(rows, cache, group, scaling, window, softcap, sinks)[0])
             continue
         rows = query[0, :, group.token_start : group.token_end]  # [H, Tg, D]
         attend = _attend_decodes if group.max_query_len == 1 else _attend_chunks
-        outputs.append(attend(rows, cache, group, scaling, window, softcap))
+        outputs.append(attend(rows, cache, group, scaling, window, softcap, sinks))
     return torch.cat(outputs)[None]  # [1, T, H, Dv]
 
 
@@ -667,6 +674,7 @@ def _attend_single(
     scaling: float,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence decoding, alone in the step (one stream): query `[1, H, 1, D]` ->
     `[1, 1, H, Dv]`. Its keys are gathered by slot, only those it sees, and attended with no
@@ -682,7 +690,7 @@ def _attend_single(
     values = read_slots(cache.value_rows, slots, cache.values.dtype, query.dtype).transpose(1, 2)
     # GQA fold: [1, KVH, G, D], the G query heads of a KV head as G rows
     rows = query.view(1, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = _attend(rows, keys, values, None, scaling, softcap)
+    out = _attend(rows, keys, values, None, scaling, softcap, _sink_rows(sinks, num_kv_heads, 1))
     return out.reshape(1, 1, num_heads, out.shape[-1])
 
 
@@ -693,6 +701,7 @@ def _attend_decodes(
     scaling: float,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: query `[H, b, D]` -> `[b, H, Dv]`."""
     num_heads, b, head_dim = query.shape
@@ -701,7 +710,8 @@ def _attend_decodes(
     # [b, KVH, G, D]; several times faster on CPU than SDPA's enable_gqa.
     rows = query.transpose(0, 1).reshape(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
     # the mask has one row per sequence: it broadcasts over the G rows
-    out = _attend_rows(rows, cache, group, 1, scaling, window, softcap)
+    sink_rows = _sink_rows(sinks, num_kv_heads, 1)
+    out = _attend_rows(rows, cache, group, 1, scaling, window, softcap, sink_rows)
     return out.reshape(b, num_heads, out.shape[-1])
 
 
@@ -712,10 +722,12 @@ def _attend_chunks(
     scaling: float,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Multi-token chunks padded to q rows each: query `[H, Tg, D]` -> `[Tg, H, Dv]`."""
     num_heads, _, head_dim = query.shape
-    if group.fresh and not softcap and (window is None or group.max_query_len <= window):
+    fresh = group.fresh and not softcap and sinks is None
+    if fresh and (window is None or group.max_query_len <= window):
         return _attend_fresh(query, cache, group, scaling)
     num_kv_heads = cache.keys.shape[2]
     num_groups = num_heads // num_kv_heads
@@ -724,7 +736,8 @@ def _attend_chunks(
     # GQA fold: [KVH, G, b, q, D] -> [b, KVH, G * q, D]
     rows = rows.view(num_kv_heads, num_groups, b, q, head_dim).permute(2, 0, 1, 3, 4)
     rows = rows.reshape(b, num_kv_heads, num_groups * q, head_dim)
-    out = _attend_rows(rows, cache, group, num_groups, scaling, window, softcap)
+    sink_rows = _sink_rows(sinks, num_kv_heads, q)
+    out = _attend_rows(rows, cache, group, num_groups, scaling, window, softcap, sink_rows)
     v_dim = out.shape[-1]
     out = out.view(b, num_kv_heads, num_groups, q, v_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(b * q, num_heads, v_dim).index_select(0, group.output_index)
@@ -764,13 +777,16 @@ def _attend_rows(
     scaling: float,
     window: int | None,
     softcap: float | None,
+    sink_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Query rows `[b, KVH, R, D]` over each sequence's cached K/V -> `[b, KVH, R, Dv]`;
     `mask_groups`: the query heads per mask row (1: one mask row for all R rows)."""
     keys, values = _gather(cache.keys, group, rows.dtype), _gather(cache.values, group, rows.dtype)
     if group.chunk_tokens is None:
         mask = group.mask(window, mask_groups, rows.dtype)
-        return _attend(rows, keys, values, mask, scaling, softcap)
+        return _attend(rows, keys, values, mask, scaling, softcap, sink_rows)
+    if sink_rows is not None:
+        raise ValueError("attention sinks have no batch-invariant path (--deterministic)")
     mask = group.chunked_mask(window, mask_groups, rows.dtype)
     return invariant_attention.attend(rows, keys, values, mask, scaling, softcap)
 
@@ -792,16 +808,38 @@ def _attend(
     mask: torch.Tensor | None,
     scaling: float,
     softcap: float | None,
+    sink_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if not softcap:
+    """`sink_rows`: each query row's sink logit, `[1, KVH, R, 1]` (_sink_rows)."""
+    if not softcap and sink_rows is None:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
-    # SDPA has no logit soft-capping (Gemma2): the eager formula, softmax in float32.
+    # SDPA has neither logit soft-capping (Gemma2) nor sinks (gpt-oss): the eager formula,
+    # softmax in float32.
     scores = torch.matmul(query, keys.transpose(-1, -2)) * scaling
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    return torch.matmul(probs, values)
+    if sink_rows is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+        return torch.matmul(probs, values)
+    # the sink is one more logit in each row's denominator, with no value: softmax over
+    # [scores, sink], the sink's column dropped
+    sink = sink_rows.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs[..., :-1].to(values.dtype), values)
+
+
+def _sink_rows(
+    sinks: torch.Tensor | None, num_kv_heads: int, query_len: int
+) -> torch.Tensor | None:
+    """Per-head sinks `[H]` laid out as the GQA-folded query rows, `[1, KVH, G * q, 1]`: the
+    G query heads of each KV head, each repeated for its q query positions."""
+    if sinks is None:
+        return None
+    groups = sinks.shape[0] // num_kv_heads
+    rows = sinks.view(num_kv_heads, groups, 1).expand(num_kv_heads, groups, query_len)
+    return rows.reshape(1, num_kv_heads, groups * query_len, 1)
 
 
 # CUDA path: Triton over the pool in place ------------------------------------------

@@ -43,10 +43,11 @@ import torch
 from transformers import AttentionInterface
 
 from ...models.architectures import (
+    SINKS_NOT_INVARIANT,
     SUPPORTED_LAYER_TYPES,
     interface_reason,
     layer_types_reason,
-    sinks_reason,
+    module_has_sinks,
 )
 from ...models.lora_layers import LoraLayers, LoraStep, bound_lora, register_layers
 from ..adapters import AdapterRegistry, SlotTable
@@ -198,6 +199,8 @@ class ModelRunner(StepRunner):
         flash-attn or SDPA instead; --disable-custom-kernels). lora: the model's LoRA slots
         (models/lora_layers.py), filled from `adapters`."""
         check_model_supported(model)
+        if batch_invariant and module_has_sinks(model):
+            raise ValueError(SINKS_NOT_INVARIANT)
         if lora is not None and (adapters is None or batch_invariant):
             raise ValueError(
                 "LoRA slots need an adapter registry, and don't run batch-invariant "
@@ -435,9 +438,6 @@ def check_model_supported(model: torch.nn.Module) -> None:
     name = type(model).__name__
     if not model._can_set_attn_implementation():
         raise ValueError(interface_reason(name))
-    for module_name, module in model.named_modules():
-        if getattr(module, "sinks", None) is not None:
-            raise ValueError(f"{sinks_reason(name)} ({module_name}.sinks)")
     layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
     unsupported = sorted(set(layer_types) - SUPPORTED_LAYER_TYPES)
     if unsupported:
