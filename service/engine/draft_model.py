@@ -22,6 +22,7 @@ import weakref
 
 import torch
 
+from ..models.tokenizer_files import vocab_mismatch
 from .block_manager import BlockManager
 from .kv_pool import KVCachePool
 from .runners.model_runner import ModelRunner
@@ -36,17 +37,8 @@ class TokenizerMismatch(ValueError):
 def check_same_tokenizer(target, draft) -> None:
     """Raise TokenizerMismatch unless both tokenizers map the same strings to the same ids
     (special tokens included) and agree on EOS."""
-    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
-    if target_vocab != draft_vocab:
-        differ = next(
-            (t for t, i in target_vocab.items() if draft_vocab.get(t) != i),
-            next(iter(draft_vocab.keys() - target_vocab.keys()), None),
-        )
-        raise TokenizerMismatch(
-            f"its tokenizer differs from the model's ({len(draft_vocab)} vs {len(target_vocab)} "
-            f"tokens; {differ!r} is {draft_vocab.get(differ)} there, {target_vocab.get(differ)} "
-            "here): a draft model must share the model's tokenizer"
-        )
+    if mismatch := vocab_mismatch(target.get_vocab(), draft.get_vocab()):
+        raise TokenizerMismatch(mismatch)
     if target.eos_token_id != draft.eos_token_id:
         raise TokenizerMismatch(
             f"its EOS token ({draft.eos_token_id}) is not the model's ({target.eos_token_id})"

@@ -169,6 +169,32 @@ def config_json(
     )
 
 
+def model_file(
+    model_id: str | None,
+    filename: str,
+    revision: str | None = None,
+    *,
+    hub_cache: str | Path | None = None,
+    folder: str | Path | None = None,
+) -> Path | None:
+    """One file of the model, as config_json finds its config.json (`folder`'s, the
+    converted embedded model's, a local folder's, the Hub's), or None where it has none or
+    it can't be had without converting or loading anything."""
+    if folder is not None:
+        path = Path(folder).expanduser() / filename
+    elif model_id is None or model_id in EMBEDDED_ALIASES:
+        converted = converted_embedded()
+        path = converted / filename if converted is not None else None
+    elif (local := Path(model_id).expanduser()).is_dir():
+        path = local / filename
+    else:
+        try:
+            path = _hub_file(model_id, revision, filename, hub_cache_dir(hub_cache))
+        except ModelError:
+            return None
+    return path if path is not None and path.is_file() else None
+
+
 def needs_remote_code(config: dict) -> bool:
     """Whether only the model's own code (its config's auto_map) knows its model_type."""
     if not config.get("auto_map"):

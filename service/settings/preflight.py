@@ -369,6 +369,32 @@ def check_speculation(settings: Settings) -> None:
         config_json(settings.speculate_model, None)
     except ModelError as exc:
         raise SettingError("--speculate-model", settings.speculate_model, str(exc)) from None
+    if mismatch := _tokenizer_mismatch(settings):
+        raise SettingError("--speculate-model", settings.speculate_model, mismatch)
+
+
+def _tokenizer_mismatch(settings: Settings) -> str | None:
+    """How the draft model's tokenizer.json differs from the model's, when both have one
+    (otherwise the loaded tokenizers are compared at startup, by the same rule)."""
+    from ..models.hub import model_file
+    from ..models.tokenizer_files import file_vocab, vocab_mismatch
+
+    target = model_file(
+        settings.model_id,
+        "tokenizer.json",
+        settings.revision,
+        hub_cache=settings.huggingface_hub_cache,
+        folder=settings.weights_cache_override,
+    )
+    draft = model_file(
+        settings.speculate_model, "tokenizer.json", hub_cache=settings.huggingface_hub_cache
+    )
+    if target is None or draft is None:
+        return None
+    target_vocab, draft_vocab = file_vocab(target), file_vocab(draft)
+    if target_vocab is None or draft_vocab is None:
+        return None
+    return vocab_mismatch(target_vocab, draft_vocab)
 
 
 # the model's context -------------------------------------------------------------------

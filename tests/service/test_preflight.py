@@ -5,6 +5,7 @@ and the rule, no traceback and no model load. Good settings pass the same checks
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -276,3 +277,27 @@ def test_lora_adapters_are_checked_before_loading(tiny_model_dir, tmp_path):
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(SettingError, match="trained on 'Qwen/Qwen3-8B'"):
         preflight(replace(settings, lora_adapters=(("a", str(tmp_path / "a")),)))
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused_before_loading(tiny_model_dir, tmp_path):
+    """--speculate-model's tokenizer.json against the model's, before either loads: the
+    same words for the same files, run after run (the first differing id)."""
+    from support.tiny_model import build_tokenizer
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    build_tokenizer(300).save_pretrained(other)
+    settings = Settings(
+        model_id=str(tiny_model_dir), grpc_port=0, port=0, speculate=2, speculate_model=str(other)
+    )
+    messages = set()
+    for _ in range(2):
+        with pytest.raises(SettingError) as refused:
+            preflight(settings)
+        messages.add(str(refused.value))
+    (message,) = messages
+    assert message.startswith(f"--speculate-model {other}: its tokenizer differs")
+    assert "id " in message
+    same = tmp_path / "same"
+    shutil.copytree(tiny_model_dir, same)
+    preflight(replace(settings, speculate_model=str(same)))
