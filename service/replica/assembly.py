@@ -135,7 +135,7 @@ def engine_config(
     settings: Settings, loaded: LoadedModel, capacity: int, max_total_tokens: int
 ) -> EngineConfig:
     """The engine's config from the settings: the one place they meet (the server, every
-    rank of a sharded model, `textgen bench --core` and the measuring scripts).
+    rank of a sharded model, `textgen bench --core`; the measuring scripts write theirs).
     `capacity`: the KV pool's tokens (kv_sizing.py); `max_total_tokens`: the longest
     request (CUDA graphs' block tables are sized for it)."""
     compiled = compile_settings(settings, loaded)

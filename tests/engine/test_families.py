@@ -19,6 +19,26 @@ from .factories import (
 )
 
 
+def serve_through_preemption(model, lengths: list[int], prefill_tokens: int, seed: int):
+    """Sequences of these prompt lengths through a 12-block pool of 8 tokens: prompts wait
+    for room, and running sequences that grow preempt others; -> (core, sequences)."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = [
+        make_seq(random_prompt(n, VOCAB_SIZE, g), request_id=f"r{i}", max_new_tokens=8 + i)
+        for i, n in enumerate(lengths)
+    ]
+    core = make_core(
+        model, total_tokens=96, prefill_tokens=prefill_tokens, batch_size=4, block_size=8
+    )
+    for seq in seqs:
+        core.add(seq)
+    run_to_completion(core)
+    assert_matches_generate(model, seqs)
+    assert core.stats().preemptions > 0
+    assert_idle(core)
+    return core, g
+
+
 def tiny_stablelm(**options) -> torch.nn.Module:
     torch.manual_seed(3)
     config = StableLmConfig(
@@ -46,20 +66,7 @@ def tiny_stablelm(**options) -> torch.nn.Module:
 def test_stablelm_whose_layers_drop_the_attention_keywords(options):
     """StableLM's decoder layer calls its attention without the keywords the model was
     given: the step's metadata reaches it bound (attention/paged.py)."""
-    model = tiny_stablelm(**options)
-    g = torch.Generator().manual_seed(5)
-    seqs = [
-        make_seq(random_prompt(10 + 3 * i, VOCAB_SIZE, g), request_id=f"s{i}", max_new_tokens=9 + i)
-        for i in range(6)
-    ]
-    # 12 blocks of 8 tokens: prompts wait for room, and running sequences that grow preempt
-    core = make_core(model, total_tokens=96, prefill_tokens=64, batch_size=4, block_size=8)
-    for seq in seqs:
-        core.add(seq)
-    run_to_completion(core)
-    assert_matches_generate(model, seqs)
-    assert core.stats().preemptions > 0
-    assert_idle(core)
+    serve_through_preemption(tiny_stablelm(**options), [10, 13, 16, 19, 22, 25], 64, seed=5)
 
 
 def tiny_gpt_oss() -> torch.nn.Module:
@@ -93,19 +100,7 @@ def test_gpt_oss_attention_sinks_equal_generate():
     """gpt-oss's sinks through the paged attention: decodes alone and beside prefill
     chunks, chunks past a sliding window, waits and preemptions."""
     model = tiny_gpt_oss()
-    g = torch.Generator().manual_seed(6)
-    seqs = [
-        make_seq(random_prompt(n, VOCAB_SIZE, g), request_id=f"o{i}", max_new_tokens=8 + i)
-        for i, n in enumerate([10, 13, 30, 17, 26, 9])
-    ]
-    core = make_core(model, total_tokens=96, prefill_tokens=24, batch_size=4, block_size=8)
-    for seq in seqs:
-        core.add(seq)
-    run_to_completion(core)
-    assert_matches_generate(model, seqs)
-    assert core.stats().preemptions > 0
-    assert_idle(core)
-
+    core, g = serve_through_preemption(model, [10, 13, 30, 17, 26, 9], 24, seed=6)
     alone = make_seq(random_prompt(20, VOCAB_SIZE, g), request_id="alone", max_new_tokens=12)
     core.add(alone)  # one stream: the single-sequence decode path
     run_to_completion(core)
