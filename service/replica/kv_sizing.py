@@ -21,13 +21,25 @@ KV_BLOCK_SIZE = 16
 def kv_bytes_per_token(
     model: torch.nn.Module, dtype: torch.dtype, kv_heads: int | None = None
 ) -> int:
-    """KV-cache bytes one token takes in this process's pool (`kv_heads`: a shard's own)."""
+    """KV-cache bytes one token takes in this process's pool (`kv_heads`: a shard's own),
+    summed over the layers: a heterogeneous config (Gemma 4's) gives each layer its own
+    head size."""
     cfg = (
         model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     )
+    if getattr(cfg, "is_heterogeneous", False):
+        layers = list(cfg.per_layer_config)
+    else:
+        layers = [cfg] * cfg.num_hidden_layers
+    values = sum(_kv_values(layer, kv_heads) for layer in layers)  # per K (and per V)
+    return 2 * values * torch.finfo(dtype).bits // 8
+
+
+def _kv_values(cfg, kv_heads: int | None) -> int:
+    """The K values one token takes in one layer: KV heads x head size."""
     heads = kv_heads or getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_hidden_layers * 2 * heads * head_dim * torch.finfo(dtype).bits // 8
+    return heads * head_dim
 
 
 def free_memory_bytes(device: torch.device, cuda_memory_fraction: float = 1.0) -> int:

@@ -110,3 +110,50 @@ def test_gpt_oss_attention_sinks_equal_generate():
 def test_gpt_oss_is_refused_batch_invariant():
     with pytest.raises(ValueError, match="sinks"):
         make_core(tiny_gpt_oss(), batch_invariant=True)
+
+
+def tiny_gemma4(**options) -> torch.nn.Module:
+    """Gemma 4: its global layers' head size differs from its sliding layers' (a
+    heterogeneous config: `head_dim` is per layer), the last layers reuse earlier layers'
+    K/V (`num_kv_shared_layers`), per-layer input embeddings."""
+    torch.manual_seed(7)
+    layer_types = (["sliding_attention"] * 3 + ["full_attention"]) * 2
+    config = AutoConfig.for_model(
+        "gemma4_text",
+        vocab_size=VOCAB_SIZE,
+        vocab_size_per_layer_input=VOCAB_SIZE,
+        hidden_size_per_layer_input=16,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        layer_types=layer_types,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        sliding_window=8,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        **options,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("shared", [0, 2], ids=["own-kv", "kv-shared"])
+def test_gemma4_heads_of_two_sizes_equal_generate(shared):
+    """Sliding layers of 16-value heads and global ones of 32 in one pool (each layer's
+    blocks shaped as its own K/V), chunks past the window."""
+    model = tiny_gemma4(num_kv_shared_layers=shared)
+    serve_through_preemption(model, [10, 13, 30, 17, 26, 9], 24, seed=8)
+
+
+def test_gemma4_kv_bytes_count_each_layers_head_size():
+    """The pool's size per token sums each layer's heads: 6 sliding layers of 2 x 16
+    values, 2 global ones of 2 x 32 (reading the config's one head_dim raises there)."""
+    from textgen.service.replica.kv_sizing import kv_bytes_per_token
+
+    model = tiny_gemma4()
+    assert kv_bytes_per_token(model, torch.float32) == 2 * (6 * 2 * 16 + 2 * 2 * 32) * 4
+    assert kv_bytes_per_token(model, torch.bfloat16) == 2 * (6 * 2 * 16 + 2 * 2 * 32) * 2

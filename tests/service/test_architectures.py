@@ -35,7 +35,7 @@ SERVED = [
     "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi", "phi3", "granite",
     "cohere", "cohere2", "olmo2", "starcoder2", "gpt_bigcode", "gpt_neox", "gptj", "gpt2",
     "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe",
-    "olmoe", "granitemoe", "stablelm", "gpt_oss",
+    "olmoe", "granitemoe", "stablelm", "gpt_oss", "gemma4_text",
 ]  # fmt: skip
 
 
