@@ -231,6 +231,7 @@ def test_a_key_file_without_keys_is_refused(tmp_path):
         preflight(Settings(api_key_file=str(keys), grpc_port=0, port=0))
 
 
+@pytest.mark.slow  # converts the embedded model when its cache is empty
 def test_the_embedded_context_is_its_config():
     """The embedded model's context is known before its conversion; it must be the one
     its converted config states."""
