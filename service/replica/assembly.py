@@ -216,10 +216,33 @@ def grammar_compiler(loaded: LoadedModel) -> GrammarCompiler:
     )
 
 
+def served_core(
+    settings: Settings,
+    loaded: LoadedModel,
+    capacity: int,
+    max_total_tokens: int,
+    grammars: GrammarCompiler,
+    draft: LoadedModel | None = None,
+    adapters: AdapterRegistry | None = None,
+    shards: ShardGroup | None = None,
+) -> PagedCore:
+    """The engine core a replica with these settings serves with: its config from the
+    settings (engine_config), over the loaded model, its adapters and draft model."""
+    return build_core(
+        engine_config(settings, loaded, capacity, max_total_tokens),
+        loaded.model,
+        grammars=grammars,
+        shards=shards,
+        draft=draft,
+        lora=loaded.lora,
+        adapters=adapters,
+    )
+
+
 def standalone_engine(settings: Settings) -> tuple[LoadedModel, PagedCore]:
     """The engine a replica with these settings runs, built in this process with no server
-    around it (`textgen bench --core`, scripts/measure_*.py): the same model, adapters,
-    draft model, KV pool and runner strategy. One shard only."""
+    around it (`textgen bench --core`): the same model, adapters, draft model, KV pool and
+    runner strategy. One shard only."""
     if settings.num_shard not in (None, 1):
         raise SettingError("--num-shard", settings.num_shard, "the engine alone runs on one shard")
     plan = lora_plan(settings)
@@ -228,16 +251,8 @@ def standalone_engine(settings: Settings) -> tuple[LoadedModel, PagedCore]:
     context = loaded.max_position_embeddings
     capacity = kv_capacity_tokens(settings, loaded, kv_floor(settings, context))
     _, max_total = settings.resolved_limits(context, capacity)
-    config = engine_config(settings, loaded, capacity, max_total)
-    draft = load_draft(settings, loaded)
-    core = build_core(
-        config,
-        loaded.model,
-        grammars=grammar_compiler(loaded),
-        draft=draft,
-        lora=loaded.lora,
-        adapters=adapters,
-    )
+    grammars, draft = grammar_compiler(loaded), load_draft(settings, loaded)
+    core = served_core(settings, loaded, capacity, max_total, grammars, draft, adapters)
     return loaded, core
 
 

@@ -34,15 +34,14 @@ from ..settings.preflight import device_type, num_shards, visible_gpus
 from ..settings.table import Settings
 from .assembly import (
     adapter_reader,
-    build_core,
     cap_cuda_memory,
-    engine_config,
     grammar_compiler,
     load_adapters,
     load_draft,
     load_served,
     lora_plan,
     request_interceptors,
+    served_core,
     served_model,
 )
 from .kv_sizing import KV_BLOCK_SIZE, kv_capacity_tokens, kv_floor
@@ -196,16 +195,9 @@ async def _start_loaded(
         prefill_logprobs=settings.prefill_logprobs,
     )
     grammars = await asyncio.to_thread(grammar_compiler, loaded)
-    config = engine_config(settings, loaded, capacity, max_total)
     draft = await in_own_thread(load_draft, settings, loaded)
-    core = build_core(
-        config,
-        loaded.model,
-        grammars=grammars,
-        shards=shard_group,
-        draft=draft,
-        lora=loaded.lora,
-        adapters=adapters,
+    core = served_core(
+        settings, loaded, capacity, max_total, grammars, draft, adapters, shard_group
     )
     metrics = Metrics()
     lora = None

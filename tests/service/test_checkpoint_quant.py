@@ -275,15 +275,9 @@ def test_cuda_capability_rules(monkeypatch):
 
 # --------------------------------------------------------------- CUDA-only kernels
 
-cuda_only = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="CUDA-only kernels (Marlin, FP8 matmuls): this machine has no GPU",
-)
-
 
 @pytest.mark.gpu
 @pytest.mark.server
-@cuda_only
 def test_marlin_serves_a_gptq_checkpoint_as_the_library_does(gptq_dir):
     if torch.cuda.get_device_capability() < cq.MARLIN_MIN_CAPABILITY:
         pytest.skip("Marlin needs compute capability 8.0+")
@@ -303,7 +297,6 @@ def test_marlin_serves_a_gptq_checkpoint_as_the_library_does(gptq_dir):
 
 @pytest.mark.gpu
 @pytest.mark.server
-@cuda_only
 def test_fp8_checkpoint_runs_on_fp8_gpus(tiny_model_dir, tmp_path):
     if torch.cuda.get_device_capability() < cq.FP8_MIN_CAPABILITY:
         pytest.skip("FP8 matmuls need compute capability 8.9+")

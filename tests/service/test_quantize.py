@@ -195,8 +195,6 @@ def test_server_reports_it_and_generates_greedily(tiny_model_dir, method):
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 def test_cuda_quantized_model_generates_in_the_paged_engine(tiny_model_dir, method):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
     need = {"int8": (0, 0), "int4": q.INT4_CUDA_MIN_CAPABILITY, "fp8": q.FP8_MIN_CAPABILITY}
     if torch.cuda.get_device_capability() < need[method]:
         pytest.skip(f"needs a GPU of compute capability {need[method]} ({method} kernels)")
