@@ -225,7 +225,7 @@ class EngineLoop:
         except Exception as exc:
             log.exception("engine step failed; the engine stops")
             self.last_error = exc
-            self._fail_all(EngineError(f"generation failed: {exc}", ErrorType.GENERATION))
+            self._fail_all(step_error(exc))
             return
         self._fail_all(EngineError("the engine is shutting down", ErrorType.UNAVAILABLE))
 
@@ -421,6 +421,15 @@ class EngineLoop:
             groups[id(s.group)] = s.group
         for group in groups.values():
             _send(group, error)
+
+
+def step_error(exc: Exception) -> EngineError:
+    """What every request in flight is told when a step fails for good: the step's own
+    typed error where it raised one (a shard gone: runners/sharded.py's ShardLost, an
+    incomplete generation naming the rank), else `generation failed` with the cause."""
+    if isinstance(exc, EngineError):
+        return exc
+    return EngineError(f"generation failed: {exc}", ErrorType.GENERATION)
 
 
 def _send(group: _Group, item) -> None:

@@ -7,7 +7,8 @@ the code transformers runs for the config's `model_type`, read as text (never im
 never run): whether its attention goes through `AttentionInterface` (transformers' own
 heuristic, `PreTrainedModel._can_set_attn_implementation`, on the same source), whether
 its attention keeps sinks (served, but not batch-invariant), and which kinds of layers the
-config lists.
+config lists. Families whose attention is computed inline (Falcon, Bloom, MPT) are served
+through an attention adapter of ours (attention_adapters.py).
 """
 
 from __future__ import annotations
@@ -16,10 +17,22 @@ import importlib.util
 import re
 from pathlib import Path
 
+from .attention_adapters import is_adapted, uses_alibi
+
 # The layer kinds the paged KV cache holds: attention over every earlier token, or over a
-# window of them. Others keep a state of their own (linear attention, Mamba, convolutions)
-# or attend in chunks.
+# window of them; and, where the family's adapter says the chunk size (Llama 4's), within
+# chunks. Others keep a state of their own (linear attention, Mamba, convolutions).
 SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+_CHUNKED_FAMILIES = frozenset({"llama4_text"})
+
+
+def unsupported_layer_types(model_type: str | None, layer_types) -> list[str]:
+    """The kinds among `layer_types` the paged engine doesn't serve for this family."""
+    served = SUPPORTED_LAYER_TYPES
+    if model_type in _CHUNKED_FAMILIES:
+        served = served | {"chunked_attention"}
+    return sorted(set(layer_types or []) - served)
+
 
 # transformers' heuristic (modeling_utils.py, `_can_set_attn_implementation`): a modelling
 # file with an `*Attention*(nn.Module)` class routes attention through the interface iff
@@ -37,10 +50,11 @@ def unserved_reason(config: dict) -> str | None:
     model_type = text.get("model_type") or config.get("model_type")
     if not model_type or config.get("auto_map"):
         return None
-    layer_types = text.get("layer_types") or []
-    unsupported = sorted(set(layer_types) - SUPPORTED_LAYER_TYPES)
+    unsupported = unsupported_layer_types(model_type, text.get("layer_types"))
     if unsupported:
         return layer_types_reason(model_type, unsupported)
+    if is_adapted(model_type):
+        return None
     source = modeling_source(model_type)
     if source is None:
         return None  # transformers has no code for it: the loader says so
@@ -49,35 +63,56 @@ def unserved_reason(config: dict) -> str | None:
     return None
 
 
-def has_sinks(config: dict) -> bool:
-    """Whether the model's attention keeps sinks (gpt-oss), from its config.json."""
+def sdpa_only_terms(config: dict) -> str | None:
+    """What the model's attention adds to its scores that only the SDPA path computes
+    (attention sinks, ALiBi), from its config.json; None: nothing."""
     text = config.get("text_config") or config
     model_type = text.get("model_type") or config.get("model_type")
+    if model_type in ("bloom", "mpt") or (model_type == "falcon" and text.get("alibi")):
+        return ALIBI
     source = modeling_source(model_type) if model_type else None
-    return bool(source and _SINKS.search(source))
+    return SINKS if source and _SINKS.search(source) else None
 
 
-def module_has_sinks(model) -> bool:
-    """Whether a loaded model's attention keeps sinks."""
-    return any(getattr(module, "sinks", None) is not None for module in model.modules())
+def module_sdpa_only_terms(model) -> str | None:
+    """sdpa_only_terms() of a loaded model."""
+    if any(getattr(module, "sinks", None) is not None for module in model.modules()):
+        return SINKS
+    if uses_alibi(model.config):
+        return ALIBI
+    return None
+
+
+SINKS = "attention sinks (gpt-oss)"
+ALIBI = "ALiBi (Bloom, MPT, Falcon-RW)"
+
+
+def not_invariant_reason(terms: str) -> str:
+    return f"{terms}: no batch-invariant attention path"
+
+
+def no_graphs_reason(terms: str) -> str:
+    return f"{terms} run on the SDPA path, which CUDA graphs don't replay"
+
+
+def module_sdpa_only_layers(model) -> str | None:
+    """A loaded model's layer kind that only the SDPA path attends (chunked attention,
+    Llama 4's), or None; unlike sinks and ALiBi it has a batch-invariant path."""
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    return CHUNKED if "chunked_attention" in layer_types else None
+
+
+CHUNKED = "chunked local attention (Llama 4)"
 
 
 def interface_reason(name: str) -> str:
     return (
         f"{name} does not route attention through transformers' AttentionInterface "
-        "(e.g. Falcon, Bloom): the paged engine can't serve it"
+        "(e.g. GPT-Neo, XGLM): the paged engine can't serve it"
     )
 
 
-SINKS_NOT_INVARIANT = "attention sinks (gpt-oss) have no batch-invariant attention path"
-
-
 def layer_types_reason(name: str, unsupported: list[str]) -> str:
-    if unsupported == ["chunked_attention"]:
-        return (
-            f"{name} has layers of type {unsupported} (attention within chunks of "
-            "attention_chunk_size tokens), which paged attention doesn't implement"
-        )
     return f"{name} has layers of type {unsupported}, which keep state the paged cache can't hold"
 
 

@@ -211,14 +211,41 @@ def _read_config(path: Path) -> dict:
         raise ModelResolutionError(f"{path} cannot be read as JSON: {exc}") from None
 
 
-def context_length(config: dict) -> int:
-    """The context length a config.json states (its text model's, for multimodal ones)."""
+# The keys configs state their context under: most families', GPT-2's, a few others',
+# ChatGLM's and Qwen 1's, MPT's (TGI reads max_seq_len too).
+CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+)
+# Said where a config states none, by the settings (a SettingError) and the loader alike.
+NO_CONTEXT = (
+    "the model config states no context length (max_position_embeddings or the like: "
+    "Bloom's and Mamba's don't); pass --max-total-tokens N, the context to serve"
+)
+
+
+def stated_context(config: dict) -> int | None:
+    """The context length a config.json states (its text model's, for multimodal ones),
+    or None where it states none: a model without learned or rotary positions (Bloom's
+    ALiBi, Mamba's recurrent state) has no length it was made for, so the settings choose
+    one (Settings.context_length)."""
     text = config.get("text_config") or config
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+    for key in CONTEXT_KEYS:
         value = text.get(key)
         if isinstance(value, int) and value > 0:
             return value
-    raise ModelError("the model config states no context length (max_position_embeddings)")
+    return None
+
+
+def context_length(config: dict) -> int:
+    """The context length a config.json states; ModelError where it states none."""
+    stated = stated_context(config)
+    if stated is None:
+        raise ModelError(NO_CONTEXT)
+    return stated
 
 
 def _hub_file(repo_id: str, revision: str | None, filename: str, cache: Path) -> Path:

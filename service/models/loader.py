@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .attention_adapters import plain_linears
 from .checkpoint_quant import LibraryQuantization, finish_loading
 from .errors import ModelError
-from .hub import ResolvedModel, config_json, context_length, resolve_model
+from .hub import NO_CONTEXT, ResolvedModel, config_json, resolve_model, stated_context
 from .quantize import QuantizationError, quantize_model, resolve_quantization
 from .shard_layout import ShardLayout, shard_layout
 from .sharding import VocabSlice, install_collectives, localize, lora_slices, tp_plan_overrides
@@ -134,6 +135,9 @@ class LoadOptions:
     trust_remote_code: bool = False  # run the code the config's auto_map names
     rope: tuple[str, float] | None = None  # (linear | dynamic, factor): RoPE rescaled
     chat_template: str | dict | None = None  # replaces the tokenizer's (--tokenizer-config-path)
+    # the context of a model whose config states none (Bloom, Mamba): the one the settings
+    # chose (Settings.context_length: --max-total-tokens); a config's own always wins
+    context: int | None = None
 
 
 @dataclass(frozen=True)
@@ -209,20 +213,23 @@ def load_model(
         tokenizer.chat_template = options.chat_template
     config = _config(resolved, options)
     layout = None
+    linears = plain_linears(config.model_type, bool(library or quantize or lora))
     if shard is None:
-        model = AutoModelForCausalLM.from_pretrained(
-            resolved.path,
-            config=config,
-            dtype=dt,
-            use_safetensors=True,  # never unpickle
-            local_files_only=True,
-            trust_remote_code=options.trust_remote_code,
-            # load straight onto the device (no CPU copy first on a GPU)
-            device_map=dev if dev.type != "cpu" else None,
-            **_quantization_kwargs(library, resolved.path),
-        )
+        with linears:
+            model = AutoModelForCausalLM.from_pretrained(
+                resolved.path,
+                config=config,
+                dtype=dt,
+                use_safetensors=True,  # never unpickle
+                local_files_only=True,
+                trust_remote_code=options.trust_remote_code,
+                # load straight onto the device (no CPU copy first on a GPU)
+                device_map=dev if dev.type != "cpu" else None,
+                **_quantization_kwargs(library, resolved.path),
+            )
     else:
-        model, layout = _load_slice(resolved.path, config, dt, dev, shard)
+        with linears:
+            model, layout = _load_slice(resolved.path, config, dt, dev, shard)
     if dev.type == "cpu" and library is None:  # (quantized models refuse .to())
         model.to(dev)
     model.eval()
@@ -247,9 +254,7 @@ def load_model(
     eos = eos_token_ids(model, tokenizer)
     if not eos:
         raise ModelError(f"{resolved.model_id} names no EOS token (generation_config or tokenizer)")
-    max_pos = context_length(model.config.get_text_config().to_dict())
-    if options.rope is not None and options.rope[1] > 1:
-        max_pos = int(max_pos * options.rope[1])  # what the rescaled positions reach
+    max_pos = served_context(model.config.get_text_config().to_dict(), options)
     logger.info(
         "loaded %s (%s) on %s as %s%s in %.1f s: %.0fM params, context %d, eos %s",
         resolved.model_id,
@@ -276,6 +281,20 @@ def load_model(
         vocab=vocab,
         lora=lora_layers,
     )
+
+
+def served_context(config: dict, options: LoadOptions) -> int:
+    """The context the loaded model serves: its config's, stretched by the RoPE factor
+    (what the rescaled positions reach), else the one `options` was given (the settings',
+    where the config states none); ModelError where neither says one."""
+    stated = stated_context(config)
+    if stated is None:
+        if options.context is None:
+            raise ModelError(NO_CONTEXT)
+        return options.context
+    if options.rope is not None and options.rope[1] > 1:
+        return int(stated * options.rope[1])
+    return stated
 
 
 def _config(resolved: ResolvedModel, options: LoadOptions):

@@ -33,7 +33,11 @@ from ..grpc.servicer import ServedModel
 from ..intake.grammar_compiler import GrammarCompiler
 from ..intake.validation import Limits
 from ..models import LoadedModel, load_model
-from ..models.architectures import module_has_sinks
+from ..models.architectures import (
+    module_sdpa_only_layers,
+    module_sdpa_only_terms,
+    no_graphs_reason,
+)
 from ..models.compile_cache import compile_cache_dir
 from ..models.loader import LoadOptions, LoraSetup, ModelShard
 from ..models.lora import AdapterError, read_adapter
@@ -63,8 +67,11 @@ def cuda_graph_settings(
     reason = unavailable_reason(loaded.device)
     if settings.disable_custom_kernels and reason is None:
         reason = "CUDA graphs replay the Triton kernel that --disable-custom-kernels turns off"
-    if reason is None and module_has_sinks(loaded.model):
-        reason = "attention sinks run on the SDPA path, which CUDA graphs don't replay"
+    terms = None
+    if reason is None:
+        terms = module_sdpa_only_terms(loaded.model) or module_sdpa_only_layers(loaded.model)
+    if terms:
+        reason = no_graphs_reason(terms)
     if settings.cuda_graphs and reason:
         raise SettingError("--cuda-graphs", None, f"{reason} (pass --no-cuda-graphs)")
     if settings.cuda_graphs is None:
@@ -122,7 +129,12 @@ def load_draft(settings: Settings, loaded: LoadedModel) -> LoadedModel | None:
     if not settings.speculate:
         raise SettingError("--speculate-model", settings.speculate_model, "needs --speculate N")
     draft = load_model(
-        settings.speculate_model, None, str(loaded.dtype).removeprefix("torch."), str(loaded.device)
+        settings.speculate_model,
+        None,
+        str(loaded.dtype).removeprefix("torch."),
+        str(loaded.device),
+        # it proposes for the model's sequences: their context, where its config states none
+        options=LoadOptions(context=loaded.max_position_embeddings),
     )
     try:
         check_same_tokenizer(loaded.tokenizer, draft.tokenizer)
@@ -265,6 +277,7 @@ def load_options(settings: Settings) -> LoadOptions:
         trust_remote_code=settings.trust_remote_code,
         rope=settings.rope,
         chat_template=chat_template_of(template) if template is not None else None,
+        context=settings.max_total_tokens,  # where the config states none: context_length's
     )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.kv_pool import KV_CACHE_DTYPES
-from ..models import LoadedModel
+from ..models import LoadedModel, attention_adapters
 from ..settings.preflight import check_kv_capacity
 from ..settings.table import DEFAULT_MAX_TOTAL_TOKENS, Settings
 
@@ -37,7 +37,12 @@ def kv_bytes_per_token(
 
 def _kv_values(cfg, kv_heads: int | None) -> int:
     """The K values one token takes in one layer: KV heads x head size."""
-    heads = kv_heads or getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    heads = (
+        kv_heads
+        or attention_adapters.kv_heads(cfg)  # Falcon's multi-query: one, whatever it states
+        or getattr(cfg, "num_key_value_heads", None)
+        or cfg.num_attention_heads
+    )
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return heads * head_dim
 

@@ -179,6 +179,7 @@ async def _start_loaded(
             loaded.vocab.vocab_size,
             loaded.vocab.chunk,
             loaded.device,
+            exited=shards.exited if shards is not None else None,  # who a failed step lost
         )
     max_input, max_total = settings.resolved_limits(context, capacity)
     limits = Limits(

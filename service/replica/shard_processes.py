@@ -12,7 +12,9 @@ default the available CPUs split evenly); on CUDA rank R takes GPU R of those vi
 A local shard that dies is seen by `ShardProcesses.dead()` within a poll; a remote one by the
 next collective, which fails. Either way the server stops serving and exits non-zero (lifecycle.py):
 a half model cannot answer, and a supervisor restarts the whole group. Every group operation
-has a timeout (`GROUP_TIMEOUT_S`), so no rank waits forever on one that is gone.
+has a timeout (`GROUP_TIMEOUT_S`), so no rank waits forever on one that is gone. The step a
+local shard's death fails names it (`exited`, asked by engine/runners/sharded.py): the
+requests in flight end with that, not with the transport's words.
 """
 
 from __future__ import annotations
@@ -105,8 +107,17 @@ class ShardProcesses:
         for rank, process in enumerate(self.processes, start=1):
             code = process.poll()
             if code is not None:
-                return f"shard {rank} (pid {process.pid}) exited with status {code}"
+                return f"shard {rank} (pid {process.pid}) exited with code {code}"
         return None
+
+    def exited(self, wait: float) -> str | None:
+        """dead(), waiting up to `wait` seconds for a shard to have exited: a collective
+        fails on a dying shard's sockets, which close a moment before its exit status can
+        be read. None: every local shard runs (the failure is elsewhere)."""
+        deadline = time.monotonic() + wait
+        while (dead := self.dead()) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return dead
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Wait for the shards to leave (rank 0 told them to stop), then SIGTERM, SIGKILL."""

@@ -29,7 +29,7 @@ class Preflight:
     """What the checks learned, for the log line that says they passed."""
 
     model: str
-    context: int  # the model's context length, from its config
+    context: int  # the model's context length, from its config (else --max-total-tokens)
     max_input_tokens: int
     max_total_tokens: int
     device: str
@@ -49,7 +49,7 @@ def preflight(settings: Settings) -> Preflight:
     check_remote_code(settings, model, config)
     check_architecture(settings, model, config)
     check_quantization(settings, device, config)
-    context = settings.context_length(_context(model, config))
+    context = check_context(settings, model, config)
     # with --full-context the limits are bounded by the KV cache: here by the one given
     max_input, max_total = settings.resolved_limits(context, settings.max_batch_total_tokens)
     check_kv_capacity(settings, max_total)
@@ -433,22 +433,21 @@ def check_remote_code(settings: Settings, model: str, config: dict) -> None:
 def check_architecture(settings: Settings, model: str, config: dict) -> None:
     """A model whose attention or layers the paged engine doesn't implement is refused
     from its config.json, before its weights load (models/architectures.py)."""
-    from ..models.architectures import SINKS_NOT_INVARIANT, has_sinks, unserved_reason
+    from ..models.architectures import not_invariant_reason, sdpa_only_terms, unserved_reason
 
     if reason := unserved_reason(config):
         raise SettingError("--model-id", model, reason)
-    if settings.deterministic and has_sinks(config):
-        raise SettingError("--deterministic", "true", f"{model}: {SINKS_NOT_INVARIANT}")
+    terms = sdpa_only_terms(config) if settings.deterministic else None
+    if terms:
+        raise SettingError("--deterministic", "true", f"{model}: {not_invariant_reason(terms)}")
 
 
-def _context(model: str, config: dict) -> int:
-    from ..models.errors import ModelError
-    from ..models.hub import context_length
+def check_context(settings: Settings, model: str, config: dict) -> int:
+    """The context served: the one its config.json states, else --max-total-tokens
+    (Settings.context_length decides; a model stating none is refused without it)."""
+    from ..models.hub import stated_context
 
-    try:
-        return context_length(config)
-    except ModelError as exc:
-        raise SettingError("--model-id", model, str(exc)) from None
+    return settings.context_length(stated_context(config), model)
 
 
 def check_shards(settings: Settings, kind: str, config: dict) -> int:

@@ -474,7 +474,8 @@ class Settings:
     max_total_tokens: int | None = option(
         None,
         "longest prompt + generation (default: min(model context, 4096); with --full-context "
-        "the model's context, at most what the KV cache holds)",
+        "the model's context, at most what the KV cache holds); needed for a model whose "
+        "config states no context (Bloom, Mamba): it is the context served",
         positive_int,
     )
     full_context: bool = switch(
@@ -661,8 +662,23 @@ class Settings:
             return None
         return self.rope_scaling or "linear", self.rope_factor or 1.0
 
-    def context_length(self, model_context: int) -> int:
-        """The context served: the model's, stretched by --rope-factor."""
+    def context_length(self, model_context: int | None, model: str = "the model") -> int:
+        """The context served: the model's, stretched by --rope-factor. Where its config
+        states none (`model_context` None: Bloom's ALiBi, Mamba's recurrent state have no
+        length they were made for) it is --max-total-tokens, and without that flag the
+        server is refused: TGI assumes 4096 there, a guess the user can't see. Only
+        --max-total-tokens says it, as TGI derives --max-input-tokens from the total and
+        never the total from the input; the loader is given the same (LoadOptions.context)."""
+        if model_context is None:
+            if self.max_total_tokens is None:
+                raise SettingError(
+                    "--max-total-tokens",
+                    None,
+                    f"needed: {model}'s config states no context length "
+                    "(max_position_embeddings or the like); pass --max-total-tokens N, the "
+                    "context to serve",
+                )
+            return self.max_total_tokens
         rope = self.rope
         return int(model_context * rope[1]) if rope and rope[1] > 1 else model_context
 

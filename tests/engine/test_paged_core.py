@@ -9,7 +9,7 @@ from textgen.service.engine.attention import paged as attention
 from textgen.service.engine.config import EngineConfig
 from textgen.service.engine.paged_core import PagedCore
 from textgen.service.engine.types import EngineError, SamplingParams
-from transformers import FalconConfig, FalconForCausalLM
+from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
 from .factories import (
     VOCAB_SIZE,
@@ -284,12 +284,18 @@ def test_request_larger_than_the_pool_is_refused(tiny_llama):
 
 
 def test_models_the_paged_path_cannot_serve_are_refused(tiny_llama):
-    falcon = FalconForCausalLM(
-        FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+    gpt_neo = GPTNeoForCausalLM(
+        GPTNeoConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_layers=1,
+            num_heads=4,
+            attention_types=[[["global"], 1]],
+        )
     )
     with pytest.raises(ValueError, match="AttentionInterface"):
         PagedCore(
-            falcon,
+            gpt_neo,
             EngineConfig(max_batch_total_tokens=64, max_batch_prefill_tokens=64, max_batch_size=2),
         )
 

@@ -24,10 +24,8 @@ pytestmark = pytest.mark.timeout(120)
 
 # model_type -> what the refusal names
 REFUSED = {
-    "falcon": "AttentionInterface",
-    "bloom": "AttentionInterface",
-    "mpt": "AttentionInterface",
-    "llama4_text": "chunked_attention",
+    "gpt_neo": "AttentionInterface",
+    "xglm": "AttentionInterface",
     "qwen3_next": "linear_attention",
 }
 # families the engine serves token for token (tests/integration, tests/engine)
@@ -35,7 +33,8 @@ SERVED = [
     "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi", "phi3", "granite",
     "cohere", "cohere2", "olmo2", "starcoder2", "gpt_bigcode", "gpt_neox", "gptj", "gpt2",
     "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe",
-    "olmoe", "granitemoe", "stablelm", "gpt_oss", "gemma4_text",
+    "olmoe", "granitemoe", "stablelm", "gpt_oss", "gemma4_text", "falcon", "bloom", "mpt",
+    "llama4_text",
 ]  # fmt: skip
 
 
@@ -66,11 +65,11 @@ def test_a_served_architecture_passes(model_type):
 
 def test_a_model_with_its_own_code_is_left_to_the_load():
     """auto_map: only the model's code knows; the loaded model is checked instead."""
-    config = {**config_of("falcon"), "auto_map": {"AutoModelForCausalLM": "x.Y"}}
+    config = {**config_of("gpt_neo"), "auto_map": {"AutoModelForCausalLM": "x.Y"}}
     assert unserved_reason(config) is None
 
 
-@pytest.mark.parametrize("model_type", ["falcon", "qwen3_next"])
+@pytest.mark.parametrize("model_type", ["gpt_neo", "qwen3_next"])
 def test_preflight_names_the_flag_and_the_missing_feature(tmp_path, model_type):
     folder = write_model_folder(tmp_path / model_type, model_type)
     with pytest.raises(SettingError) as refused:
@@ -79,21 +78,24 @@ def test_preflight_names_the_flag_and_the_missing_feature(tmp_path, model_type):
     assert REFUSED[model_type] in str(refused.value)
 
 
-def test_attention_sinks_are_refused_batch_invariant(tmp_path):
-    """gpt-oss is served, but its sinks have no batch-invariant path: --deterministic is
-    refused before loading."""
-    folder = write_model_folder(tmp_path / "gpt_oss", "gpt_oss")
+@pytest.mark.parametrize(
+    ("model_type", "words"), [("gpt_oss", "attention sinks"), ("mpt", "ALiBi")]
+)
+def test_sdpa_only_attention_is_refused_batch_invariant(tmp_path, model_type, words):
+    """gpt-oss and MPT are served, but their sinks and ALiBi have no batch-invariant
+    path: --deterministic is refused before loading."""
+    folder = write_model_folder(tmp_path / model_type, model_type)
     settings = Settings(model_id=str(folder), grpc_port=0, port=0, no_envoy=True)
     preflight(settings)  # without --deterministic: served
     with pytest.raises(SettingError) as refused:
         preflight(replace(settings, deterministic=True))
     assert str(refused.value).startswith("--deterministic true: ")
-    assert "attention sinks" in str(refused.value)
+    assert words in str(refused.value)
 
 
 @pytest.mark.server  # runs `textgen serve`
 def test_serve_refuses_in_one_line_and_status_2_before_loading(tmp_path):
-    folder = write_model_folder(tmp_path / "falcon", "falcon")
+    folder = write_model_folder(tmp_path / "gpt_neo", "gpt_neo")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TEXTGEN_")}
     started = time.monotonic()
     proc = subprocess.run(

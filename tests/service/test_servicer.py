@@ -187,6 +187,51 @@ async def test_best_of_returns_the_likeliest_run(served):
     assert len(out.details.best_of_sequences) == 1
 
 
+# a shard gone -------------------------------------------------------------------------
+
+LOST = "shard 1 (pid 4242) exited with code -9: generation can't go on"
+
+
+def lost_shard() -> EngineError:
+    from textgen.service.engine.runners.sharded import ShardLost
+
+    return ShardLost("shard 1 (pid 4242) exited with code -9")
+
+
+def chat_body() -> httpbody_pb2.HttpBody:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    return httpbody_pb2.HttpBody(content_type="application/json", data=json.dumps(body).encode())
+
+
+async def test_a_lost_shard_is_an_incomplete_generation_naming_it_on_every_face(served):
+    """The engine's ShardLost (engine/runners/sharded.py) reaches TGI's stream and unary
+    call and OpenAI's stream as it is, before any token too: its type, with the rank's
+    name (Envoy's HTTP faces translate the same type and message)."""
+    engine, _, stub = served
+    engine.script = lambda r: [*events(["a", "b"])[:1], lost_shard()]
+    received = []
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for message in stub.GenerateStream(request()):
+            received.append(message)
+    assert (received[-1].error, received[-1].error_type) == (LOST, "incomplete_generation")
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.ABORTED, LOST)
+    assert error_info(info.value).reason == "incomplete_generation"
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Generate(request())
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.ABORTED, LOST)
+    assert error_info(info.value).reason == "incomplete_generation"
+
+    bodies = []
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for body in stub.ChatCompletions(chat_body()):
+            bodies.append(body)
+    frames = b"".join(b.data for b in bodies).split(b"\n\n")
+    last = json.loads(frames[-2].removeprefix(b"data: "))
+    assert last["error"]["type"] == "incomplete_generation" and last["error"]["message"] == LOST
+    assert error_info(info.value).reason == "incomplete_generation"
+
+
 # /v1/responses ------------------------------------------------------------------------
 
 

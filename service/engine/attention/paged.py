@@ -61,6 +61,27 @@ SPLIT_MIN_PAIRS = 4096
 
 
 @dataclass(eq=False)
+class Alibi:
+    """ALiBi (Bloom, MPT, Falcon-RW): each head adds `slope x key position` to its scores,
+    times `scale`. Absolute positions, as those families' own code adds them: within a
+    query's row they differ from the paper's relative distances by a constant, which the
+    softmax cancels. The product is taken in the slopes' dtype (Falcon's, in bfloat16)."""
+
+    slopes: torch.Tensor  # [H]
+    scale: float = 1.0
+
+    def bias(self, key_pos: torch.Tensor, num_kv_heads: int, query_len: int, dtype) -> torch.Tensor:
+        """The bias laid out as the GQA-folded query rows: `[1, KVH, G * q, K]` for keys at
+        `key_pos` `[K]`."""
+        bias = (self.slopes[:, None] * key_pos).to(dtype)
+        if self.scale != 1.0:
+            bias = bias * self.scale
+        groups = self.slopes.shape[0] // num_kv_heads
+        rows = bias.view(num_kv_heads, groups, 1, -1).expand(-1, -1, query_len, -1)
+        return rows.reshape(1, num_kv_heads, groups * query_len, -1)
+
+
+@dataclass(eq=False)
 class AttentionGroup:
     """Sequences attended by one SDPA call, queries padded to `max_query_len`.
 
@@ -88,21 +109,43 @@ class AttentionGroup:
     # chunks that each start their sequence (nothing cached before them; not batch-invariant):
     # query row i is position i, so causal attention is SDPA's is_causal over the first q keys
     fresh: bool = False
-    _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # (window, G, dtype)
+    _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # (window, chunk, G, dtype)
     _chunked_masks: dict[tuple, ChunkedMask] = field(default_factory=dict)
 
-    def mask(self, window: int | None, num_groups: int, dtype: torch.dtype) -> torch.Tensor:
+    def mask(
+        self, window: int | None, num_groups: int, dtype: torch.dtype, chunk: int | None = None
+    ) -> torch.Tensor:
         """Additive mask `[b, 1, rows, nb * block_size]` (0 = attend, -inf = not) for a
         layer whose query heads are folded `num_groups` per KV head: rows = num_groups * q,
         or 1 when q == 1 (it broadcasts over the heads). Built once per step and key, and
         additive in the query's dtype because SDPA would otherwise convert a bool mask on
         every call."""
-        key = (window, num_groups, dtype)
+        key = (window, chunk, num_groups, dtype)
         mask = self._masks.get(key)
         if mask is None:
-            allowed = self._allowed(window, num_groups)
+            allowed = self._allowed(window, num_groups, chunk)
             mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
             mask.masked_fill_(~allowed, float("-inf"))
+            self._masks[key] = mask
+        return mask
+
+    def alibi_mask(
+        self,
+        window: int | None,
+        num_groups: int,
+        dtype: torch.dtype,
+        alibi: Alibi,
+        num_kv_heads: int,
+        chunk: int | None = None,
+    ) -> torch.Tensor:
+        """`mask()` plus ALiBi's bias: `[b, KVH, G * q, K]`. Built once per step and key (the
+        layers share their slopes)."""
+        key = (window, chunk, num_groups, dtype, id(alibi.slopes), alibi.scale)
+        mask = self._masks.get(key)
+        if mask is None:
+            key_pos = torch.arange(self.max_blocks * self.block_size, device=self.query_pos.device)
+            bias = alibi.bias(key_pos, num_kv_heads, self.max_query_len, dtype)
+            mask = self.mask(window, num_groups, dtype, chunk) + bias
             self._masks[key] = mask
         return mask
 
@@ -111,13 +154,15 @@ class AttentionGroup:
         self._masks.clear()
         self._chunked_masks.clear()
 
-    def chunked_mask(self, window: int | None, num_groups: int, dtype: torch.dtype) -> ChunkedMask:
+    def chunked_mask(
+        self, window: int | None, num_groups: int, dtype: torch.dtype, chunk: int | None = None
+    ) -> ChunkedMask:
         """The mask of the batch-invariant path: `mask()`'s rows padded to whole blocks of
         rows, cut into key chunks. Built once per step and key."""
-        key = (window, num_groups, dtype)
+        key = (window, chunk, num_groups, dtype)
         mask = self._chunked_masks.get(key)
         if mask is None:
-            allowed = self._allowed(window, num_groups)
+            allowed = self._allowed(window, num_groups, chunk)
             num_rows = allowed.shape[2]
             if num_rows > 1:  # padding rows see every key, like the padding rows of chunks
                 extra = invariant_attention.padded_rows(num_rows) - num_rows
@@ -126,13 +171,17 @@ class AttentionGroup:
             self._chunked_masks[key] = mask
         return mask
 
-    def _allowed(self, window: int | None, num_groups: int) -> torch.Tensor:
+    def _allowed(self, window: int | None, num_groups: int, chunk: int | None) -> torch.Tensor:
+        """`chunk`: chunked local attention (Llama 4), a query sees the keys of its own
+        chunk of `chunk` positions only."""
         num_keys = self.max_blocks * self.block_size
         key_pos = torch.arange(num_keys, device=self.query_pos.device)
         query_pos = self.query_pos.unsqueeze(-1)  # [b, q, 1]
         allowed = key_pos <= query_pos  # causal; also hides slots past the context length
         if window is not None:
             allowed &= key_pos > query_pos - window
+        if chunk is not None:
+            allowed &= key_pos // chunk == query_pos // chunk
         # Padding rows would be fully masked and SDPA gives NaN there: let them attend
         # everything (the pool is zero-filled, so finite) and drop their output.
         b, q, k = allowed.shape
@@ -520,13 +569,28 @@ def paged_attention_forward(
     # the model was given, and those find it bound.
     # attention sinks (gpt-oss: `s_aux`): one logit per head in the softmax's denominator
     sinks: torch.Tensor | None = kwargs.get("s_aux")
+    # ALiBi (Bloom, MPT, Falcon-RW; their adapters, models/attention_adapters.py)
+    alibi_slopes: torch.Tensor | None = kwargs.get("alibi_slopes")
+    alibi_scale: float = kwargs.get("alibi_scale", 1.0)
+    # chunked local attention (Llama 4's adapter): the query's own chunk of positions
+    chunk: int | None = kwargs.get("attention_chunk_size")
     meta: BatchMetadata | None = kwargs.get(METADATA_KWARG)
     if meta is None and not torch.compiler.is_compiling():
         meta = _bound_metadata.get()
     if meta is None and torch.compiler.is_compiling():
         # a compiled decode step: the metadata comes through bound_metadata(), not the graph
         out = paged_attention_op(
-            query, key, value, module.layer_idx, scaling, sliding_window or 0, softcap or 0.0, sinks
+            query,
+            key,
+            value,
+            module.layer_idx,
+            scaling,
+            sliding_window or 0,
+            softcap or 0.0,
+            sinks,
+            alibi_slopes,
+            alibi_scale,
+            chunk or 0,
         )
         return out, None
     if meta is None:
@@ -534,8 +598,19 @@ def paged_attention_forward(
             f"attention '{ATTENTION_NAME}' was called without '{METADATA_KWARG}': this model "
             "belongs to a PagedCore and can only run through its ModelRunner"
         )
+    alibi = None if alibi_slopes is None else Alibi(alibi_slopes, alibi_scale)
     return _paged_attention(
-        meta, module.layer_idx, query, key, value, scaling, sliding_window, softcap, sinks
+        meta,
+        module.layer_idx,
+        query,
+        key,
+        value,
+        scaling,
+        sliding_window,
+        softcap,
+        sinks,
+        alibi,
+        chunk,
     ), None
 
 
@@ -549,14 +624,16 @@ def _paged_attention(
     window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None = None,
+    alibi: Alibi | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     if query.shape[0] != 1 or query.shape[2] != meta.num_tokens:
         raise ValueError(
             f"expected one flattened batch of {meta.num_tokens} tokens, got {tuple(query.shape)}"
         )
     cache = meta.pool.write(layer_idx, key, value, meta.slot_mapping)
-    if sinks is not None:  # only the SDPA path adds them to the softmax
-        return _sdpa_attention(query, cache, meta, scaling, window, softcap, sinks)
+    if sinks is not None or alibi is not None or chunk:  # only the SDPA path has these
+        return _sdpa_attention(query, cache, meta, scaling, window, softcap, sinks, alibi, chunk)
     attend = _pick_kernel(meta, query, cache)
     return attend(query, cache, meta, scaling, window, softcap)
 
@@ -594,21 +671,37 @@ def paged_attention_op(
     window: int,
     softcap: float,
     sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    alibi_scale: float,
+    chunk: int,
 ) -> torch.Tensor:
     """paged_attention_forward's output `[1, T, H, Dv]` (contiguous) under the metadata
-    bound by bound_metadata(); window 0 and softcap 0.0 mean none."""
+    bound by bound_metadata(); window 0, softcap 0.0 and chunk 0 mean none."""
     meta = _bound_metadata.get()
     if meta is None:
         raise RuntimeError("textgen::paged_attention ran outside bound_metadata()")
+    alibi = None if alibi_slopes is None else Alibi(alibi_slopes, alibi_scale)
     out = _paged_attention(
-        meta, layer_idx, query, key, value, scaling, window or None, softcap or None, sinks
+        meta,
+        layer_idx,
+        query,
+        key,
+        value,
+        scaling,
+        window or None,
+        softcap or None,
+        sinks,
+        alibi,
+        chunk or None,
     )
     # the compiled graph assumes the fake's contiguous layout below
     return out.contiguous()
 
 
 @paged_attention_op.register_fake
-def _paged_attention_fake(query, key, value, layer_idx, scaling, window, softcap, sinks):
+def _paged_attention_fake(
+    query, key, value, layer_idx, scaling, window, softcap, sinks, alibi_slopes, alibi_scale, chunk
+):
     _, num_heads, num_tokens, _ = query.shape
     return query.new_empty(1, num_tokens, num_heads, value.shape[-1])
 
@@ -647,23 +740,26 @@ def _sdpa_attention(
     window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None = None,
+    alibi: Alibi | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     groups = meta.groups()  # the decodes, then runs of fresh chunks and of later ones
+    terms = (scaling, window, softcap, sinks, alibi, chunk)
     if len(groups) == 1:  # most steps (all decodes, or all chunks): no slice, no cat
         group = groups[0]
         if group.context_slots is not None:
-            return _attend_single(query, cache, group, scaling, window, softcap, sinks)
+            return _attend_single(query, cache, group, *terms)
         attend = _attend_decodes if group.max_query_len == 1 else _attend_chunks
-        return attend(query[0], cache, group, scaling, window, softcap, sinks)[None]
+        return attend(query[0], cache, group, *terms)[None]
     outputs = []
     for group in groups:
         if group.context_slots is not None:  # one decode beside chunks
             rows = query[:, :, group.token_start : group.token_end]
-            outputs.append(_attend_single(rows, cache, group, scaling, window, softcap, sinks)[0])
+            outputs.append(_attend_single(rows, cache, group, *terms)[0])
             continue
         rows = query[0, :, group.token_start : group.token_end]  # [H, Tg, D]
         attend = _attend_decodes if group.max_query_len == 1 else _attend_chunks
-        outputs.append(attend(rows, cache, group, scaling, window, softcap, sinks))
+        outputs.append(attend(rows, cache, group, *terms))
     return torch.cat(outputs)[None]  # [1, T, H, Dv]
 
 
@@ -675,6 +771,8 @@ def _attend_single(
     window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None = None,
+    alibi: Alibi | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """One sequence decoding, alone in the step (one stream): query `[1, H, 1, D]` ->
     `[1, 1, H, Dv]`. Its keys are gathered by slot, only those it sees, and attended with no
@@ -683,6 +781,8 @@ def _attend_single(
     _, num_heads, _, head_dim = query.shape
     num_kv_heads = cache.key_rows.shape[2]
     slots = group.context_slots
+    if chunk:  # a chunked layer sees the keys of the query's chunk: position // chunk
+        slots = slots[-((slots.shape[0] - 1) % chunk + 1) :]
     if window and slots.shape[0] > window:  # a sliding layer sees its last `window` keys
         slots = slots[-window:]
     # [1, KVH, n, D], an 8-bit pool's widened
@@ -690,7 +790,12 @@ def _attend_single(
     values = read_slots(cache.value_rows, slots, cache.values.dtype, query.dtype).transpose(1, 2)
     # GQA fold: [1, KVH, G, D], the G query heads of a KV head as G rows
     rows = query.view(1, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = _attend(rows, keys, values, None, scaling, softcap, _sink_rows(sinks, num_kv_heads, 1))
+    bias = None
+    if alibi is not None:  # the keys are the query's last len(slots) positions
+        last = group.query_pos[0, 0]
+        key_pos = torch.arange(slots.shape[0], device=slots.device) + (last + 1 - slots.shape[0])
+        bias = alibi.bias(key_pos, num_kv_heads, 1, query.dtype)
+    out = _attend(rows, keys, values, bias, scaling, softcap, _sink_rows(sinks, num_kv_heads, 1))
     return out.reshape(1, 1, num_heads, out.shape[-1])
 
 
@@ -702,6 +807,8 @@ def _attend_decodes(
     window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None = None,
+    alibi: Alibi | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: query `[H, b, D]` -> `[b, H, Dv]`."""
     num_heads, b, head_dim = query.shape
@@ -711,7 +818,7 @@ def _attend_decodes(
     rows = query.transpose(0, 1).reshape(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
     # the mask has one row per sequence: it broadcasts over the G rows
     sink_rows = _sink_rows(sinks, num_kv_heads, 1)
-    out = _attend_rows(rows, cache, group, 1, scaling, window, softcap, sink_rows)
+    out = _attend_rows(rows, cache, group, 1, scaling, window, softcap, sink_rows, alibi, chunk)
     return out.reshape(b, num_heads, out.shape[-1])
 
 
@@ -723,11 +830,14 @@ def _attend_chunks(
     window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None = None,
+    alibi: Alibi | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Multi-token chunks padded to q rows each: query `[H, Tg, D]` -> `[Tg, H, Dv]`."""
     num_heads, _, head_dim = query.shape
-    fresh = group.fresh and not softcap and sinks is None
-    if fresh and (window is None or group.max_query_len <= window):
+    fresh = group.fresh and not softcap and sinks is None and alibi is None
+    span = min(window or group.max_query_len, chunk or group.max_query_len)
+    if fresh and group.max_query_len <= span:
         return _attend_fresh(query, cache, group, scaling)
     num_kv_heads = cache.keys.shape[2]
     num_groups = num_heads // num_kv_heads
@@ -737,7 +847,9 @@ def _attend_chunks(
     rows = rows.view(num_kv_heads, num_groups, b, q, head_dim).permute(2, 0, 1, 3, 4)
     rows = rows.reshape(b, num_kv_heads, num_groups * q, head_dim)
     sink_rows = _sink_rows(sinks, num_kv_heads, q)
-    out = _attend_rows(rows, cache, group, num_groups, scaling, window, softcap, sink_rows)
+    out = _attend_rows(
+        rows, cache, group, num_groups, scaling, window, softcap, sink_rows, alibi, chunk
+    )
     v_dim = out.shape[-1]
     out = out.view(b, num_kv_heads, num_groups, q, v_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(b * q, num_heads, v_dim).index_select(0, group.output_index)
@@ -778,16 +890,21 @@ def _attend_rows(
     window: int | None,
     softcap: float | None,
     sink_rows: torch.Tensor | None = None,
+    alibi: Alibi | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Query rows `[b, KVH, R, D]` over each sequence's cached K/V -> `[b, KVH, R, Dv]`;
     `mask_groups`: the query heads per mask row (1: one mask row for all R rows)."""
     keys, values = _gather(cache.keys, group, rows.dtype), _gather(cache.values, group, rows.dtype)
     if group.chunk_tokens is None:
-        mask = group.mask(window, mask_groups, rows.dtype)
+        if alibi is None:
+            mask = group.mask(window, mask_groups, rows.dtype, chunk)
+        else:
+            mask = group.alibi_mask(window, mask_groups, rows.dtype, alibi, rows.shape[1], chunk)
         return _attend(rows, keys, values, mask, scaling, softcap, sink_rows)
-    if sink_rows is not None:
-        raise ValueError("attention sinks have no batch-invariant path (--deterministic)")
-    mask = group.chunked_mask(window, mask_groups, rows.dtype)
+    if sink_rows is not None or alibi is not None:
+        raise ValueError("attention sinks and ALiBi have no batch-invariant path (--deterministic)")
+    mask = group.chunked_mask(window, mask_groups, rows.dtype, chunk)
     return invariant_attention.attend(rows, keys, values, mask, scaling, softcap)
 
 

@@ -98,8 +98,21 @@ def fixed_rows_linears(
             del linear.forward  # back to the class's forward
 
 
+# Linear subclasses whose own forward is the plain product (Falcon's, without F.linear)
+_PLAIN_PRODUCT_LINEARS = frozenset({"FalconLinear"})
+
+
 def linear_modules(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    """The Linear layers whose forward is the product alone: a subclass that computes more
+    (Llama 4's router returns scores and logits) keeps its forward."""
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear)
+        and (
+            type(m).forward is torch.nn.Linear.forward or type(m).__name__ in _PLAIN_PRODUCT_LINEARS
+        )
+    ]
 
 
 def _forward(linear: torch.nn.Linear, min_rows: int, x: torch.Tensor) -> torch.Tensor:

@@ -42,12 +42,13 @@ from typing import Protocol
 import torch
 from transformers import AttentionInterface
 
+from ...models import attention_adapters
 from ...models.architectures import (
-    SINKS_NOT_INVARIANT,
-    SUPPORTED_LAYER_TYPES,
     interface_reason,
     layer_types_reason,
-    module_has_sinks,
+    module_sdpa_only_terms,
+    not_invariant_reason,
+    unsupported_layer_types,
 )
 from ...models.lora_layers import LoraLayers, LoraStep, bound_lora, register_layers
 from ..adapters import AdapterRegistry, SlotTable
@@ -199,15 +200,19 @@ class ModelRunner(StepRunner):
         flash-attn or SDPA instead; --disable-custom-kernels). lora: the model's LoRA slots
         (models/lora_layers.py), filled from `adapters`."""
         check_model_supported(model)
-        if batch_invariant and module_has_sinks(model):
-            raise ValueError(SINKS_NOT_INVARIANT)
+        AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+        if model._can_set_attn_implementation():
+            model.set_attn_implementation(ATTENTION_NAME)
+        # Falcon, Bloom, MPT, Llama 4: through an attention adapter of ours
+        attention_adapters.install(model, paged_attention_forward, ATTENTION_NAME)
+        terms = module_sdpa_only_terms(model)
+        if batch_invariant and terms:
+            raise ValueError(not_invariant_reason(terms))
         if lora is not None and (adapters is None or batch_invariant):
             raise ValueError(
                 "LoRA slots need an adapter registry, and don't run batch-invariant "
                 "(each adapter's rows are their own matmuls)"
             )
-        AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
-        model.set_attn_implementation(ATTENTION_NAME)
         self.model = model.eval()
         self.pool = pool
         self.device = next(model.parameters()).device
@@ -436,10 +441,13 @@ def check_model_supported(model: torch.nn.Module) -> None:
     models/architectures.py (which the settings' checks apply to config.json before
     loading), held here on the loaded model."""
     name = type(model).__name__
-    if not model._can_set_attn_implementation():
+    adapted = attention_adapters.is_adapted(getattr(model.config, "model_type", None))
+    if not adapted and not model._can_set_attn_implementation():
         raise ValueError(interface_reason(name))
-    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
-    unsupported = sorted(set(layer_types) - SUPPORTED_LAYER_TYPES)
+    text_config = model.config.get_text_config()
+    unsupported = unsupported_layer_types(
+        getattr(text_config, "model_type", None), getattr(text_config, "layer_types", None)
+    )
     if unsupported:
         raise ValueError(layer_types_reason(name, unsupported))
 

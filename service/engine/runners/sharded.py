@@ -12,6 +12,12 @@ which samples. Workers loop in `follow_steps()`.
 Control messages go over a gloo group (the inputs are host lists; on CUDA the model's own
 group is NCCL); an idle engine sends a heartbeat every HEARTBEAT_S so that a worker waiting
 for the next step can tell a quiet rank 0 from a dead one (the groups' timeout).
+
+A rank that dies fails rank 0's step in whatever collective it was in, with the transport's
+own words (gloo: `pair.cc:537 Read error ... GLHF!`), which name neither the rank nor what
+it means for the requests. Rank 0 asks who is gone (`ShardGroup.exited`: the parent's view
+of the local shard processes) and raises `ShardLost` instead, which every request in flight
+receives as it is: `incomplete_generation`, naming the rank.
 """
 
 from __future__ import annotations
@@ -20,17 +26,23 @@ import enum
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from ...errors import ErrorType
+from ..types import EngineError
 from .model_runner import StepInputs, StepRunner
 
 log = logging.getLogger("textgen.engine")
 
 HEADER_SIZE = 7
 HEARTBEAT_S = 5.0  # an idle rank 0 says it is alive this often
+# How long a failed step waits for a local shard's exit to show: the dead process's sockets
+# close (failing the collective) a moment before its exit status can be read.
+EXIT_WAIT_S = 1.0
 
 
 class Op(enum.IntEnum):
@@ -51,6 +63,9 @@ class ShardGroup:
     vocab_size: int  # the full vocabulary
     vocab_chunk: int  # rows of it per rank (the last rank's may be fewer)
     device: torch.device
+    # rank 0: which local shard process has exited ("shard R (pid P) exited with code C"),
+    # waiting up to the seconds given for one to (replica/shard_processes.py); None: none
+    exited: Callable[[float], str | None] | None = field(default=None, compare=False)
 
     def send(self, op: Op, inputs: StepInputs | None = None) -> None:
         """Rank 0: tell the others what to do next."""
@@ -75,6 +90,16 @@ class ShardGroup:
         dist.broadcast(payload, 0, group=self.control)
         return op, decode(payload, *sizes)
 
+    def lost(self, error: RuntimeError) -> ShardLost | None:
+        """Rank 0: the rank gone, when a step's `error` is a collective failing for it: a
+        local shard that has exited is named; a transport failure with none exited here is
+        a rank elsewhere (another host's), or one that stopped answering. None: `error` is
+        not the group's (the step's own failure, raised as it is)."""
+        who = self.exited(EXIT_WAIT_S) if self.exited is not None else None
+        if who is None and _transport_failure(error):
+            who = f"a shard is gone ({str(error).splitlines()[0][:200]})"
+        return ShardLost(who) if who is not None else None
+
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
         """Each rank's `[rows, its vocab slice]` -> `[rows, vocab]` on rank 0 (None elsewhere)."""
         if local.shape[-1] < self.vocab_chunk:  # the last rank's shorter slice
@@ -86,6 +111,21 @@ class ShardGroup:
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.gather(local, parts, dst=0, group=self.model)
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
+
+
+class ShardLost(EngineError):
+    """A rank is gone: the step it failed, and every later one, can't run (a half model
+    can't answer), so every request in flight ends as an incomplete generation."""
+
+    def __init__(self, who: str) -> None:
+        super().__init__(f"{who}: generation can't go on", ErrorType.INCOMPLETE_GENERATION)
+
+
+def _transport_failure(error: RuntimeError) -> bool:
+    """Whether `error` is the process group's transport failing (gloo raises a bare
+    RuntimeError with its source file in the text; NCCL and torch's own, DistError)."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or "gloo" in text or "NCCL" in text
 
 
 def _sizes(inputs: StepInputs) -> tuple[int, int, int, int, int, int]:
@@ -195,10 +235,17 @@ class ShardedRunner(StepRunner):
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         with self._lock:
-            self.group.send(Op.STEP, inputs)
-            self._last_sent = time.monotonic()
-            local = self.inner.run(inputs)
-            return self.group.gather_logits(local)
+            try:
+                self.group.send(Op.STEP, inputs)
+                self._last_sent = time.monotonic()
+                local = self.inner.run(inputs)
+                return self.group.gather_logits(local)
+            except torch.OutOfMemoryError:
+                raise  # this rank's own (the engine loop decides)
+            except RuntimeError as exc:
+                if (lost := self.group.lost(exc)) is not None:
+                    raise lost from exc
+                raise
 
     def stop(self) -> None:
         """Release the other ranks (they exit); idempotent, best effort."""
@@ -221,7 +268,7 @@ class ShardedRunner(StepRunner):
                 try:
                     self.group.send(Op.HEARTBEAT)
                 except RuntimeError as exc:  # the next step fails on it too, visibly
-                    log.error("shard heartbeat failed: %s", exc)
+                    log.error("shard heartbeat failed: %s", self.group.lost(exc) or exc)
                     return
                 self._last_sent = time.monotonic()
 

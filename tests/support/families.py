@@ -1,0 +1,261 @@
+"""Every model family the server serves, as a tiny random model built at test time from
+transformers' own config class: one table, model_type -> the config's options
+(`AutoConfig.for_model(model_type, **options)`), and `build_family`, which writes the
+model (float32) and the tiny byte-level tokenizer (tiny_model.build_tokenizer) into a
+normal Hugging Face folder.
+
+The sizes are the smallest each config's constraints allow (hidden 64, 2 layers unless a
+family needs more, 4 query heads of 16); sliding windows of 8 tokens, so that prompts and
+decodes cross them; `initializer_range=0.2` (and unit logit scales), so that greedy
+choices are well separated; a context of 1024 where the config states one. Bloom's
+config states none: a server of it needs --max-total-tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HIDDEN = 64
+HEADS = 4
+HEAD_DIM = HIDDEN // HEADS
+WINDOW = 8
+CONTEXT = 1024
+
+# the options most configs name alike (Llama's)
+_LLAMA_LIKE = {
+    "hidden_size": HIDDEN,
+    "intermediate_size": 2 * HIDDEN,
+    "num_hidden_layers": 2,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": CONTEXT,
+    "initializer_range": 0.2,
+    "tie_word_embeddings": False,
+}
+_MOE = {"intermediate_size": HIDDEN, "num_experts_per_tok": 2}
+_TWO_KINDS = ["sliding_attention", "full_attention"]  # a window layer, then a global one
+# DeepSeek's multi-head latent attention: low-rank Q and KV, a rotary part of each
+# query/key head beside a position-free one, values of their own size
+_MLA = {
+    "num_key_value_heads": HEADS,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,  # layer 0 dense, layer 1 experts
+}
+
+FAMILIES: dict[str, dict] = {
+    "llama": {**_LLAMA_LIKE},
+    "mistral": {**_LLAMA_LIKE, "sliding_window": WINDOW},
+    "qwen2": {**_LLAMA_LIKE, "num_key_value_heads": 1},  # q/k/v biases, one KV head
+    "qwen3": {**_LLAMA_LIKE, "head_dim": HEAD_DIM},  # q/k norms
+    "gemma2": {
+        **_LLAMA_LIKE,
+        "head_dim": HEAD_DIM,
+        "query_pre_attn_scalar": HEAD_DIM,
+        "sliding_window": WINDOW,  # and softcapping, alternating window layers
+    },
+    "gemma3_text": {
+        **_LLAMA_LIKE,
+        "head_dim": HEAD_DIM,
+        "query_pre_attn_scalar": HEAD_DIM,
+        "sliding_window": WINDOW,
+        "layer_types": _TWO_KINDS,
+    },
+    "phi": {**_LLAMA_LIKE},  # partial rotary, parallel attention and MLP
+    "phi3": {**_LLAMA_LIKE, "sliding_window": WINDOW},  # fused qkv and gate/up
+    "granite": {
+        **_LLAMA_LIKE,
+        "embedding_multiplier": 4.0,
+        "attention_multiplier": 1.0 / HEAD_DIM,
+        "residual_multiplier": 0.5,
+        "logits_scaling": 1.0,
+    },
+    "cohere": {**_LLAMA_LIKE, "logit_scale": 1.0, "use_qk_norm": True},
+    "cohere2": {
+        **_LLAMA_LIKE,
+        "logit_scale": 1.0,
+        "sliding_window": WINDOW,
+        "layer_types": _TWO_KINDS,
+    },
+    "olmo2": {**_LLAMA_LIKE},
+    "starcoder2": {**_LLAMA_LIKE, "sliding_window": WINDOW},
+    "gpt_bigcode": {  # multi-query
+        "n_embd": HIDDEN,
+        "n_layer": 2,
+        "n_head": HEADS,
+        "n_positions": CONTEXT,
+        "initializer_range": 0.2,
+    },
+    "gpt_neox": {**_LLAMA_LIKE, "num_key_value_heads": None},  # a quarter of each head rotary
+    "gptj": {
+        "n_embd": HIDDEN,
+        "n_layer": 2,
+        "n_head": HEADS,
+        "rotary_dim": 8,
+        "n_positions": CONTEXT,
+        "initializer_range": 0.2,
+        "tie_word_embeddings": False,
+    },
+    "gpt2": {
+        "n_embd": HIDDEN,
+        "n_layer": 2,
+        "n_head": HEADS,
+        "n_positions": CONTEXT,
+        "initializer_range": 0.2,
+    },
+    "smollm3": {**_LLAMA_LIKE, "no_rope_layer_interval": 2},  # layer 1 without rotary
+    "glm4": {**_LLAMA_LIKE, "head_dim": HEAD_DIM},
+    "exaone4": {**_LLAMA_LIKE, "sliding_window": WINDOW, "layer_types": _TWO_KINDS},
+    "seed_oss": {**_LLAMA_LIKE, "head_dim": HEAD_DIM},
+    "mixtral": {**_LLAMA_LIKE, **_MOE, "num_local_experts": 4},
+    "qwen2_moe": {
+        **_LLAMA_LIKE,
+        **_MOE,
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+    },
+    "qwen3_moe": {
+        **_LLAMA_LIKE,
+        **_MOE,
+        "head_dim": HEAD_DIM,
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+    },
+    "deepseek_v2": {**_LLAMA_LIKE, **_MLA, "topk_method": "greedy"},
+    "deepseek_v3": {**_LLAMA_LIKE, **_MLA, "n_group": 1, "topk_group": 1},
+    "phimoe": {**_LLAMA_LIKE, **_MOE, "num_local_experts": 4},
+    "olmoe": {**_LLAMA_LIKE, **_MOE, "num_experts": 4},
+    "granitemoe": {**_LLAMA_LIKE, **_MOE, "num_local_experts": 4},
+    "glm4_moe": {
+        **_LLAMA_LIKE,
+        **_MOE,
+        "head_dim": HEAD_DIM,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+    },
+    "ernie4_5_moe": {
+        **_LLAMA_LIKE,
+        "moe_num_experts": 4,
+        "moe_k": 2,
+        "moe_num_shared_experts": 1,
+        "moe_intermediate_size": 32,
+        "moe_layer_start_index": 1,
+        "moe_layer_end_index": 1,
+    },
+    "stablelm": {**_LLAMA_LIKE, "use_parallel_residual": True, "qk_layernorm": True},
+    "gpt_oss": {  # attention sinks (made large by build_family), experts
+        **_LLAMA_LIKE,
+        **_MOE,
+        "head_dim": HEAD_DIM,
+        "num_local_experts": 4,
+        "sliding_window": WINDOW,
+    },
+    "gemma4_text": {  # global heads of 32 beside sliding ones of 16; the last 2 layers
+        **_LLAMA_LIKE,  # reuse earlier layers' K/V; per-layer input embeddings
+        "num_hidden_layers": 4,
+        "layer_types": _TWO_KINDS * 2,
+        "head_dim": HEAD_DIM,
+        "global_head_dim": 2 * HEAD_DIM,
+        "num_kv_shared_layers": 2,
+        "hidden_size_per_layer_input": 16,
+        "sliding_window": WINDOW,
+    },
+    "falcon": {  # Falcon-7B's layout: multi-query, parallel attention and MLP, rotary
+        "hidden_size": HIDDEN,
+        "num_attention_heads": HEADS,
+        "num_hidden_layers": 2,
+        "multi_query": True,
+        "parallel_attn": True,
+        "bias": False,
+        "max_position_embeddings": CONTEXT,
+        "initializer_range": 0.2,
+    },
+    "bloom": {"hidden_size": HIDDEN, "n_head": HEADS, "n_layer": 2, "initializer_range": 0.2},
+    "mpt": {
+        "d_model": HIDDEN,
+        "n_heads": HEADS,
+        "n_layers": 2,
+        "max_seq_len": CONTEXT,
+        "initializer_range": 0.2,
+    },
+}
+
+
+
+def family_config(model_type: str, tokenizer):
+    """transformers' config for the family's tiny model, over `tokenizer`'s vocabulary."""
+    from transformers import AutoConfig
+
+    options = {k: v for k, v in FAMILIES[model_type].items() if v is not None}
+    vocab = len(tokenizer)
+    if model_type == "gemma4_text":
+        options["vocab_size_per_layer_input"] = vocab
+    return AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **options,
+    )
+
+
+def build_family(model_type: str, path: Path, *, seed: int = 0) -> Path:
+    """Save the family's tiny random model (float32) and the tiny tokenizer into `path`."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from .tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = family_config(model_type, tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # attention sinks large enough to take a real share of each row
+        for name, param in model.named_parameters():
+            if name.endswith(".sinks"):
+                param.normal_(0.0, 2.0)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def library_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy `generate` on the folder's model (float32), each prompt
+    alone, EOS not stopping it (as a request with ignore_eos): the new token ids."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # generate's eos_token_id=None keeps it
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),  # a prompt token equal to pad is a token
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=model.generation_config.pad_token_id or 0,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
