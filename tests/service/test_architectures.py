@@ -28,13 +28,14 @@ REFUSED = {
     "xglm": "AttentionInterface",
     "qwen3_next": "linear_attention",
 }
-# families the engine serves token for token (tests/integration, tests/engine)
+# families the engine serves token for token (tests/integration/test_family_matrix.py,
+# tests/engine/test_families.py)
 SERVED = [
     "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi", "phi3", "granite",
     "cohere", "cohere2", "olmo2", "starcoder2", "gpt_bigcode", "gpt_neox", "gptj", "gpt2",
     "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe",
     "olmoe", "granitemoe", "stablelm", "gpt_oss", "gemma4_text", "falcon", "bloom", "mpt",
-    "llama4_text",
+    "llama4_text", "glm4", "exaone4", "seed_oss", "glm4_moe", "ernie4_5_moe",
 ]  # fmt: skip
 
 

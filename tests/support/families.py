@@ -50,6 +50,10 @@ _MLA = {
     "first_k_dense_replace": 1,  # layer 0 dense, layer 1 experts
 }
 
+# Untied: GPT-2, GPTBigCode, Bloom and MPT tie their output embeddings to the input ones;
+# random and tied, in these GELU models of 2 layers, the greedy output mostly repeats one
+# token whatever the prompt (which proves little about attention): untied, it doesn't.
+
 FAMILIES: dict[str, dict] = {
     "llama": {**_LLAMA_LIKE},
     "mistral": {**_LLAMA_LIKE, "sliding_window": WINDOW},
@@ -92,6 +96,7 @@ FAMILIES: dict[str, dict] = {
         "n_head": HEADS,
         "n_positions": CONTEXT,
         "initializer_range": 0.2,
+        "tie_word_embeddings": False,  # untied: see above
     },
     "gpt_neox": {**_LLAMA_LIKE, "num_key_value_heads": None},  # a quarter of each head rotary
     "gptj": {
@@ -109,6 +114,7 @@ FAMILIES: dict[str, dict] = {
         "n_head": HEADS,
         "n_positions": CONTEXT,
         "initializer_range": 0.2,
+        "tie_word_embeddings": False,  # untied: see above
     },
     "smollm3": {**_LLAMA_LIKE, "no_rope_layer_interval": 2},  # layer 1 without rotary
     "glm4": {**_LLAMA_LIKE, "head_dim": HEAD_DIM},
@@ -182,16 +188,27 @@ FAMILIES: dict[str, dict] = {
         "max_position_embeddings": CONTEXT,
         "initializer_range": 0.2,
     },
-    "bloom": {"hidden_size": HIDDEN, "n_head": HEADS, "n_layer": 2, "initializer_range": 0.2},
+    "bloom": {
+        "hidden_size": HIDDEN,
+        "n_head": HEADS,
+        "n_layer": 2,
+        "initializer_range": 0.2,
+        "tie_word_embeddings": False,  # untied: see above
+    },
     "mpt": {
         "d_model": HIDDEN,
         "n_heads": HEADS,
         "n_layers": 2,
         "max_seq_len": CONTEXT,
         "initializer_range": 0.2,
+        "tie_word_embeddings": False,  # untied: see above
     },
 }
 
+
+# the seed a family's weights are drawn with, where 0's model repeats one token (GPT-J's:
+# its MLP's GELU mean, the same for every token, outweighs the token in the residual)
+SEEDS = {"gptj": 1}
 
 
 def family_config(model_type: str, tokenizer):
@@ -212,8 +229,9 @@ def family_config(model_type: str, tokenizer):
     )
 
 
-def build_family(model_type: str, path: Path, *, seed: int = 0) -> Path:
-    """Save the family's tiny random model (float32) and the tiny tokenizer into `path`."""
+def build_family(model_type: str, path: Path, *, seed: int | None = None) -> Path:
+    """Save the family's tiny random model (float32) and the tiny tokenizer into `path`
+    (weights drawn with `seed`, else the family's in SEEDS, else 0)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -221,7 +239,7 @@ def build_family(model_type: str, path: Path, *, seed: int = 0) -> Path:
 
     tokenizer = build_tokenizer()
     config = family_config(model_type, tokenizer)
-    torch.manual_seed(seed)
+    torch.manual_seed(SEEDS.get(model_type, 0) if seed is None else seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # attention sinks large enough to take a real share of each row
         for name, param in model.named_parameters():
