@@ -13,16 +13,22 @@ Where each runs, as found here (transformers 5.24, torch 2.13; docs/quantization
 | bitsandbytes(-nf4, -fp4) | any, or bitsandbytes | yes | yes | bitsandbytes |
 | compressed-tensors | compressed-tensors | loads decompressed | fp8 on 8.9+ | compressed-tensors |
 | fp8 | FP8 (block scales) | loads dequantized | capability 8.9+ | transformers |
+| (none) | MXFP4 (gpt-oss) | loads dequantized | kernels*, else dequantized | transformers |
 | eetq | any | refused: a CUDA kernel | yes | eetq |
 | exl2 | EXL2 | refused: transformers has no EXL2 loader | refused | |
+
+*transformers' Triton MXFP4 kernels (fetched from the Hub by the `kernels` package) when
+transformers finds what they need (capability 7.5+, triton 3.4+, a `kernels` version it
+takes) and the model computes in bfloat16; otherwise dequantized, the log saying why.
 
 "Loads decompressed": the library has no CPU kernel for the format, so transformers widens
 the weights to the compute dtype at load: the model computes with the checkpoint's rounded
 weights (the same outputs), but in a dense model's memory. The startup log says so.
 
 A checkpoint's format decides: --quantize may name it (or `marlin`, a GPTQ/AWQ kernel), and
-any other value is refused. Sharding a quantized checkpoint is refused (the tensor-parallel
-plan slices dense weights, not packed ones).
+any other value is refused. TGI's --quantize has no name for MXFP4 (gpt-oss as published),
+so with such a checkpoint it is left out. Sharding a quantized checkpoint is refused (the
+tensor-parallel plan slices dense weights, not packed ones).
 """
 
 from __future__ import annotations
@@ -38,8 +44,11 @@ from .errors import ModelError
 logger = logging.getLogger("textgen.models")
 
 BITSANDBYTES = ("bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4")
-# --quantize values of checkpoints that arrive quantized, and of libraries that quantize at load
-CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", *BITSANDBYTES, "exl2")
+# checkpoints that arrive quantized (by TGI's --quantize name, where it has one), and the
+# --quantize values of libraries that quantize at load
+CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "mxfp4", *BITSANDBYTES, "exl2")
+# formats --quantize has no value for (TGI's names none): the checkpoint alone says them
+UNNAMED_METHODS = ("mxfp4",)
 LOAD_TIME_METHODS = (*BITSANDBYTES, "eetq")
 LIBRARY_METHODS = ("gptq", "awq", "compressed-tensors", *BITSANDBYTES, "eetq", "marlin", "exl2")
 # the packages each format needs (import name, pip name)
@@ -53,6 +62,9 @@ PACKAGES = {
 }
 MARLIN_MIN_CAPABILITY = (8, 0)
 FP8_MIN_CAPABILITY = (8, 9)
+# what transformers' MXFP4 (Triton) kernels take on CUDA (quantizer_mxfp4.validate_environment)
+MXFP4_MIN_CAPABILITY = (7, 5)
+MXFP4_MIN_TRITON = "3.4.0"
 EXL2_REASON = (
     "EXL2 checkpoints run on exllamav2's own runtime, and transformers has no loader for "
     "them: convert the model to GPTQ or AWQ"
@@ -71,8 +83,11 @@ class LibraryQuantization:
     prequantized: bool  # the checkpoint arrived quantized (else the library quantizes at load)
     dtype: torch.dtype  # the compute dtype
     # what from_pretrained takes as quantization_config: a load-time quantizer's config,
-    # or overrides of a checkpoint's (the Marlin backend); None: the checkpoint's own
+    # or overrides of a checkpoint's (the Marlin backend, MXFP4's dequantize); None: the
+    # checkpoint's own
     load_config: object | None = None
+    # why the checkpoint's weights are widened at load where a kernel exists elsewhere
+    widened: str | None = None
 
 
 def checkpoint_method(config: dict) -> str | None:
@@ -87,7 +102,7 @@ def checkpoint_method(config: dict) -> str | None:
         if quant.get("load_in_8bit"):
             return "bitsandbytes"
         return f"bitsandbytes-{quant.get('bnb_4bit_quant_type', 'fp4')}"
-    if kind in ("gptq", "awq", "compressed-tensors", "fp8", "exl2"):
+    if kind in ("gptq", "awq", "compressed-tensors", "fp8", "mxfp4", "exl2"):
         return kind
     raise CheckpointQuantizationError(
         f"the checkpoint is quantized with {kind or 'an unnamed method'!r} (config.json's "
@@ -132,16 +147,50 @@ def _prequantized(
     elif method == "bitsandbytes" and checkpoint in BITSANDBYTES:
         pass  # TGI's bitsandbytes names the library; the checkpoint says which of its types
     elif method not in (None, checkpoint):
+        fix = (
+            f"leave it out (its format applies; --quantize has no {checkpoint} value)"
+            if checkpoint in UNNAMED_METHODS
+            else f"pass --quantize {checkpoint} or leave it out"
+        )
         raise CheckpointQuantizationError(
             f"the checkpoint is already quantized ({checkpoint}: config.json's "
-            f"quantization_config), so --quantize {method} can't apply; pass --quantize "
-            f"{checkpoint} or leave it out"
+            f"quantization_config), so --quantize {method} can't apply; {fix}"
         )
     _check_device(kernel, device)
     _check_packages(kernel)
     compute = _compute_dtype(kernel, device, dtype, flag)
+    if kernel == "mxfp4":
+        # dequantize said either way: transformers' own fallback reads the current
+        # accelerator, not the device this loads on, and says "bf16" whatever the dtype
+        widened = _mxfp4_not_kernels(device, compute)
+        return LibraryQuantization(kernel, True, compute, {"dequantize": bool(widened)}, widened)
     load_config = {"backend": "marlin"} if kernel == "marlin" else None
     return LibraryQuantization(kernel, True, compute, load_config)
+
+
+def _mxfp4_not_kernels(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why transformers' MXFP4 kernels can't run the experts here (None: they can)."""
+    if device.type != "cuda":
+        return "no CPU kernel for MXFP4 here"  # (transformers' needs triton's CPU backend)
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MXFP4_MIN_CAPABILITY:
+        return (
+            f"transformers' MXFP4 kernels need compute capability 7.5+, {device} is "
+            f"{capability[0]}.{capability[1]}"
+        )
+    if dtype is not torch.bfloat16:
+        return "transformers' MXFP4 kernels compute in bfloat16 (--dtype bfloat16 or auto)"
+    from transformers.utils import is_kernels_available, is_triton_available
+    from transformers.utils.import_utils import KERNELS_MAX_VERSION, KERNELS_MIN_VERSION
+
+    if not is_triton_available(MXFP4_MIN_TRITON):
+        return f"transformers' MXFP4 kernels need triton {MXFP4_MIN_TRITON}+"
+    if not is_kernels_available():
+        return (
+            "transformers' MXFP4 kernels need the kernels package, "
+            f"{KERNELS_MIN_VERSION} <= version < {KERNELS_MAX_VERSION}"
+        )
+    return None
 
 
 def _check_device(method: str, device: torch.device) -> None:
@@ -214,11 +263,12 @@ def finish_loading(model: torch.nn.Module, quant: LibraryQuantization) -> None:
         logging.getLogger("bitsandbytes.autograd._functions").addFilter(_Once("will be cast"))
     kinds = sorted({type(m).__name__ for m in model.modules() if _holds_quantized(m)})
     if not kinds:
+        device = "CPU" if next(model.parameters()).device.type == "cpu" else "GPU"
         logger.warning(
-            "%s checkpoint: no %s kernel for its format here, its weights were widened to "
-            "%s at load (same outputs, a dense model's memory)",
+            "%s checkpoint: %s, its weights were widened to %s at load (same outputs, a "
+            "dense model's memory)",
             quant.method,
-            "CPU" if next(model.parameters()).device.type == "cpu" else "GPU",
+            quant.widened or f"no {device} kernel for its format here",
             str(quant.dtype).removeprefix("torch."),
         )
     else:
@@ -240,9 +290,12 @@ _QUANTIZED_DTYPES = (torch.int32, torch.int8, torch.uint8, torch.float8_e4m3fn, 
 
 
 def _holds_quantized(module: torch.nn.Module) -> bool:
-    """A layer whose own weights are stored quantized."""
+    """A layer whose own weights are stored quantized (transformers' MXFP4 experts hold
+    theirs as Triton tensors, neither parameters nor buffers, with a precision config)."""
     tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-    return any(t.dtype in _QUANTIZED_DTYPES and t.dim() >= 2 for t in tensors)
+    if any(t.dtype in _QUANTIZED_DTYPES and t.dim() >= 2 for t in tensors):
+        return True
+    return getattr(module, "gate_up_proj_precision_config", None) is not None
 
 
 class _Once(logging.Filter):

@@ -360,7 +360,8 @@ class Settings:
         "weights in fewer bits. Quantized at load: int8 | int4 (CPU, in bfloat16, and CUDA) | "
         "fp8 (CUDA 8.9+) with torchao; bitsandbytes (8-bit) | bitsandbytes-nf4 | "
         "bitsandbytes-fp4 (CPU and CUDA) | eetq (CUDA). A checkpoint that arrives quantized "
-        "(config.json's quantization_config: gptq, awq, compressed-tensors, fp8, bitsandbytes) "
+        "(config.json's quantization_config: gptq, awq, compressed-tensors, fp8, bitsandbytes, "
+        "mxfp4: gpt-oss's experts, which no value names) "
         "loads in its format without this flag; naming another is refused, `marlin` picks the "
         "Marlin kernel for GPTQ/AWQ (CUDA 8.0+), exl2 is refused (docs/quantization.md)",
         quantize_method,

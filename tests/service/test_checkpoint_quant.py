@@ -2,11 +2,12 @@
 their formats (models/checkpoint_quant.py).
 
 On CPU: tiny checkpoints of every format whose kernels run here (GPTQ, AWQ, bitsandbytes
-8-bit/nf4/fp4) or that the library widens at load (compressed-tensors, FP8), made in the
-test (tests/support/quantized_checkpoints.py), served by a real server whose greedy tokens
-equal the library's own `generate` on the same checkpoint; bitsandbytes quantizing a dense
-checkpoint as it loads, likewise. Then every refusal, at startup, with its reason. The CUDA-only
-kernels (Marlin, EETQ, FP8 matmuls) are tested at the end, on a GPU only."""
+8-bit/nf4/fp4) or that the library widens at load (compressed-tensors, FP8, gpt-oss's MXFP4
+experts), made in the test (tests/support/quantized_checkpoints.py), served by a real server
+whose greedy tokens equal the library's own `generate` on the same checkpoint; bitsandbytes
+quantizing a dense checkpoint as it loads, likewise. Then every refusal, at startup, with its
+reason. The CUDA-only kernels (Marlin, EETQ, FP8 matmuls, MXFP4) are tested at the end, on a
+GPU only."""
 
 from __future__ import annotations
 
@@ -53,10 +54,11 @@ def served_tokens(settings) -> tuple[list[int], list[int], object]:
             )
             out = stub.Generate(pb.GenerateRequest(inputs=PROMPT, parameters=params), timeout=120)
         loaded = server.replica.loaded
+        mlp = loaded.model.model.layers[0].mlp
         info = (
             loaded.quantize,
             loaded.dtype,
-            type(loaded.model.model.layers[0].mlp.up_proj),
+            type(mlp.up_proj if hasattr(mlp, "up_proj") else mlp.experts),
             cq.stays_quantized(loaded.model),
         )
     finally:
@@ -111,6 +113,83 @@ def test_served_greedy_tokens_are_the_librarys(
     assert served_tokens(tiny_settings(path, dtype="auto", quantize=method))[1] == served
 
 
+@pytest.fixture(scope="module")
+def mxfp4_dir(tmp_path_factory) -> Path:
+    """A tiny gpt-oss whose experts are MXFP4 blocks and scales, as OpenAI publishes it."""
+    root = tmp_path_factory.mktemp("mxfp4")
+    dense = checkpoints.build_gpt_oss(root / "dense")
+    return checkpoints.build_mxfp4(dense, root / "mxfp4")
+
+
+def test_mxfp4_checkpoint_is_the_layout_transformers_loads(mxfp4_dir):
+    """The folder as transformers reads gpt-oss-20b/120b: its own loader dequantizes the
+    packed experts on CPU to exactly what they hold, close to the dense weights."""
+    state = checkpoints.load_file(mxfp4_dir / "model.safetensors")
+    blocks = state["model.layers.0.mlp.experts.gate_up_proj_blocks"]
+    scales = state["model.layers.0.mlp.experts.gate_up_proj_scales"]
+    # [experts, 2 * intermediate, hidden / 32, 16 bytes of two E2M1 codes], one E8M0 a block
+    assert (blocks.dtype, tuple(blocks.shape)) == (torch.uint8, (4, 128, 2, 16))
+    assert (scales.dtype, tuple(scales.shape)) == (torch.uint8, (4, 128, 2))
+    assert tuple(state["model.layers.0.mlp.experts.down_proj_blocks"].shape) == (4, 64, 2, 16)
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in state
+    dense = AutoModelForCausalLM.from_pretrained(mxfp4_dir.parent / "dense")
+    model = AutoModelForCausalLM.from_pretrained(mxfp4_dir)
+    assert not getattr(model, "is_quantized", False)  # dequantized at load
+    loaded = dict(model.named_parameters())
+    packed = checkpoints.mxfp4_experts(mxfp4_dir)
+    assert len(packed) == 4  # gate_up_proj and down_proj of each layer
+    for name, original in dense.named_parameters():
+        if name in packed:
+            assert loaded[name].dtype == torch.float32
+            assert torch.equal(loaded[name], packed[name])
+            # 4-bit codes: within half the widest E2M1 step (2, between 4 and 6) times a
+            # block's scale (under a third of its largest), about 12 % of the weights' norm
+            error = loaded[name] - original
+            assert error.abs().max() < original.abs().max() / 3
+            assert error.norm() / original.norm() < 0.15
+        else:
+            assert torch.equal(loaded[name], original)  # the rest stays dense
+
+
+@pytest.mark.server
+def test_served_mxfp4_gpt_oss_greedy_tokens_are_transformers(mxfp4_dir):
+    """No --quantize (TGI has no mxfp4 value): the checkpoint's format applies; no CPU
+    kernel here, so the experts are dequantized at load to the compute dtype (float32:
+    --dtype auto on this CPU), as transformers' own `from_pretrained(dtype=float32)` does."""
+    prompt, served, (quantize, dtype, experts, packed) = served_tokens(
+        tiny_settings(mxfp4_dir, dtype="auto", device="cpu")
+    )
+    assert (quantize, experts.__name__, packed) == ("mxfp4", "GptOssExperts", False)
+    assert dtype == torch.float32
+    assert served == library_generate(mxfp4_dir, prompt, torch.float32)
+    # the 4-bit experts are what runs: the dense model's tokens differ
+    assert served != library_generate(mxfp4_dir.parent / "dense", prompt, torch.float32)
+
+
+def test_mxfp4_plans_dequantize_where_transformers_kernels_cant_run(monkeypatch):
+    import transformers.utils
+
+    library = cq.plan(None, "mxfp4", CPU, torch.float32, "auto")
+    assert (library.method, library.prequantized, library.dtype) == ("mxfp4", True, torch.float32)
+    assert (library.load_config, library.widened) == (
+        {"dequantize": True},
+        "no CPU kernel for MXFP4 here",
+    )
+    cuda = torch.device("cuda:0")
+    capability = {"value": (7, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability["value"])
+    monkeypatch.setattr(transformers.utils, "is_kernels_available", lambda: True)
+    assert "compute capability 7.5+" in cq.plan(None, "mxfp4", cuda, torch.bfloat16, "auto").widened
+    capability["value"] = (9, 0)
+    assert "bfloat16" in cq.plan(None, "mxfp4", cuda, torch.float16, "auto").widened
+    kernels = cq.plan(None, "mxfp4", cuda, torch.bfloat16, "auto")
+    assert (kernels.load_config, kernels.widened) == ({"dequantize": False}, None)
+    monkeypatch.setattr(transformers.utils, "is_kernels_available", lambda: False)
+    widened = cq.plan(None, "mxfp4", cuda, torch.bfloat16, "auto")
+    assert widened.load_config == {"dequantize": True}
+    assert "need the kernels package" in widened.widened
+
+
 @pytest.mark.server
 @pytest.mark.parametrize("method", ["bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4"])
 def test_bitsandbytes_quantizes_a_dense_checkpoint_as_it_loads(method, tiny_model_dir):
@@ -144,6 +223,7 @@ def test_bitsandbytes_quantizes_a_dense_checkpoint_as_it_loads(method, tiny_mode
         ({"quant_method": "awq"}, "awq"),
         ({"quant_method": "compressed-tensors"}, "compressed-tensors"),
         ({"quant_method": "fp8"}, "fp8"),
+        ({"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}, "mxfp4"),
         ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "bitsandbytes"),
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes-fp4"),
         (
@@ -219,6 +299,15 @@ def test_another_format_than_the_checkpoints_is_refused(method, gptq_dir):
         f"--quantize {method}: the checkpoint is already quantized (gptq: config.json's "
         f"quantization_config), so --quantize {method} can't apply; pass --quantize gptq "
         "or leave it out"
+    )
+
+
+@pytest.mark.parametrize("method", ["gptq", "int8", "bitsandbytes", "fp8"])
+def test_an_mxfp4_checkpoint_takes_no_quantize(method, mxfp4_dir):
+    assert refusal(mxfp4_dir, quantize=method) == (
+        f"--quantize {method}: the checkpoint is already quantized (mxfp4: config.json's "
+        f"quantization_config), so --quantize {method} can't apply; leave it out (its "
+        "format applies; --quantize has no mxfp4 value)"
     )
 
 
@@ -306,3 +395,22 @@ def test_fp8_checkpoint_runs_on_fp8_gpus(tiny_model_dir, tmp_path):
     )
     assert quantize == "fp8" and packed  # fp8 weights on the GPU, not widened
     assert served == library_generate(path, prompt, torch.bfloat16, device_map="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.server
+def test_mxfp4_checkpoint_on_cuda(mxfp4_dir):
+    """transformers' MXFP4 kernels where it finds what they need, else dequantized to
+    bfloat16 on the GPU; the same tokens as transformers' `generate` either way."""
+    from transformers import Mxfp4Config
+
+    library = cq.plan(None, "mxfp4", torch.device("cuda"), torch.bfloat16, "bfloat16")
+    prompt, served, (quantize, dtype, _, packed) = served_tokens(
+        tiny_settings(mxfp4_dir, dtype="bfloat16", device="cuda")
+    )
+    assert (quantize, dtype, packed) == ("mxfp4", torch.bfloat16, library.widened is None)
+    config = Mxfp4Config(**library.load_config)
+    expected = library_generate(
+        mxfp4_dir, prompt, torch.bfloat16, device_map="cuda", quantization_config=config
+    )
+    assert served == expected

@@ -10,6 +10,8 @@ folder a user downloads, with config.json's `quantization_config` naming the for
   library's own quantization config, scales and compressor, saved as llm-compressor saves.
 - fp8 (transformers' FineGrainedFP8 layout): float8_e4m3fn weights with an inverse scale
   per block.
+- MXFP4 (gpt-oss as OpenAI publishes it): a tiny random gpt-oss whose MoE experts are stored
+  as packed FP4 (E2M1) blocks and one E8M0 scale per 32 values, everything else dense.
 """
 
 from __future__ import annotations
@@ -27,6 +29,19 @@ LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 # AWQ's GEMM layout packs the 8 columns of a word in this order
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 FP8_BLOCK = 32
+# MXFP4: 32 values share a power-of-two scale (a biased E8M0 exponent byte); each value is a
+# 4-bit E2M1 code, two a byte, the even value in the low nibble (transformers' FP4_VALUES:
+# code = sign << 3 | magnitude index)
+MXFP4_BLOCK = 32
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E8M0_BIAS = 127
+# the published gpt-oss config's: attention, router, embeddings and lm_head stay dense
+MXFP4_NOT_CONVERTED = [
+    "model.layers.*.self_attn",
+    "model.layers.*.mlp.router",
+    "model.embed_tokens",
+    "lm_head",
+]
 
 
 def _copy_folder(source: Path, path: Path) -> None:
@@ -220,3 +235,93 @@ def build_fp8(source: Path, path: Path) -> Path:
             "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
         },
     )
+
+
+def build_gpt_oss(path: Path, *, seed: int = 4) -> Path:
+    """A tiny random dense gpt-oss (float32; as tests/engine/test_families.py's tiny_gpt_oss:
+    attention sinks, sliding and full layers alternating, 4 experts, 2 a token) and
+    tiny_model.py's tokenizer, saved as a Hugging Face folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = AutoConfig.for_model(
+        "gpt_oss",
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=12,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # sinks large enough to take a real share of each row
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def mxfp4_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[..., n]` -> (blocks `[..., n / 32, 16]` uint8, scales `[..., n / 32]` uint8): each
+    32 values scaled by the smallest power of two that brings their largest within E2M1's 6,
+    rounded to the nearest E2M1 value."""
+    groups = weight.float().unflatten(-1, (-1, MXFP4_BLOCK))
+    largest = groups.abs().amax(-1)
+    exponent = torch.ceil(torch.log2(largest / E2M1_MAGNITUDES[-1]))
+    exponent = torch.where(largest > 0, exponent, -E8M0_BIAS).clamp(-E8M0_BIAS, E8M0_BIAS)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    magnitudes = torch.tensor(E2M1_MAGNITUDES)
+    index = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1)
+    codes = index | ((scaled < 0) & (index > 0)).long() << 3
+    blocks = codes[..., 0::2] | codes[..., 1::2] << 4
+    return blocks.to(torch.uint8), (exponent + E8M0_BIAS).to(torch.uint8)
+
+
+def mxfp4_unpack(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """mxfp4_pack's inverse, float32 `[..., n]` (what the checkpoint holds, exactly)."""
+    values = torch.tensor([*E2M1_MAGNITUDES, *(-m for m in E2M1_MAGNITUDES)])
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], -1).flatten(-2).long()
+    exponent = scales.float() - E8M0_BIAS
+    return (values[codes] * torch.exp2(exponent).unsqueeze(-1)).flatten(-2)
+
+
+def build_mxfp4(source: Path, path: Path) -> Path:
+    """gpt-oss's published MXFP4 layout, from a dense gpt-oss folder (build_gpt_oss): each
+    layer's `mlp.experts.{gate_up,down}_proj` `[experts, in, out]` become `{name}_blocks`
+    `[experts, out, in / 32, 16]` and `{name}_scales` `[experts, out, in / 32]` (blocks of
+    32 along the input dimension); their biases and every other tensor stay dense."""
+    _copy_folder(source, path)
+    state = load_file(source / "model.safetensors")
+    for name in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weight = state.pop(name)
+        state[f"{name}_blocks"], state[f"{name}_scales"] = mxfp4_pack(weight.transpose(1, 2))
+    return _write(
+        path,
+        state,
+        {"quant_method": "mxfp4", "modules_to_not_convert": MXFP4_NOT_CONVERTED},
+    )
+
+
+def mxfp4_experts(path: Path) -> dict[str, torch.Tensor]:
+    """The expert weights an MXFP4 folder holds, unpacked to float32 in the dense layout."""
+    state = load_file(path / "model.safetensors")
+    return {
+        name.removesuffix("_blocks"): mxfp4_unpack(
+            blocks, state[name.replace("_blocks", "_scales")]
+        ).transpose(1, 2)
+        for name, blocks in state.items()
+        if name.endswith("_blocks")
+    }
