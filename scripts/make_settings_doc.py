@@ -1,12 +1,14 @@
 """Write docs/settings.md's table of `textgen serve` settings from service/settings/table.py's
-Settings (the one table the flags, their environment forms and this page come from), and
-docs/launcher.md's table of TGI's launcher flags from service/settings/tgi_launcher.py's FLAGS."""
+Settings (the one table the flags, their environment forms and this page come from),
+docs/launcher.md's table of TGI's launcher flags from service/settings/tgi_launcher.py's FLAGS,
+and docs/models.md's tables of the model families from service/models/families.py."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+from textgen.service.models.families import models_table
 from textgen.service.settings.table import settings_table
 from textgen.service.settings.tgi_launcher import launcher_table
 
@@ -24,6 +26,7 @@ def write(doc: Path, name: str, table: str) -> None:
 def main() -> None:
     write(DOCS / "settings.md", "settings", settings_table())
     write(DOCS / "launcher.md", "launcher", launcher_table())
+    write(DOCS / "models.md", "models", models_table())
 
 
 if __name__ == "__main__":

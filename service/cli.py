@@ -1,10 +1,11 @@
-"""The commands: `textgen` (serve, shard, proxy, generate, bench) and
+"""The commands: `textgen` (serve, shard, proxy, generate, bench, models) and
 `text-generation-launcher` (TGI's flags and environment, served as `textgen serve`)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import shlex
@@ -184,6 +185,17 @@ def _bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _models(args: argparse.Namespace) -> int:
+    """The families served, from models/families.py: no weights, nothing started."""
+    from .models.families import models_json, models_text
+
+    if args.json:
+        print(json.dumps(models_json(args.all), indent=2))
+    else:
+        sys.stdout.write(models_text(args.all))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="textgen", description="LLM text generation over gRPC, TGI and OpenAI HTTP"
@@ -248,6 +260,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="load-test a server: tokens/s, TTFT, inter-token latency")
     add_bench_arguments(bench)
     bench.set_defaults(func=_bench)
+
+    models = sub.add_parser(
+        "models",
+        help="the model families served: how, the engine's features each uses, the tests "
+        "that verify them (docs/models.md)",
+    )
+    models.add_argument(
+        "--all",
+        action="store_true",
+        help="also every other causal LM transformers has: refused (and why) or unverified",
+    )
+    models.add_argument("--json", action="store_true", help="print it as JSON")
+    models.set_defaults(func=_models)
     return parser
 
 

@@ -39,6 +39,10 @@ def unsupported_layer_types(model_type: str | None, layer_types) -> list[str]:
 # it calls `ALL_ATTENTION_FUNCTIONS.get_interface(`.
 _ATTENTION_CLASS = re.compile(r"^class \w*Attention\w*\(nn\.Module\):", re.MULTILINE)
 _INTERFACE_CALL = "ALL_ATTENTION_FUNCTIONS.get_interface("
+# layers that keep a recurrent state per sequence (Mamba, linear attention, short
+# convolutions, xLSTM): the names their modelling code gives that state. Pure SSMs and the
+# hybrids whose configs have no `layer_types` (Jamba, Zamba, Nemotron-H, LFM2) show it here.
+_RECURRENT_STATE = re.compile(r"\b(conv_states?|ssm_states?|recurrent_states?|rnn_state)\b")
 # attention sinks: a learned per-head logit in the softmax's denominator (gpt-oss)
 _SINKS = re.compile(r"self\.sinks\s*=\s*nn\.Parameter")
 
@@ -58,6 +62,8 @@ def unserved_reason(config: dict) -> str | None:
     source = modeling_source(model_type)
     if source is None:
         return None  # transformers has no code for it: the loader says so
+    if keeps_recurrent_state(model_type):
+        return state_reason(model_type)
     if _ATTENTION_CLASS.search(source) and _INTERFACE_CALL not in source:
         return interface_reason(model_type)
     return None
@@ -109,6 +115,19 @@ def interface_reason(name: str) -> str:
     return (
         f"{name} does not route attention through transformers' AttentionInterface "
         "(e.g. GPT-Neo, XGLM): the paged engine can't serve it"
+    )
+
+
+def keeps_recurrent_state(model_type: str) -> bool:
+    """Whether transformers' code for `model_type` keeps a recurrent state per sequence."""
+    source = modeling_source(model_type)
+    return bool(source and _RECURRENT_STATE.search(source))
+
+
+def state_reason(name: str) -> str:
+    return (
+        f"{name} has layers that keep a recurrent state per sequence (Mamba, linear "
+        "attention or convolution layers), which the paged KV cache can't hold"
     )
 
 

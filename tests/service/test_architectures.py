@@ -27,6 +27,11 @@ REFUSED = {
     "gpt_neo": "AttentionInterface",
     "xglm": "AttentionInterface",
     "qwen3_next": "linear_attention",
+    # layers that keep state, in configs with no layer_types: from the modelling code
+    "mamba": "recurrent state",
+    "jamba": "recurrent state",
+    "lfm2": "recurrent state",
+    "nemotron_h": "recurrent state",
 }
 # families the engine serves token for token (tests/integration/test_family_matrix.py,
 # tests/engine/test_families.py)

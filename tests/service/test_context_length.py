@@ -67,9 +67,9 @@ def test_a_config_stating_no_context_needs_max_total_tokens(model_type):
 
 
 def test_preflight_refuses_it_before_loading_and_serves_the_flags_context(tmp_path):
-    # Mamba: the paged engine's architecture check lets its config through to this one
-    folder = model_folder(tmp_path, "mamba")
-    with pytest.raises(SettingError, match=r"^--max-total-tokens: needed: .*mamba's config"):
+    # Bloom (served through its attention adapter) states no context
+    folder = model_folder(tmp_path, "bloom")
+    with pytest.raises(SettingError, match=r"^--max-total-tokens: needed: .*bloom's config"):
         checked(folder)
     assert checked(folder, max_total_tokens=2048) == (2048, 2047, 2048)
     # TGI's launcher default (the whole context) is the flag's then

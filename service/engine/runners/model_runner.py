@@ -45,9 +45,11 @@ from transformers import AttentionInterface
 from ...models import attention_adapters
 from ...models.architectures import (
     interface_reason,
+    keeps_recurrent_state,
     layer_types_reason,
     module_sdpa_only_terms,
     not_invariant_reason,
+    state_reason,
     unsupported_layer_types,
 )
 from ...models.lora_layers import LoraLayers, LoraStep, bound_lora, register_layers
@@ -441,7 +443,10 @@ def check_model_supported(model: torch.nn.Module) -> None:
     models/architectures.py (which the settings' checks apply to config.json before
     loading), held here on the loaded model."""
     name = type(model).__name__
-    adapted = attention_adapters.is_adapted(getattr(model.config, "model_type", None))
+    model_type = getattr(model.config, "model_type", None)
+    if model_type and keeps_recurrent_state(model_type):
+        raise ValueError(state_reason(name))
+    adapted = attention_adapters.is_adapted(model_type)
     if not adapted and not model._can_set_attn_implementation():
         raise ValueError(interface_reason(name))
     text_config = model.config.get_text_config()
