@@ -17,8 +17,11 @@ to rank 0 only (engine/runners/sharded.py).
 
 What the plan can't shard is refused before the weights load (`check_shardable`): a model
 without a plan or with styles this does not implement (packed or fused projections, experts),
-and heads that do not split evenly. KV heads: when there are fewer than N but N is a multiple
-of them, each rank keeps the one its query heads read (replicated, as vLLM does).
+and heads that do not split evenly, and a plan that splits no attention heads (every rank
+would hold every head, in a KV pool sized for its share). KV heads: when there are fewer than
+N but N is a multiple of them, each rank keeps the one its query heads read (replicated, as
+vLLM does). Where the library's plan leaves a Llama-like attention whole (gpt-oss's, in
+transformers 5: its embedding only), ATTENTION_PLANS splits it, attention sinks included.
 
 The collective is one opaque custom op (`textgen::all_reduce`), so torch.compile'd decode
 steps and CUDA graphs keep it as it is; its process group is this process's one model group.
@@ -47,6 +50,22 @@ COLWISE, ROWWISE, EMBEDDING, LM_HEAD = (
 NO_OP_STYLES = frozenset({"replicate", "replicated_with_grad_allreduce"})
 SUPPORTED_STYLES = frozenset({COLWISE, ROWWISE, EMBEDDING, LM_HEAD}) | NO_OP_STYLES
 KV_PROJECTIONS = ("k_proj", "v_proj")
+# what computes a layer's queries or keys, unfused or fused: a plan that splits none of them
+# (colwise) leaves every head on every rank
+HEAD_PROJECTIONS = ("q_proj", "k_proj", "qkv_proj", "query_key_value")
+
+# model_type -> the attention's split where transformers' plan has none (added under the
+# model's base prefix, the library's own entries kept): Llama's, each rank's query heads'
+# attention sinks (a parameter) with them, the library's way of writing that (granite_swa)
+ATTENTION_PLANS: dict[str, dict[str, str]] = {
+    "gpt_oss": {
+        "layers.*.self_attn.q_proj": COLWISE,
+        "layers.*.self_attn.k_proj": COLWISE,
+        "layers.*.self_attn.v_proj": COLWISE,
+        "layers.*.self_attn.o_proj": ROWWISE,
+        "layers.*.self_attn.sinks": COLWISE,
+    },
+}
 
 _group: dist.ProcessGroup | None = None  # the model's group (set by localize)
 
@@ -55,7 +74,8 @@ def tp_plan_overrides(model_class: type, config, layout: ShardLayout) -> dict[st
     """The model's plan, checked, with the overrides we load it with: KV projections
     replicated when there are fewer KV heads than shards (sliced per rank afterwards)."""
     plan = dict(getattr(model_class, "_tp_plan", None) or {})
-    base = getattr(config.get_text_config(), "base_model_tp_plan", None) or {}
+    text = config.get_text_config()
+    base = getattr(text, "base_model_tp_plan", None) or {}
     prefix = getattr(model_class, "base_model_prefix", "model")
     plan.update({f"{prefix}.{k}": v for k, v in base.items()})
     if not base:
@@ -63,6 +83,12 @@ def tp_plan_overrides(model_class: type, config, layout: ShardLayout) -> dict[st
             f"{model_class.__name__} has no tensor-parallel plan in transformers "
             "(base_model_tp_plan): it can't be sharded; serve it with --num-shard 1"
         )
+    added = {
+        f"{prefix}.{k}": v
+        for k, v in ATTENTION_PLANS.get(getattr(text, "model_type", None), {}).items()
+        if f"{prefix}.{k}" not in plan
+    }
+    plan.update(added)
     unsupported = sorted({s for s in plan.values() if s not in SUPPORTED_STYLES})
     if unsupported:
         raise ShardingError(
@@ -70,9 +96,14 @@ def tp_plan_overrides(model_class: type, config, layout: ShardLayout) -> dict[st
             "which textgen's shards don't implement (packed or fused projections, experts); "
             "serve it with --num-shard 1"
         )
+    if not any(s == COLWISE and k.rsplit(".", 1)[-1] in HEAD_PROJECTIONS for k, s in plan.items()):
+        raise ShardingError(
+            f"{model_class.__name__}'s tensor-parallel plan in transformers splits no attention "
+            "heads (each shard would hold all of them); serve it with --num-shard 1"
+        )
     if layout.kv_replicated:
-        return {k: "replicate" for k in plan if k.rsplit(".", 1)[-1] in KV_PROJECTIONS}
-    return {}
+        added.update({k: "replicate" for k in plan if k.rsplit(".", 1)[-1] in KV_PROJECTIONS})
+    return added
 
 
 def localize(model: torch.nn.Module, rank: int, layout: ShardLayout) -> None:

@@ -229,9 +229,12 @@ def family_config(model_type: str, tokenizer):
     )
 
 
-def build_family(model_type: str, path: Path, *, seed: int | None = None) -> Path:
+def build_family(
+    model_type: str, path: Path, *, seed: int | None = None, bias_std: float | None = None
+) -> Path:
     """Save the family's tiny random model (float32) and the tiny tokenizer into `path`
-    (weights drawn with `seed`, else the family's in SEEDS, else 0)."""
+    (weights drawn with `seed`, else the family's in SEEDS, else 0; with `bias_std`, every
+    bias, which transformers initializes to zero, drawn from N(0, bias_std) too)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -245,6 +248,8 @@ def build_family(model_type: str, path: Path, *, seed: int | None = None) -> Pat
         for name, param in model.named_parameters():
             if name.endswith(".sinks"):
                 param.normal_(0.0, 2.0)
+            elif bias_std is not None and name.endswith("bias"):
+                param.normal_(0.0, bias_std)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
