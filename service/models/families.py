@@ -39,16 +39,17 @@ ADAPTER = "attention adapter (models/attention_adapters.py)"
 MATRIX = "tests/integration/test_family_matrix.py"  # every family through a real server
 SPECIAL = "tests/engine/test_families.py"  # what the Llama-like families don't need
 FALCON_QUICKSTART = "tests/integration/test_falcon_quickstart.py"  # TGI's quick start
+SHARDS = "tests/integration/test_shards.py"  # on --num-shard 2 too
 
 # model_type -> (name, the tests that prove it equals transformers' generate token for
 # token); the order is the table's
 VERIFIED: dict[str, tuple[str, tuple[str, ...]]] = {
-    "llama": ("Llama (Llama 2, Llama 3 to 3.3)", (MATRIX,)),
-    "mistral": ("Mistral", (MATRIX,)),
-    "qwen2": ("Qwen 1.5, 2, 2.5", (MATRIX,)),
-    "qwen3": ("Qwen 3", (MATRIX,)),
-    "gemma2": ("Gemma 2", (MATRIX,)),
-    "gemma3_text": ("Gemma 3 (text)", (MATRIX,)),
+    "llama": ("Llama (Llama 2, Llama 3 to 3.3)", (MATRIX, SHARDS)),
+    "mistral": ("Mistral", (MATRIX, SHARDS)),
+    "qwen2": ("Qwen 1.5, 2, 2.5", (MATRIX, SHARDS)),
+    "qwen3": ("Qwen 3", (MATRIX, SHARDS)),
+    "gemma2": ("Gemma 2", (MATRIX, SHARDS)),
+    "gemma3_text": ("Gemma 3 (text)", (MATRIX, SHARDS)),
     "phi": ("Phi-1, 1.5, 2", (MATRIX,)),
     "phi3": ("Phi-3, 3.5, Phi-4", (MATRIX,)),
     "granite": ("Granite 3", (MATRIX,)),
@@ -75,7 +76,7 @@ VERIFIED: dict[str, tuple[str, tuple[str, ...]]] = {
     "glm4_moe": ("GLM-4.5, 4.6", (MATRIX,)),
     "ernie4_5_moe": ("ERNIE 4.5 MoE", (MATRIX,)),
     "stablelm": ("StableLM", (MATRIX, SPECIAL)),
-    "gpt_oss": ("gpt-oss", (MATRIX, SPECIAL)),
+    "gpt_oss": ("gpt-oss", (MATRIX, SPECIAL, SHARDS)),
     "gemma4_text": ("Gemma 4 (text)", (MATRIX, SPECIAL)),
     "falcon": (
         "Falcon (RW layout: Falcon-7B/40B/180B, Falcon-RW)",
@@ -83,7 +84,7 @@ VERIFIED: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "bloom": ("BLOOM", (MATRIX, SPECIAL)),
     "mpt": ("MPT", (MATRIX, SPECIAL)),
-    "llama4_text": ("Llama 4 (text: Scout, Maverick)", (SPECIAL,)),
+    "llama4_text": ("Llama 4 (text: Scout, Maverick)", (MATRIX, SPECIAL)),
 }
 
 

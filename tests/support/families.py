@@ -203,6 +203,18 @@ FAMILIES: dict[str, dict] = {
         "initializer_range": 0.2,
         "tie_word_embeddings": False,  # untied: see above
     },
+    "llama4_text": {  # rotary layers attending within chunks of 8 positions, a NoPE
+        **_LLAMA_LIKE,  # global layer whose query temperature steps every 4 positions
+        **_MOE,
+        "num_hidden_layers": 4,
+        "intermediate_size_mlp": 2 * HIDDEN,
+        "head_dim": HEAD_DIM,
+        "num_local_experts": 2,
+        "num_experts_per_tok": 1,
+        "attention_chunk_size": WINDOW,
+        "floor_scale": 4,
+        "attn_scale": 0.5,
+    },
 }
 
 
