@@ -30,6 +30,18 @@ class ShardLayout:
     def kv_heads_per_rank(self) -> int:
         return 1 if self.kv_replicated else self.num_kv_heads // self.world_size
 
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_heads // self.world_size
+
+    def kv_heads_of(self, rank: int) -> range:
+        """The KV heads rank `rank` keeps: its share, or (replicated) the one its query
+        heads read."""
+        if self.kv_replicated:
+            head = self.kv_head_of(rank)
+            return range(head, head + 1)
+        return range(rank * self.kv_heads_per_rank, (rank + 1) * self.kv_heads_per_rank)
+
     def kv_head_of(self, rank: int) -> int:
         """The KV head rank `rank`'s query heads read, when KV heads are replicated."""
         heads_per_rank = self.num_heads // self.world_size

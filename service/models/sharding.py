@@ -22,6 +22,11 @@ would hold every head, in a KV pool sized for its share). KV heads: when there a
 N but N is a multiple of them, each rank keeps the one its query heads read (replicated, as
 vLLM does). Where the library's plan leaves a Llama-like attention whole (gpt-oss's, in
 transformers 5: its embedding only), ATTENTION_PLANS splits it, attention sinks included.
+Where it gathers fused projections whole (Phi-3's q|k|v and gate|up, `colwise_gather_output`
+then `rowwise_split_input`), FUSED_PLANS splits them instead: gate|up with the library's
+`packed_colwise` (each rank its share of each half), q|k|v loaded whole and cut by
+`localize` to this rank's heads' rows of each of q, k and v (the library's packed styles
+split equal parts only, and q is larger than k and v), the attention told its heads.
 
 The collective is one opaque custom op (`textgen::all_reduce`), so torch.compile'd decode
 steps and CUDA graphs keep it as it is; its process group is this process's one model group.
@@ -49,10 +54,16 @@ COLWISE, ROWWISE, EMBEDDING, LM_HEAD = (
 )
 NO_OP_STYLES = frozenset({"replicate", "replicated_with_grad_allreduce"})
 SUPPORTED_STYLES = frozenset({COLWISE, ROWWISE, EMBEDDING, LM_HEAD}) | NO_OP_STYLES
+# the fused projections' styles, in FUSED_PLANS only: a Linear whose rows are [q | k | v]
+# (textgen's: loaded whole, cut by localize), and one whose rows are [gate | up] (the
+# library's: each half split colwise, so the rank's rows are [its gate | its up])
+PACKED_QKV, PACKED_COLWISE = "packed_qkv", "packed_colwise"
+LOADED_AS = {PACKED_QKV: "replicate"}  # how transformers' loader reads what it can't split
 KV_PROJECTIONS = ("k_proj", "v_proj")
 # what computes a layer's queries or keys, unfused or fused: a plan that splits none of them
 # (colwise) leaves every head on every rank
 HEAD_PROJECTIONS = ("q_proj", "k_proj", "qkv_proj", "query_key_value")
+HEAD_SPLITS = frozenset({COLWISE, PACKED_QKV})
 
 # model_type -> the attention's split where transformers' plan has none (added under the
 # model's base prefix, the library's own entries kept): Llama's, each rank's query heads'
@@ -66,13 +77,26 @@ ATTENTION_PLANS: dict[str, dict[str, str]] = {
         "layers.*.self_attn.sinks": COLWISE,
     },
 }
+# model_type -> the split of its fused projections, over the library's entries for them
+# (which gather the fused outputs whole): each rank its heads' q, k and v rows, its share of
+# gate and up, o and down row-parallel
+FUSED_PLANS: dict[str, dict[str, str]] = {
+    "phi3": {
+        "layers.*.self_attn.qkv_proj": PACKED_QKV,
+        "layers.*.self_attn.o_proj": ROWWISE,
+        "layers.*.mlp.gate_up_proj": PACKED_COLWISE,
+        "layers.*.mlp.down_proj": ROWWISE,
+    },
+}
 
 _group: dist.ProcessGroup | None = None  # the model's group (set by localize)
 
 
 def tp_plan_overrides(model_class: type, config, layout: ShardLayout) -> dict[str, str]:
-    """The model's plan, checked, with the overrides we load it with: KV projections
-    replicated when there are fewer KV heads than shards (sliced per rank afterwards)."""
+    """The model's plan, checked, with the overrides we load it with (transformers'
+    styles): ATTENTION_PLANS' and FUSED_PLANS' entries (a fused q|k|v replicated, sliced
+    per rank afterwards), KV projections replicated when there are fewer KV heads than
+    shards (sliced per rank afterwards too)."""
     plan = dict(getattr(model_class, "_tp_plan", None) or {})
     text = config.get_text_config()
     base = getattr(text, "base_model_tp_plan", None) or {}
@@ -83,27 +107,35 @@ def tp_plan_overrides(model_class: type, config, layout: ShardLayout) -> dict[st
             f"{model_class.__name__} has no tensor-parallel plan in transformers "
             "(base_model_tp_plan): it can't be sharded; serve it with --num-shard 1"
         )
+    model_type = getattr(text, "model_type", None)
     added = {
         f"{prefix}.{k}": v
-        for k, v in ATTENTION_PLANS.get(getattr(text, "model_type", None), {}).items()
+        for k, v in ATTENTION_PLANS.get(model_type, {}).items()
         if f"{prefix}.{k}" not in plan
     }
+    fused = {f"{prefix}.{k}": v for k, v in FUSED_PLANS.get(model_type, {}).items()}
+    added.update(fused)
     plan.update(added)
-    unsupported = sorted({s for s in plan.values() if s not in SUPPORTED_STYLES})
+    unsupported = sorted(
+        {s for k, s in plan.items() if s not in SUPPORTED_STYLES and k not in fused}
+    )
     if unsupported:
         raise ShardingError(
             f"{model_class.__name__}'s tensor-parallel plan uses {', '.join(unsupported)}, "
             "which textgen's shards don't implement (packed or fused projections, experts); "
             "serve it with --num-shard 1"
         )
-    if not any(s == COLWISE and k.rsplit(".", 1)[-1] in HEAD_PROJECTIONS for k, s in plan.items()):
+    splits = (
+        s in HEAD_SPLITS and k.rsplit(".", 1)[-1] in HEAD_PROJECTIONS for k, s in plan.items()
+    )
+    if not any(splits):
         raise ShardingError(
             f"{model_class.__name__}'s tensor-parallel plan in transformers splits no attention "
             "heads (each shard would hold all of them); serve it with --num-shard 1"
         )
     if layout.kv_replicated:
         added.update({k: "replicate" for k in plan if k.rsplit(".", 1)[-1] in KV_PROJECTIONS})
-    return added
+    return {k: LOADED_AS.get(s, s) for k, s in added.items()}
 
 
 def localize(model: torch.nn.Module, rank: int, layout: ShardLayout) -> None:
@@ -124,7 +156,10 @@ def localize(model: torch.nn.Module, rank: int, layout: ShardLayout) -> None:
         module = model.get_submodule(name)
         if style == ROWWISE and module.bias is not None and rank != 0:
             module.bias.data.zero_()  # added once: the sum of the ranks' partials
-        if layout.kv_replicated and name.rsplit(".", 1)[-1] in KV_PROJECTIONS:
+        if style == PACKED_QKV:
+            _keep_rows(module, qkv_rows(layout, rank))
+            _local_heads(model.get_submodule(name.rpartition(".")[0]), layout, rank)
+        elif layout.kv_replicated and name.rsplit(".", 1)[-1] in KV_PROJECTIONS:
             _keep_kv_head(module, layout.kv_head_of(rank), layout.head_dim)
 
 
@@ -167,16 +202,23 @@ class VocabSlice:
 
 def lora_slices(
     model: torch.nn.Module, rank: int, world_size: int, layout: ShardLayout
-) -> dict[str, tuple[slice | None, slice | None]]:
+) -> dict[str, tuple[slice | torch.Tensor | None, slice | None]]:
     """Per sharded Linear (after localize): the (output rows, input columns) of the full
     weight this rank holds, so that a LoRA adapter's B and A are sliced the same way
-    (models/lora_layers.py). Even splits, as the plan's checks leave them."""
+    (models/lora_layers.py); a packed layer's rows are an index (its parts' shares). Even
+    splits, as the plan's checks leave them."""
     slices = {}
     for name, style in resolved_plan(model).items():
         module = model.get_submodule(name)
         if not hasattr(module, "out_features"):  # the embedding
             continue
-        if layout.kv_replicated and name.rsplit(".", 1)[-1] in KV_PROJECTIONS:
+        if style == PACKED_QKV:
+            slices[name] = (qkv_rows(layout, rank), None)
+        elif style == PACKED_COLWISE:
+            n = module.out_features // 2  # this rank's share of each half
+            full = n * world_size
+            slices[name] = (torch.cat([_rows(rank * n, n), _rows(full + rank * n, n)]), None)
+        elif layout.kv_replicated and name.rsplit(".", 1)[-1] in KV_PROJECTIONS:
             head = layout.kv_head_of(rank)
             slices[name] = (slice(head * layout.head_dim, (head + 1) * layout.head_dim), None)
         elif style == COLWISE:
@@ -189,10 +231,14 @@ def lora_slices(
 
 
 def resolved_plan(model: torch.nn.Module) -> dict[str, str]:
-    """Module name -> style, for every module the model's plan names."""
+    """Module name -> style, for every module the model's plan names (FUSED_PLANS' styles
+    where the model's loaded with them)."""
+    plan = dict(model.tp_plan)
+    prefix = getattr(model, "base_model_prefix", "model")
+    model_type = getattr(model.config.get_text_config(), "model_type", None)
+    plan.update({f"{prefix}.{k}": v for k, v in FUSED_PLANS.get(model_type, {}).items()})
     patterns = [
-        (re.compile("^" + re.escape(p).replace(r"\*", r"\d+") + "$"), s)
-        for p, s in model.tp_plan.items()
+        (re.compile("^" + re.escape(p).replace(r"\*", r"\d+") + "$"), s) for p, s in plan.items()
     ]
     return {
         name: style
@@ -200,6 +246,66 @@ def resolved_plan(model: torch.nn.Module) -> dict[str, str]:
         for pattern, style in patterns
         if pattern.match(name)
     }
+
+
+def qkv_rows(layout: ShardLayout, rank: int) -> torch.Tensor:
+    """The rows of a fused [q | k | v] projection rank `rank` keeps: its query heads' q rows,
+    its KV heads' (layout.kv_heads_of) k and v rows."""
+    d = layout.head_dim
+    q = layout.heads_per_rank
+    kv = layout.kv_heads_of(rank)
+    k_start = layout.num_heads * d
+    v_start = k_start + layout.num_kv_heads * d
+    return torch.cat(
+        [
+            _rows(rank * q * d, q * d),
+            _rows(k_start + kv.start * d, len(kv) * d),
+            _rows(v_start + kv.start * d, len(kv) * d),
+        ]
+    )
+
+
+def _rows(start: int, n: int) -> torch.Tensor:
+    return torch.arange(start, start + n)
+
+
+def _keep_rows(linear: torch.nn.Linear, rows: torch.Tensor) -> None:
+    rows = rows.to(linear.weight.device)
+    linear.weight = torch.nn.Parameter(linear.weight.data[rows].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(linear.bias.data[rows].clone(), requires_grad=False)
+    linear.out_features = len(rows)
+
+
+class _LocalHeads:
+    """A config as one rank's attention sees it: its head counts, everything else the
+    model's config's, read through (so that what's set there later, the attention
+    implementation, shows)."""
+
+    def __init__(self, config, **heads: int) -> None:
+        self._config = config
+        self.__dict__.update(heads)
+
+    def __getattr__(self, name: str):
+        if name == "_config":  # (not set yet: copied or unpickled)
+            raise AttributeError(name)
+        return getattr(self._config, name)
+
+
+def _local_heads(attention: torch.nn.Module, layout: ShardLayout, rank: int) -> None:
+    """A fused attention's head counts, those of this rank's heads (Phi-3's splits its qkv
+    output by the config's num_attention_heads and its own num_key_value_heads)."""
+    heads, kv_heads = layout.heads_per_rank, len(layout.kv_heads_of(rank))
+    attention.config = _LocalHeads(
+        attention.config, num_attention_heads=heads, num_key_value_heads=kv_heads
+    )
+    for name, value in (
+        ("num_heads", heads),
+        ("num_key_value_heads", kv_heads),
+        ("num_key_value_groups", heads // kv_heads),
+    ):
+        if hasattr(attention, name):
+            setattr(attention, name, value)
 
 
 def _keep_kv_head(linear: torch.nn.Linear, head: int, head_dim: int) -> None:

@@ -3,9 +3,9 @@
 (float32), for mixed batches, prefix-cache hits, preemption, aborts and a grammar; the
 architectures whose attention differs (GQA with a replicated KV head and q/k/v biases,
 sliding windows, softcapping), an 8-bit KV cache, and the embedded model on 3 shards; more
-families (Qwen3, Gemma 3, gpt-oss's attention sinks) split in 2 and equal transformers'
-own greedy generate, Phi-3's and DeepSeek-V3's refusals strict xfails; a shard killed under
-load ends the streams typed and the server exits non-zero."""
+families (Qwen3, Gemma 3, Phi-3's fused q|k|v and gate|up, gpt-oss's attention sinks) split
+in 2 and equal transformers' own greedy generate, DeepSeek-V3's refusal a strict xfail; a
+shard killed under load ends the streams typed and the server exits non-zero."""
 
 from __future__ import annotations
 
@@ -246,17 +246,15 @@ def test_a_dead_shard_ends_the_streams_typed_and_the_server(tiny_model_dir):
 # of transformers' plan before reading a weight (models/sharding.py; strict xfails, so that
 # a transformers whose plan does split them says so)
 REFUSED_ON_SHARDS = {
-    "phi3": "transformers' Phi-3 plan splits no heads: it gathers the fused qkv_proj's output "
-    "(colwise_gather_output) and slices o_proj's input locally (rowwise_split_input, a style "
-    "textgen's shards don't implement); a head split of the fused q|k|v rows would need a "
-    "packed split of its own",
     "deepseek_v3": "transformers' DeepSeek-V3 plan splits only the MLP, its experts packed "
     "(packed_colwise, moe_tp_experts: styles textgen's shards don't implement), and not the "
     "MLA attention at all (V2's plan splits it with mla_kv_a_proj, not implemented either)",
 }
 # what differs from the layouts above: Qwen3's q/k norms, Gemma 3's alternating window
-# layers (q/k norms, scaled embeddings), gpt-oss's attention sinks (sharding.py's own plan
-# for its attention: transformers' splits only the embedding) and biased q/k/v/o, experts
+# layers (q/k norms, scaled embeddings), Phi-3's fused q|k|v and gate|up (sharding.py's
+# FUSED_PLANS: transformers' gathers them whole), gpt-oss's attention sinks (sharding.py's
+# own plan for its attention: transformers' splits only the embedding) and biased q/k/v/o,
+# experts
 FAMILIES_ON_SHARDS = ("qwen3", "gemma3_text", "phi3", "deepseek_v3", "gpt_oss")
 # 7, 9 and 48 tokens (a window of 8 crossed, a block of 16 filled): 2, 2 and 4 blocks with
 # their 16 new tokens, in a pool of 6
@@ -300,12 +298,26 @@ def test_more_families_on_two_shards(model_type, tmp_path):
     """Each family's tiny random model (tests/support/families.py; biases drawn, not zero)
     really splits in 2, each rank 2 of the 4 query heads and 1 of the 2 KV heads (gpt-oss:
     and those heads' sinks), and its greedy tokens on 2 shards, under preemption, are
-    transformers' own `generate` on the folder (one server start per family, not two)."""
+    transformers' own `generate` on the folder (one server start per family, not two).
+    Phi-3's fused q|k|v loads whole, each rank then keeping its heads' rows of each (sharding.py's
+    localize), and its gate|up loads packed: each rank its share of each half."""
     folder = build_family(model_type, tmp_path / model_type, bias_std=0.2)
     layout, plan = two_shard_plan(folder)
     assert (layout.num_heads, layout.num_kv_heads, layout.kv_heads_per_rank) == (4, 2, 1)
-    attention = {p: plan.get(f"model.layers.*.self_attn.{p}_proj") for p in ("q", "k", "v", "o")}
-    assert attention == {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}
+    if model_type == "phi3":
+        fused = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+        layer = {p: plan.get(f"model.layers.*.{p}") for p in fused}
+        assert layer == {
+            "self_attn.qkv_proj": "replicate",
+            "self_attn.o_proj": "rowwise",
+            "mlp.gate_up_proj": "packed_colwise",
+            "mlp.down_proj": "rowwise",
+        }
+    else:
+        attention = {
+            p: plan.get(f"model.layers.*.self_attn.{p}_proj") for p in ("q", "k", "v", "o")
+        }
+        assert attention == {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}
     if model_type == "gpt_oss":
         assert plan["model.layers.*.self_attn.sinks"] == "colwise"
     tokenizer = AutoTokenizer.from_pretrained(folder)
