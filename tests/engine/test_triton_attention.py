@@ -20,6 +20,7 @@ import torch
 from textgen.service.engine.attention import paged as attention
 from textgen.service.engine.attention import triton_kernel as triton_attention
 from textgen.service.engine.kv_pool import KVCachePool, LayerCache
+from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
 
 from .factories import (
     VOCAB_SIZE,
@@ -60,20 +61,27 @@ def interpreted_kernel():
     )
 
 
-def attend_both(batch: Batch, *, window=None, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_both(
+    batch: Batch, *, window=None, softcap=None, sinks=None, alibi=None, chunk=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     cache = batch.pool.layer(0, batch.key, batch.value)
     scale = batch.query.shape[-1] ** -0.5
-    args = (batch.query, cache, batch.meta, scale, window, softcap)
+    args = (batch.query, cache, batch.meta, scale, window, softcap, sinks, alibi, chunk)
     return attention._triton_attention(*args), attention._sdpa_attention(*args)
 
 
-def sdpa_in_float32(batch: Batch, *, window=None, softcap=None) -> torch.Tensor:
+def sdpa_in_float32(
+    batch: Batch, *, window=None, softcap=None, sinks=None, alibi=None, chunk=None
+) -> torch.Tensor:
+    """The SDPA path on float32 copies of the inputs. ALiBi's slopes keep their dtype: the
+    product slope x position is taken in it on both paths."""
     cache = batch.pool.layer(0, batch.key, batch.value)
     keys, values = cache.keys.float(), cache.values.float()
     cache32 = LayerCache.over(keys, values)
     scale = batch.query.shape[-1] ** -0.5
+    sinks = None if sinks is None else sinks.float()
     return attention._sdpa_attention(
-        batch.query.float(), cache32, batch.meta, scale, window, softcap
+        batch.query.float(), cache32, batch.meta, scale, window, softcap, sinks, alibi, chunk
     )
 
 
@@ -210,6 +218,124 @@ def test_8bit_pools_are_widened_as_sdpa_widens_them(dtype, kv_dtype):
     assert_close(out, ref, SAME_DTYPE_TOLERANCE)
 
 
+# attention sinks (gpt-oss), ALiBi (Bloom, MPT, Falcon-RW), chunked local attention (Llama 4)
+
+
+def sinks_for(num_heads: int, dtype=torch.float32) -> torch.Tensor:
+    """A sink logit per query head, large enough to take a real share of each row (scores
+    here are ~N(0, 1)): some above every score, some far below."""
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(num_heads, generator=g) * 3).to(dtype)
+
+
+def falcon_alibi(num_heads: int, head_dim: int) -> attention.Alibi:
+    """Falcon-RW's ALiBi as its adapter passes it: Bloom's slopes rounded to bfloat16, the
+    bias times 1 / sqrt(head_dim). 12 heads: slopes that aren't powers of 2 (their products
+    with positions round in bfloat16)."""
+    slopes = _get_alibi_slopes(num_heads, CPU).bfloat16()
+    return attention.Alibi(slopes, head_dim**-0.5)
+
+
+def bloom_alibi(num_heads: int) -> attention.Alibi:
+    return attention.Alibi(_get_alibi_slopes(num_heads, CPU))
+
+
+# (block size, query heads, KV heads, head dim, terms): each term alone, then with GQA, a
+# window, the softcap and each other. MIXED_BATCH's prompts cross chunk boundaries (its
+# 24-token chunk spans positions 36-59, its 9-token one 41-49) inside a query block, and its
+# decodes (contexts 37, 70) see part of a chunk; with chunks of 64 the decode at position 69
+# starts its key loop at the chunk's first tile (and a wrong start there empties its row).
+SINKS_ALIBI_CHUNK = {"sinks": True, "alibi": "bloom", "chunk": 16}
+EXTRA_TERM_CASES = {
+    "sinks-gqa4": (16, 8, 2, 32, {"sinks": True}),
+    "sinks-window-softcap-mqa": (32, 8, 1, 64, {"sinks": True, "window": 20, "softcap": 30.0}),
+    "alibi-gqa4-window": (16, 8, 2, 32, {"alibi": "bloom", "window": 20}),
+    "alibi-bf16-slopes-scaled-group3": (16, 12, 4, 32, {"alibi": "falcon"}),
+    "chunk16-gqa2": (16, 8, 4, 32, {"chunk": 16}),
+    "chunk8-sinks-mqa": (32, 8, 1, 32, {"chunk": 8, "sinks": True}),
+    "chunk64-window-mha": (16, 2, 2, 32, {"chunk": 64, "window": 20}),
+    "all-gqa4-softcap": (16, 8, 2, 32, {**SINKS_ALIBI_CHUNK, "softcap": 5.0}),
+}
+
+
+def extra_terms(spec: dict, num_heads: int, head_dim: int, dtype=torch.float32) -> dict:
+    terms = {key: spec[key] for key in ("window", "softcap", "chunk") if key in spec}
+    if spec.get("sinks"):
+        terms["sinks"] = sinks_for(num_heads, dtype)
+    if spec.get("alibi") == "bloom":
+        terms["alibi"] = bloom_alibi(num_heads)
+    elif spec.get("alibi") == "falcon":
+        terms["alibi"] = falcon_alibi(num_heads, head_dim)
+    return terms
+
+
+@pytest.mark.parametrize(
+    "block_size, num_heads, num_kv_heads, head_dim, spec",
+    list(EXTRA_TERM_CASES.values()),
+    ids=list(EXTRA_TERM_CASES),
+)
+def test_sinks_alibi_and_chunks_match_sdpa(block_size, num_heads, num_kv_heads, head_dim, spec):
+    """float32: the kernel's bias equals the SDPA path's (Falcon's bfloat16 products included),
+    so the two agree as closely as without these terms."""
+    batch = make_batch(
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=torch.float32,
+        seqs=MIXED_BATCH,
+    )
+    assert_close(*attend_both(batch, **extra_terms(spec, num_heads, head_dim)))
+
+
+@pytest.mark.parametrize(
+    "dtype, spec",
+    [
+        (torch.bfloat16, {"sinks": True, "chunk": 16, "window": 20}),
+        (torch.bfloat16, {"alibi": "falcon"}),
+        (torch.float16, {"alibi": "bloom", "sinks": True, "chunk": 8}),
+    ],
+    ids=["bf16-sinks-chunk", "bf16-falcon-alibi", "fp16-all"],
+)
+def test_half_precision_sinks_alibi_and_chunks_match_sdpa(dtype, spec):
+    """Against SDPA in float32 within the usual tolerance. The SDPA path in the half dtype
+    rounds its ALiBi bias (a mask in the query's dtype) and, with sinks (its eager formula),
+    its scores to that dtype, where the kernel keeps both in float32: in float16 with sinks
+    that path is itself ~9e-3 off float32 (the kernel 1e-3), so against it the kernel is held
+    to that path's own error plus the same-dtype tolerance."""
+    batch = make_batch(
+        block_size=16, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, seqs=MIXED_BATCH
+    )
+    terms = extra_terms(spec, 8, 64, dtype)
+    out, ref = attend_both(batch, **terms)
+    assert out.dtype == dtype
+    ref32 = sdpa_in_float32(batch, **terms)
+    assert_close(out, ref32)
+    sdpa_error = (ref.float() - ref32).abs().max()
+    assert (out.float() - ref.float()).abs().max() <= sdpa_error + SAME_DTYPE_TOLERANCE[dtype][0]
+
+
+def test_bfloat16_alibi_products_round_as_falcons_do_past_256():
+    """Falcon multiplies its bfloat16 slopes by the positions in bfloat16 (a position past 256
+    rounds, then the product): the kernel rounds the same, bit for bit in the bias. Taken in
+    float32 instead, the bias would be up to 1/512 of slope x position off: at these
+    contexts a visible change in the outputs."""
+    batch = make_batch(
+        block_size=16,
+        num_heads=12,
+        num_kv_heads=1,
+        head_dim=32,
+        dtype=torch.float32,
+        seqs=[(1, 300), (1, 517), (3, 290)],
+    )
+    alibi = falcon_alibi(12, 32)
+    out, ref = attend_both(batch, alibi=alibi)
+    assert_close(out, ref)
+    in_float32 = attention.Alibi(alibi.slopes.float(), alibi.scale)
+    _, ref_float32_product = attend_both(batch, alibi=in_float32)
+    assert (out - ref_float32_product).abs().max() > 100 * TOLERANCE[torch.float32][0]
+
+
 def test_refuses_what_it_does_not_handle():
     query = torch.zeros(5, 4, 64)  # [T, H, D]
     pool = torch.zeros(2, 16, 2, 64)
@@ -267,6 +393,57 @@ def test_kernel_order(use_flash, use_triton, block_size, dtype, expected):
 
 
 @pytest.mark.parametrize(
+    "use_flash, use_triton, block_size, expected",
+    [
+        (True, True, 256, "_triton_attention"),  # flash-attn would read in place: no sinks
+        (True, True, 16, "_triton_attention"),
+        (True, False, 256, "_sdpa_attention"),
+        (True, False, 16, "_sdpa_attention"),
+        (False, False, 16, "_sdpa_attention"),
+    ],
+)
+def test_kernel_order_for_sinks_alibi_and_chunks(use_flash, use_triton, block_size, expected):
+    """Layers with attention sinks, ALiBi or chunks: Triton or SDPA, never flash-attn."""
+    pool = KVCachePool(num_blocks=2, block_size=block_size)
+    meta = attention.BatchMetadata.build(pool, [1], [1], [[1]], CPU)
+    meta.use_flash, meta.use_triton = use_flash, use_triton
+    states = torch.zeros(1, 2, 1, 64, dtype=torch.bfloat16)
+    cache = pool.layer(0, states, states)
+    query = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
+    picked = attention._pick_kernel(meta, query, cache, extra_terms=True)
+    assert picked.__name__ == expected
+
+
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_layers_with_sinks_alibi_and_chunks_reach_the_triton_kernel(use_triton, monkeypatch):
+    """_paged_attention hands the three terms to the kernel it picks (the SDPA path where
+    triton isn't in use): the same outputs either way."""
+    batch = make_batch(
+        block_size=16,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype=torch.float32,
+        seqs=[(1, 20), (6, 30)],
+    )
+    terms = (sinks_for(4), bloom_alibi(4), 16)
+    scale = 16**-0.5
+    _, ref = attend_both(batch, window=24, softcap=20.0, sinks=terms[0], alibi=terms[1], chunk=16)
+    calls = []
+    kernels = {name: getattr(attention, name) for name in ("_triton_attention", "_sdpa_attention")}
+    for name, kernel in kernels.items():
+        monkeypatch.setattr(
+            attention, name, lambda *args, _k=kernel, _n=name: calls.append(_n) or _k(*args)
+        )
+    batch.meta.use_flash, batch.meta.use_triton = True, use_triton
+    out = attention._paged_attention(
+        batch.meta, 0, batch.query, batch.key, batch.value, scale, 24, 20.0, *terms
+    )
+    assert calls == ["_triton_attention" if use_triton else "_sdpa_attention"]
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize(
     "use_triton, expected", [(True, "_triton_attention"), (False, "_sdpa_attention")]
 )
 def test_flash_attn_never_reads_an_8_bit_pool(use_triton, expected):
@@ -305,18 +482,22 @@ def test_kernel_compiles_for_the_gpu():
 
         kernel = ta._paged_attention_kernel
         pointers = {"block_tables_ptr", "query_starts_ptr", "seq_lens_ptr"}
+        # attention sinks in the query's dtype; ALiBi slopes float32 or bf16 (Falcon's)
+        slopes = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp32"}
         # the launch specializes int arguments equal to 1 as constants (one sequence, tables
         # one block wide): the loops they feed must still compile
-        ones = ("num_seqs", "window", "block_tables_stride")
+        ones = ("num_seqs", "window", "block_tables_stride", "chunk")
         pools = {"key_pool_ptr", "value_pool_ptr"}
-        # (query dtype, pool dtype, ...): the 8-bit pools of --kv-cache-dtype too
+        # (query dtype, pool dtype, ...): the 8-bit pools of --kv-cache-dtype too; flags:
+        # window, softcap, sinks, ALiBi, chunk
         for dtype, kv_dtype, group, head_dim, flags, specialized in [
-            ("bf16", "bf16", 1, 128, (False, False), ()),
-            ("fp16", "fp16", 8, 64, (True, True), ones),
-            ("fp32", "fp32", 4, 128, (True, False), ()),
-            ("bf16", "bf16", 4, 192, (False, True), ()),
-            ("bf16", "fp8e4nv", 4, 128, (False, False), ()),
-            ("fp16", "fp8e5", 8, 64, (True, False), ()),
+            ("bf16", "bf16", 1, 128, (False, False, False, False, False), ()),
+            ("fp16", "fp16", 8, 64, (True, True, True, True, True), ones),
+            ("fp32", "fp32", 4, 128, (True, False, False, True, False), ()),
+            ("bf16", "bf16", 4, 192, (False, True, False, True, True), ()),
+            ("bf16", "fp8e4nv", 4, 128, (False, False, True, False, False), ()),
+            ("fp16", "fp8e5", 8, 64, (True, False, False, False, True), ()),
+            ("bf16", "bf16", 8, 64, (True, False, True, False, False), ()),  # gpt-oss
         ]:
             rows = max(16, triton.next_power_of_2(group))
             pad = max(16, triton.next_power_of_2(head_dim))
@@ -324,6 +505,8 @@ def test_kernel_compiles_for_the_gpu():
                 GROUP=group, BLOCK_Q=rows // group, BLOCK_M=rows, BLOCK_SIZE=16,
                 TILE=ta.KEY_TILE, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, VALUE_DIM=head_dim,
                 VALUE_DIM_PAD=pad, USE_WINDOW=flags[0], USE_SOFTCAP=flags[1],
+                USE_SINKS=flags[2], USE_ALIBI=flags[3], USE_CHUNK=flags[4],
+                ALIBI_ROUNDING="bf16" if flags[3] and slopes[dtype] == "bf16" else "none",
                 KV_8BIT=kv_dtype != dtype, DOT_IN_FP32=False,
                 DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
             )
@@ -331,8 +514,9 @@ def test_kernel_compiles_for_the_gpu():
             signature = {
                 name: "constexpr" if name in constants
                 else "*i32" if name in pointers
+                else "*" + slopes[dtype] if name == "alibi_slopes_ptr"
                 else "*" + (kv_dtype if name in pools else dtype) if name.endswith("_ptr")
-                else "fp32" if name in ("scale", "softcap")
+                else "fp32" if name in ("scale", "softcap", "alibi_scale")
                 else "i32"
                 for name in kernel.arg_names
             }

@@ -632,10 +632,12 @@ def _paged_attention(
             f"expected one flattened batch of {meta.num_tokens} tokens, got {tuple(query.shape)}"
         )
     cache = meta.pool.write(layer_idx, key, value, meta.slot_mapping)
-    if sinks is not None or alibi is not None or chunk:  # only the SDPA path has these
-        return _sdpa_attention(query, cache, meta, scaling, window, softcap, sinks, alibi, chunk)
-    attend = _pick_kernel(meta, query, cache)
-    return attend(query, cache, meta, scaling, window, softcap)
+    extra_terms = sinks is not None or alibi is not None or bool(chunk)
+    attend = _pick_kernel(meta, query, cache, extra_terms)
+    if not extra_terms:
+        return attend(query, cache, meta, scaling, window, softcap)
+    # Triton or SDPA: flash-attn has no sinks, ALiBi slopes or chunks (_pick_kernel)
+    return attend(query, cache, meta, scaling, window, softcap, sinks, alibi, chunk)
 
 
 # compiled decode steps (runners/compiled.py): the attention as one opaque op -----------------
@@ -707,7 +709,7 @@ def _paged_attention_fake(
 
 
 def _pick_kernel(
-    meta: BatchMetadata, query: torch.Tensor, cache: LayerCache
+    meta: BatchMetadata, query: torch.Tensor, cache: LayerCache, extra_terms: bool = False
 ) -> Callable[..., torch.Tensor]:
     """The first kernel, in this order, that the device has and that takes this layer:
 
@@ -717,8 +719,12 @@ def _pick_kernel(
        step's K/V into a copy first: ~3x the KV traffic, which bounds decode);
     3. flash-attn over the gathered K/V (no triton, or shapes the Triton kernel refuses);
     4. SDPA over gathered blocks: the CPU path, and CUDA's last resort.
+
+    extra_terms: the layer has attention sinks, ALiBi or chunked local attention, which
+    Triton and SDPA compute and flash-attn doesn't (the picked kernel then takes them as
+    three more arguments).
     """
-    flash = meta.use_flash and _flash_supports(query, cache)
+    flash = not extra_terms and meta.use_flash and _flash_supports(query, cache)
     if flash and meta.pool.block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0:
         return _flash_attention
     triton_kernels = meta.use_triton and _triton_module()
@@ -989,7 +995,12 @@ def _triton_attention(
     scaling: float,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
+    alibi: Alibi | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
+    """The layer through triton_kernel.py; its ALiBi bias is float32 past the slopes' product
+    (see `paged_attention`: in half precision the SDPA path rounds it to the query's dtype)."""
     idx = meta.block_table_indices()
     out = _triton_module().paged_attention(
         _tokens_first(query),
@@ -1001,6 +1012,10 @@ def _triton_attention(
         scale=scaling,
         window=window,
         softcap=softcap,
+        sinks=sinks,
+        alibi_slopes=None if alibi is None else alibi.slopes,
+        alibi_scale=1.0 if alibi is None else alibi.scale,
+        chunk=chunk,
     )
     return out.unsqueeze(0)  # [1, T, H, Dv]
 

@@ -9,6 +9,13 @@ positions, looks each key's block up in the block table (any block size), and ke
 softmax over the tiles. Decodes are query blocks of one token; a batch of decodes and chunks
 is one launch whose grid depends only on the token and sequence counts.
 
+Beside causal attention it has the per-layer terms of paged.py's SDPA path: a sliding
+window, logit soft-capping (Gemma 2), attention sinks (gpt-oss: a logit per query head in the
+softmax's denominator, with no value), ALiBi (Bloom, MPT, Falcon-RW: per head `slope x key
+position`, times a scale, added to the scaled scores) and chunked local attention (Llama 4: a
+query sees the keys of its own chunk of positions). A window or a chunk also moves the key
+loop's start, so a long context costs such a layer only the keys it sees.
+
 The pools are `[num_blocks, block_size, KVH, D]` (kv_pool.py) and the step's new K/V are
 already in them. This module imports triton at the top: paged.py imports it lazily, so a
 machine without triton never loads it. Under `TRITON_INTERPRET=1` the kernel runs on CPU
@@ -66,6 +73,10 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    alibi_scale: float = 1.0,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached K/V.
 
@@ -74,6 +85,18 @@ def paged_attention(
     `[B + 1]` int32 (sequence i's tokens are rows query_starts[i]:query_starts[i + 1]),
     seq_lens `[B]` int32 (tokens in the cache, the new ones included), block_tables
     `[B, max_blocks]` int32 -> `[T, H, Dv]`.
+
+    sinks `[H]`: each query head's sink logit, rounded to the query's dtype as the SDPA path
+    rounds it. alibi_slopes `[H]` (float32, or Falcon's bfloat16): each head adds
+    `slope x key position x alibi_scale` to its scaled (and soft-capped) scores; the product
+    slope x position is rounded to the slopes' dtype, as the families' code and the SDPA path
+    take it (float32; Falcon's bfloat16 rounding, bit for bit), and the rest is float32: for a
+    float32 model the bias equals the SDPA path's. That path's mask is in the query's dtype, so
+    in half precision it rounds the bias, and its product with alibi_scale, once more (as
+    Bloom's own bfloat16 code does): by up to 2^-9 of the bias in bfloat16, several logits at
+    positions in the thousands, where the kernel keeps ALiBi's bias to float32 precision: in
+    half precision at long contexts the two paths differ by more than their scores' rounding.
+    chunk: a query at position p sees the keys at positions p // chunk * chunk .. p.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, value_dim = value_pool.shape
@@ -84,6 +107,12 @@ def paged_attention(
     out = torch.empty(num_tokens, num_heads, value_dim, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
+    if sinks is not None:  # rounded as the SDPA path rounds them (no copy when already so)
+        sinks = sinks.to(query.dtype).contiguous()
+    if alibi_slopes is not None:
+        if alibi_slopes.dtype not in SUPPORTED_DTYPES:  # float64: the float32 product
+            alibi_slopes = alibi_slopes.float()
+        alibi_slopes = alibi_slopes.contiguous()
     rows = max(MIN_TILE_ROWS, triton.next_power_of_2(group))
     block_q = rows // group
     # Sequence i's query blocks start at global index query_starts[i] // block_q + i: an upper
@@ -97,9 +126,13 @@ def paged_attention(
         block_tables,
         query_starts,
         seq_lens,
+        sinks,  # None where unused: the USE_ flags keep the kernel from reading them
+        alibi_slopes,
         scale,
         float(softcap or 1.0),
+        float(alibi_scale),
         int(window or 0),
+        int(chunk or 0),
         num_seqs,
         query.stride(0),
         query.stride(1),
@@ -123,6 +156,10 @@ def paged_attention(
         VALUE_DIM_PAD=max(16, triton.next_power_of_2(value_dim)),
         USE_WINDOW=window is not None,
         USE_SOFTCAP=bool(softcap),
+        USE_SINKS=sinks is not None,
+        USE_ALIBI=alibi_slopes is not None,
+        ALIBI_ROUNDING=_ALIBI_ROUNDING[None if alibi_slopes is None else alibi_slopes.dtype],
+        USE_CHUNK=bool(chunk),
         KV_8BIT=key_pool.dtype in KV_8BIT_DTYPES,
         # The interpreter (CPU tensors) holds bfloat16 as raw uint16 and tl.dot multiplies
         # the bits: give it float32 operands, which is what a tensor core computes exactly
@@ -133,6 +170,35 @@ def paged_attention(
         num_warps=4,
     )
     return out
+
+
+# how the kernel rounds slope x position to the slopes' dtype
+_ALIBI_ROUNDING = {
+    None: "none",
+    torch.float32: "none",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+}
+
+
+@triton.jit
+def _round_to_bfloat16(x):
+    """float32 `x` rounded to the nearest bfloat16 (ties to even), as float32: the result of
+    a bfloat16 op, as torch rounds it. In bits, since the interpreter's float32 -> bfloat16
+    cast truncates (the GPU's rounds to nearest even: the same result either way)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to(x, ROUNDING: tl.constexpr):
+    """float32 `x` rounded to the dtype named by ROUNDING ("none": float32 itself), as float32."""
+    if ROUNDING == "bf16":
+        x = _round_to_bfloat16(x)
+    elif ROUNDING == "fp16":
+        x = x.to(tl.float16).to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -171,9 +237,13 @@ def _paged_attention_kernel(
     block_tables_ptr,
     query_starts_ptr,
     seq_lens_ptr,
+    sinks_ptr,  # [H]: each query head's sink logit (USE_SINKS)
+    alibi_slopes_ptr,  # [H]: each query head's ALiBi slope (USE_ALIBI)
     scale,
     softcap,
+    alibi_scale,
     window,
+    chunk,
     num_seqs,
     query_stride_token,
     query_stride_head,
@@ -197,6 +267,10 @@ def _paged_attention_kernel(
     VALUE_DIM_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    ALIBI_ROUNDING: tl.constexpr,  # "none", "bf16", "fp16": the slopes' dtype (_ALIBI_ROUNDING)
+    USE_CHUNK: tl.constexpr,  # chunked local attention: a query sees its own chunk of keys
     KV_8BIT: tl.constexpr,  # the pools hold 8-bit floats: widen each tile to the query's dtype
     DOT_IN_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -237,19 +311,33 @@ def _paged_attention_kernel(
         q = q.to(tl.float32)
 
     # Keys this block can see: up to its last query's position, and from its first query's
-    # window start (tiles wholly before it are skipped, not just masked).
+    # window start and chunk start (tiles wholly before them are skipped, not just masked).
+    block_first_pos = first_query_pos + local_block * BLOCK_Q
     last_query_pos = first_query_pos + tl.minimum((local_block + 1) * BLOCK_Q, query_len) - 1
     key_end = last_query_pos + 1
-    key_start = 0
+    lowest_key = 0
     if USE_WINDOW:
-        lowest_key = tl.maximum(first_query_pos + local_block * BLOCK_Q - window + 1, 0)
-        key_start = (lowest_key // TILE) * TILE
+        lowest_key = tl.maximum(block_first_pos - window + 1, 0)
+    if USE_CHUNK:
+        lowest_key = tl.maximum(lowest_key, (block_first_pos // chunk) * chunk)
+    key_start = (lowest_key // TILE) * TILE
+    if USE_CHUNK:  # each row's own chunk start
+        query_chunk_start = (query_pos // chunk) * chunk
+    if USE_ALIBI:
+        slope = tl.load(alibi_slopes_ptr + head, mask=row_is_real, other=0.0)
 
     # Online softmax over key tiles: per row, the running max m (row_max) of the scores s,
     # row_sum = sum exp(s - m) and acc = sum exp(s - m) v. A tile that raises the max to m'
     # rescales both by alpha = exp(m - m'); at the end out = acc / row_sum.
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_SINKS:
+        # The sink is one more logit in the denominator, with no value: start the online
+        # softmax from it, m = sink and row_sum = exp(sink - m) = 1 (0 for a sink of -inf,
+        # and on padding rows), acc = 0. (The sinks come rounded to the query's dtype.)
+        row_max = tl.load(sinks_ptr + head, mask=row_is_real, other=float("-inf"))
+        row_max = row_max.to(tl.float32)
+        row_sum = tl.where(row_max > float("-inf"), 1.0, 0.0)
     acc = tl.zeros([BLOCK_M, VALUE_DIM_PAD], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
     for tile_start in range(key_start, key_end, TILE):
@@ -284,11 +372,21 @@ def _paged_attention_kernel(
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE], float32
         if USE_SOFTCAP:
             s = softcap * _tanh(s / softcap)  # Gemma2's logit soft-capping, before softmax
+        if USE_ALIBI:
+            # slope x key position in the slopes' dtype (the position converted to it first,
+            # as torch's bfloat16 x int64 product does: exact up to 256), then times the
+            # scale and added in float32
+            key_pos_f = _round_to(key_pos.to(tl.float32), ALIBI_ROUNDING)
+            bias = slope.to(tl.float32)[:, None] * key_pos_f[None, :]
+            s = s + _round_to(bias, ALIBI_ROUNDING) * alibi_scale
         # causal: k_pos <= q_pos (this also hides keys past the sequence); window: a query
-        # sees its last `window` positions, k_pos > q_pos - window
+        # sees its last `window` positions, k_pos > q_pos - window; chunk: from its chunk's
+        # first position
         allowed = row_is_real[:, None] & (key_pos[None, :] <= query_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (key_pos[None, :] > query_pos[:, None] - window)
+        if USE_CHUNK:
+            allowed = allowed & (key_pos[None, :] >= query_chunk_start[:, None])
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(row_max, tl.max(s, axis=1))
         # A row with nothing allowed yet keeps max -inf, and exp(-inf - -inf) is NaN: use 0,
@@ -305,6 +403,7 @@ def _paged_attention_kernel(
         row_max = m_new
 
     # Every real row sees at least its own key, so row_sum > 0 there; padding rows aren't stored.
+    # (A sink adds to row_sum and nothing to acc: it takes its share of each row's weight.)
     acc = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
     tl.store(
         out_ptr
