@@ -16,6 +16,18 @@ Forks: the choices of an n > 1 request share every block of the computed prompt 
 counts), the last, partly filled one included; the first write into a shared partial
 block copies it to a block of the writer's own (copy-on-write: `append_slots` hands the
 copy to the runner through `take_copies`).
+
+Sliding windows (`sliding_window` = W, when every attention layer of the model slides): a
+query at position p reads only the keys at positions > p - W, so once a sequence's next
+query is at q (its `num_computed_tokens`: every later query, of a prefill chunk, a decode or
+a speculative proposal, is at q or after, and a rejected proposal never takes q back), the
+blocks whose positions all lie at or before q - W are never read again.
+`release_out_of_window` hands them back (to the free list, keeping their hashes, as when a
+sequence finishes) and leaves `placeholder` in their entries: tables stay position-indexed,
+and the attention reads a placeholder's slots only under its window mask (the block id past
+the manager's, the KV pool's scratch block: paged_core.build_runner gives every pool one;
+its values are finite, zeros or padding rows' K/V). Released entries are always a prefix of
+the table. A sequence then holds at most `window_blocks(step)` blocks at once.
 """
 
 from __future__ import annotations
@@ -54,15 +66,27 @@ class BlockManager:
     """Free list, ref counts, block tables (on the sequences) and the prefix cache."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
+        """sliding_window: every attention layer reads only this many last positions: the
+        blocks before a sequence's window are released while it runs (None: kept)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(
                 f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}"
             )
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
+        # what a released table entry points at: no block of ours (never freed, hashed or
+        # counted), the pool's scratch block, which the attention reads only masked
+        self.placeholder = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free block ids in eviction order (front first). Blocks that hold nothing reusable
         # go to the front; cached ones to the back, so the least recently freed cached block
@@ -107,6 +131,15 @@ class BlockManager:
         usable = len(seq.block_table) + len(self._free) - self._shares_partial_tail(seq)
         capacity = usable * self.block_size - seq.num_computed_tokens
         return max(0, min(max_tokens, capacity))
+
+    def window_blocks(self, step_tokens: int) -> int | None:
+        """The most blocks a sequence holds at once under the sliding window, when a step
+        computes up to `step_tokens` of its tokens: those of positions [q - W + 1, q +
+        step_tokens), at worst alignment (None: no window, it holds its whole context)."""
+        if self.sliding_window is None:
+            return None
+        span = self.sliding_window - 1 + max(1, step_tokens)
+        return (span - 1 + self.block_size - 1) // self.block_size + 1
 
     # prefix cache ------------------------------------------------------------
 
@@ -179,7 +212,8 @@ class BlockManager:
         if child.block_table:
             raise RuntimeError(f"sequence {child.request_id} already holds blocks")
         for block_id in parent.block_table:
-            self.blocks[block_id].ref_count += 1
+            if block_id != self.placeholder:  # released by parent: nothing to share
+                self.blocks[block_id].ref_count += 1
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
@@ -195,16 +229,33 @@ class BlockManager:
         """Return all of seq's blocks. Tail blocks are freed first so that, among equally
         old blocks, a prompt's head (the part other requests share) is evicted last."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count < 0:
-                raise RuntimeError(f"block {block_id} freed more often than allocated")
-            if block.ref_count == 0:
-                self._free[block_id] = None
-                if block.block_hash is None:
-                    self._free.move_to_end(block_id, last=False)
+            if block_id == self.placeholder:  # released already (release_out_of_window)
+                break
+            self._release(block_id)
         seq.block_table = []
         self._seq_hashes.pop(seq, None)
+
+    def num_out_of_window(self, num_computed_tokens: int) -> int:
+        """Leading blocks of a sequence whose next query is at `num_computed_tokens` that
+        no query reads any more: block i's last position (i + 1) * bs - 1 is at or before
+        q - W (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Return the blocks before seq's window (module docstring), leaving `placeholder`
+        in their entries. Call after each change of its computed tokens, once the newly full
+        blocks are in the prefix cache (cache_full_blocks): a released block stays a cached
+        one, for the next request with the same prefix. Last first, as `free` does: the
+        head of a prompt is the last of them evicted."""
+        end = min(self.num_out_of_window(seq.num_computed_tokens), len(seq.block_table))
+        table = seq.block_table
+        for index in range(end - 1, -1, -1):
+            if table[index] == self.placeholder:  # the ones before it are released too
+                break
+            self._release(table[index])
+            table[index] = self.placeholder
 
     def trim(self, seq: Sequence) -> None:
         """Return seq's blocks past those its computed tokens fill (the slots a rejected
@@ -232,6 +283,8 @@ class BlockManager:
         for index in range(len(hashes), num_full):
             parent = _block_hash(parent, seq.token_ids[index * bs : (index + 1) * bs])
             hashes.append(parent)
+            if seq.block_table[index] == self.placeholder:  # released unhashed: nothing to
+                continue  # register (not expected: blocks are cached before release)
             block = self.blocks[seq.block_table[index]]
             # Another sequence may have computed the same content into another block
             # first; keep that one as the cached copy and leave this one unhashed.
@@ -245,6 +298,18 @@ class BlockManager:
         """seq's next token lands in a block another sequence (a fork) holds too."""
         index, offset = divmod(seq.num_computed_tokens, self.block_size)
         return offset != 0 and self.blocks[seq.block_table[index]].ref_count > 1
+
+    def _release(self, block_id: int) -> None:
+        """Drop one holder of a block; the last one puts it on the free list (a cached
+        block at the back, evicted last; one that holds nothing reusable at the front)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count < 0:
+            raise RuntimeError(f"block {block_id} freed more often than allocated")
+        if block.ref_count == 0:
+            self._free[block_id] = None
+            if block.block_hash is None:
+                self._free.move_to_end(block_id, last=False)
 
     def _acquire(self, block_id: int) -> None:
         block = self.blocks[block_id]

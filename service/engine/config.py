@@ -41,12 +41,18 @@ class EngineConfig:
     # the green-list watermark of requests that ask for one (watermark.py)
     watermark_gamma: float = DEFAULT_GAMMA
     watermark_delta: float = DEFAULT_DELTA
+    # every attention layer attends only this many last positions (`every_layer_window`):
+    # a running sequence gives back the blocks before its window (block_manager.py).
+    # None: every block of a sequence stays until it ends (any model with a full layer).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_total_tokens <= 0:
             raise ValueError(
                 f"max_batch_total_tokens must be positive, got {self.max_batch_total_tokens}"
             )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
         if self.cuda_graphs is not None and self.compile is not None:
             raise ValueError(
                 "cuda_graphs and compile are two runner strategies (CUDA, CPU): pick one"
@@ -56,3 +62,29 @@ class EngineConfig:
     def num_blocks(self) -> int:
         """The KV pool's blocks per layer: ceil(max_batch_total_tokens / block_size)."""
         return num_blocks_for_tokens(self.max_batch_total_tokens, self.block_size)
+
+
+# Families whose config has a `sliding_window` but no `layer_types`, and whose every layer
+# applies that window (transformers passes `config.sliding_window` to each layer's
+# attention). A family not named here keeps every block: releasing blocks a layer still
+# reads would silently change its outputs.
+EVERY_LAYER_SLIDING = frozenset({"mistral", "mixtral", "phi3", "starcoder2"})
+
+
+def every_layer_window(config) -> int | None:
+    """The sliding window of a model whose every attention layer slides (its text config:
+    `sliding_window`, with `layer_types` all "sliding_attention" where the config lists
+    them: Qwen2 with use_sliding_window and max_window_layers 0, ...; or a family of
+    EVERY_LAYER_SLIDING), for EngineConfig.sliding_window. None where any layer is full or
+    chunked (Gemma 2/3, gpt-oss, Llama 4) or nothing slides."""
+    get_text_config = getattr(config, "get_text_config", None)
+    text = get_text_config() if get_text_config is not None else config
+    window = getattr(text, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    if getattr(text, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        return window if all(t == "sliding_attention" for t in layer_types) else None
+    return window if getattr(text, "model_type", None) in EVERY_LAYER_SLIDING else None

@@ -87,8 +87,10 @@ class PagedCore:
         """
         self.config = config
         num_blocks = config.num_blocks
+        # a sliding window's released table entries point at the pool's scratch block
+        # (build_runner's; block id num_blocks, BlockManager.placeholder)
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            num_blocks, config.block_size, config.enable_prefix_caching, config.sliding_window
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -127,6 +129,12 @@ class PagedCore:
         needed = num_blocks_for_choices(
             seq.num_prompt_tokens, seq.request.stopping.max_new_tokens, seq.width, bm.block_size
         )
+        # Under a sliding window each choice holds at most its window and one step's tokens
+        # (a prefill chunk; proposals only ever take blocks there are): longer sequences than
+        # the pool holds whole run too.
+        window_blocks = bm.window_blocks(self.config.max_batch_prefill_tokens)
+        if window_blocks is not None:
+            needed = min(needed, seq.width * window_blocks)
         if needed > bm.num_blocks:
             raise EngineError(
                 f"request needs {needed * bm.block_size} tokens of KV cache for its "
@@ -364,7 +372,8 @@ def build_runner(
     config.num_blocks (stored as config.kv_cache_dtype, None: the model's), wrapped in its
     strategy if any (every rank of a sharded model builds the same)."""
     # one scratch block for padding tokens (batch-invariant steps, graph buckets, compiled
-    # buckets): they write and read only there
+    # buckets): they write and read only there; a sliding window's released table entries
+    # point at it too (BlockManager.placeholder: block id num_blocks), read only masked
     pool = KVCachePool(
         config.num_blocks, config.block_size, scratch_blocks=1, dtype=config.kv_cache_dtype
     )

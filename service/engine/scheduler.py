@@ -16,7 +16,16 @@ one of its priority already running, so it can't preempt it).
    the free blocks and `max_loras` allow. A long prompt is split into chunks across steps. A
    request of n choices is admitted as one sequence that will be n (Sequence.width): the
    batch must have room for all of them, and the pool for its prompt plus one block per
-   other choice (the copy of the shared partial block each will write into).
+   other choice (the copy of the shared partial block each will write into). With a
+   sliding window (block_manager.py) the prompt never holds more than its window and one
+   chunk at once: that bounds what it needs.
+
+Sliding windows: each time a sequence's computed tokens move on (admission's prefix hits,
+`commit`, `commit_verified`), the blocks before the window of its next query go back to the
+pool (`BlockManager.release_out_of_window`), after the step's full blocks are cached. A
+step's earliest query is the sequence's first uncomputed token, so nothing a scheduled step
+(or a later one) reads is ever released, and a rejected proposal only rolls back tokens
+past the kept ones.
 
 LoRA adapters: every running sequence decodes in every step, so bounding the adapters of
 the running sequences by `max_loras` (the runner's slots) bounds every step's. A waiting
@@ -158,6 +167,7 @@ class Scheduler:
             if seq not in out.proposals:
                 seq.num_computed_tokens += num_new
                 self.block_manager.cache_full_blocks(seq)
+                self.block_manager.release_out_of_window(seq)
 
     def commit_verified(self, out: SchedulerOutput, kept: dict[Sequence, int]) -> None:
         """Once the sampled tokens are appended: a verifying decode (in `out.proposals`)
@@ -168,6 +178,7 @@ class Scheduler:
             seq.num_computed_tokens += kept.get(seq, 1)
             self.block_manager.cache_full_blocks(seq)
             self.block_manager.trim(seq)
+            self.block_manager.release_out_of_window(seq)
 
     def _schedule_decodes(self, out: SchedulerOutput, proposals: dict) -> None:
         # First-ranked first; victims come from the tail, so a scheduled decode is never
@@ -233,18 +244,25 @@ class Scheduler:
             # Prompt logprobs need the logits of every prompt position: no prefix reuse.
             hits = None if seq.request.decoder_input_details else bm.match_prefix(seq)
             num_to_compute = seq.num_tokens - len(hits or ()) * bm.block_size
-            free_blocks = bm.num_free_blocks - bm.num_free_among(hits or [])
+            num_new = min(num_to_compute, budget)
             # Admit only when the whole rest of the prompt fits in the free blocks (not just
             # this chunk): a sequence admitted on a sliver would stall mid-prompt and be
-            # preempted, wasting the chunks already computed.
-            needed = num_blocks_for_tokens(num_to_compute, bm.block_size) + len(seq.forks)
-            if needed > free_blocks:
+            # preempted, wasting the chunks already computed. Its free prefix hits come off
+            # the free list too.
+            needed = num_blocks_for_tokens(num_to_compute, bm.block_size)
+            needed += bm.num_free_among(hits or [])
+            # Under a sliding window it never holds more than its window and a chunk
+            # (at most this one; a later, larger chunk is cut to the blocks there are).
+            window_blocks = bm.window_blocks(num_new)
+            if window_blocks is not None:
+                needed = min(needed, window_blocks)
+            if needed + len(seq.forks) > bm.num_free_blocks:
                 break
             if not self._adapter_fits(seq):
                 break
-            num_new = min(num_to_compute, budget)
             self.waiting.pop(0)
             bm.allocate(seq, hits)
+            bm.release_out_of_window(seq)  # prefix hits already behind its window
             bm.append_slots(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             _insert(self.running, seq)

@@ -16,7 +16,7 @@ import torch
 
 from .. import __version__
 from ..engine.adapters import AdapterRegistry
-from ..engine.config import EngineConfig
+from ..engine.config import EngineConfig, every_layer_window
 from ..engine.draft_model import DraftModelProposer, TokenizerMismatch, check_same_tokenizer
 from ..engine.grammar import GrammarMasks
 from ..engine.kv_pool import KV_CACHE_DTYPES
@@ -165,6 +165,8 @@ def engine_config(
         speculation=speculation_settings(settings),
         watermark_gamma=settings.watermark_gamma,
         watermark_delta=settings.watermark_delta,
+        # blocks before the window go back to the pool while a sequence runs
+        sliding_window=every_layer_window(loaded.model.config),
     )
 
 
