@@ -55,7 +55,7 @@ against transformers 5.23): carry these as wheels, prepared on a machine with ne
     python -m pip download --only-binary=:all: --no-deps --python-version 3.12 \\
         --implementation cp --abi cp312 --platform manylinux_2_28_x86_64 \\
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .device-wheels \\
-        transformers==5.23.0 protobuf==7.36.2 googleapis-common-protos==1.76.0 \\
+        transformers==5.24.0 protobuf==7.36.2 googleapis-common-protos==1.76.0 \\
         grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \\
         grpcio-status==1.85.1 betterproto2==0.10.0 typing-extensions==4.16.0 \\
         opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \\
@@ -63,7 +63,15 @@ against transformers 5.23): carry these as wheels, prepared on a machine with ne
         opentelemetry-instrumentation-grpc==0.66b2 \\
         opentelemetry-exporter-otlp-proto-grpc==1.45.2 \\
         opentelemetry-exporter-otlp-proto-common==1.45.2 \\
-        opentelemetry-exporter-otlp-common==0.66b2 opentelemetry-proto==1.45.2
+        opentelemetry-exporter-otlp-common==0.66b2 opentelemetry-proto==1.45.2 \\
+        pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \\
+        prometheus-client==0.26.0 httpx==0.29.0 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 \\
+        sniffio==1.3.1 certifi==2026.10.19.post1 idna==3.20
+    # llguidance (the grammar engine): the registry's newest manylinux wheel is older than the
+    # venv's 1.9.1 (abi3), so the wheel is zipped from the venv's installed files:
+    #   cd .venv/lib/python3.11/site-packages && zip -r \\
+    #     ../../../../.device-wheels/llguidance-1.9.1-cp39-abi3-manylinux_2_31_x86_64.whl \\
+    #     llguidance llguidance-1.9.1.dist-info -x '*__pycache__*'
 
 (about 22 MB; name `.device-wheels` in the device tool's `carry`). scripts/device_check.sh
 installs them with `pip install --no-index --no-deps --target` into a folder it puts first on
