@@ -97,6 +97,7 @@ class BlockManager:
         self._seq_hashes: dict[Sequence, list[bytes]] = {}
         self.prefix_hit_tokens = 0  # prompt tokens served from the prefix cache, cumulative
         self.prefix_queried_tokens = 0  # prompt tokens looked up in it, cumulative
+        self.window_released_blocks = 0  # given back out of a window (release_out_of_window)
         # (source, destination) block copies made by append_slots, for the runner to do
         # before the step's forward (take_copies)
         self._copies: list[tuple[int, int]] = []
@@ -256,6 +257,7 @@ class BlockManager:
                 break
             self._release(table[index])
             table[index] = self.placeholder
+            self.window_released_blocks += 1
 
     def trim(self, seq: Sequence) -> None:
         """Return seq's blocks past those its computed tokens fill (the slots a rejected

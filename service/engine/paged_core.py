@@ -223,6 +223,7 @@ class PagedCore:
             prefix_cache_hit_tokens=bm.prefix_hit_tokens,
             prefix_cache_queried_tokens=bm.prefix_queried_tokens,
             preemptions=self.scheduler.num_preemptions,
+            window_released_blocks=bm.window_released_blocks,
             steps=self._steps,
             prefill_tokens=self.scheduler.num_prefill_tokens,
             spec_proposed_tokens=self._spec_proposed,

@@ -149,6 +149,8 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0
     prefix_cache_queried_tokens: int = 0
     preemptions: int = 0
+    # blocks running sequences gave back out of their window (every layer sliding), cumulative
+    window_released_blocks: int = 0
     steps: int = 0
     prefill_tokens: int = 0  # prompt (and recompute) tokens computed so far, cumulative
     # speculative decoding (engine/speculation.py), cumulative: tokens proposed and verified,

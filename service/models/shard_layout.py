@@ -57,6 +57,8 @@ def shard_layout(config: dict, world_size: int) -> ShardLayout:
     if not isinstance(heads, int) or heads <= 0:
         raise ShardingError("the model config states no num_attention_heads to shard")
     kv_heads = text.get("num_key_value_heads") or heads
+    if text.get("kv_lora_rank"):  # MLA: kv_b_proj expands the latent into every head's K/V
+        kv_heads = heads
     head_dim = text.get("head_dim") or text["hidden_size"] // heads
     if heads % world_size:
         raise ShardingError(

@@ -27,6 +27,13 @@ then `rowwise_split_input`), FUSED_PLANS splits them instead: gate|up with the l
 `packed_colwise` (each rank its share of each half), q|k|v loaded whole and cut by
 `localize` to this rank's heads' rows of each of q, k and v (the library's packed styles
 split equal parts only, and q is larger than k and v), the attention told its heads.
+DeepSeek-V3's multi-head latent attention, which its plan leaves whole, ATTENTION_PLANS
+splits per head: the shared latents (q_a_proj, kv_a_proj_with_mqa and their norms) whole on
+every rank, q_proj (or q_b_proj) and kv_b_proj (each head's [k_nope | v] rows) colwise, o_proj
+rowwise, the attention told its heads; the KV pool then holds this rank's heads' K and V as
+kv_b_proj expands them. Its routed experts run on the library's split (EXPERT_PLANS): each
+rank its share of every expert's intermediate features (gate|up packed, down by its input
+columns), the experts' partial output all-reduced (`moe_tp_experts`), the router whole.
 
 The collective is one opaque custom op (`textgen::all_reduce`), so torch.compile'd decode
 steps and CUDA graphs keep it as it is; its process group is this process's one model group.
@@ -53,6 +60,9 @@ COLWISE, ROWWISE, EMBEDDING, LM_HEAD = (
     "colwise_gather_output",
 )
 NO_OP_STYLES = frozenset({"replicate", "replicated_with_grad_allreduce"})
+# a routed experts module whose parameters the plan splits by intermediate features: its
+# output, a partial sum, all-reduced (EXPERT_PLANS only)
+MOE_EXPERTS = "moe_tp_experts"
 SUPPORTED_STYLES = frozenset({COLWISE, ROWWISE, EMBEDDING, LM_HEAD}) | NO_OP_STYLES
 # the fused projections' styles, in FUSED_PLANS only: a Linear whose rows are [q | k | v]
 # (textgen's: loaded whole, cut by localize), and one whose rows are [gate | up] (the
@@ -62,7 +72,9 @@ LOADED_AS = {PACKED_QKV: "replicate"}  # how transformers' loader reads what it 
 KV_PROJECTIONS = ("k_proj", "v_proj")
 # what computes a layer's queries or keys, unfused or fused: a plan that splits none of them
 # (colwise) leaves every head on every rank
-HEAD_PROJECTIONS = ("q_proj", "k_proj", "qkv_proj", "query_key_value")
+HEAD_PROJECTIONS = ("q_proj", "k_proj", "qkv_proj", "query_key_value", "q_b_proj", "kv_b_proj")
+# MLA: the projection that expands the shared latent into every head's K and V
+MLA_KV_PROJECTION = "kv_b_proj"
 HEAD_SPLITS = frozenset({COLWISE, PACKED_QKV})
 
 # model_type -> the attention's split where transformers' plan has none (added under the
@@ -75,6 +87,26 @@ ATTENTION_PLANS: dict[str, dict[str, str]] = {
         "layers.*.self_attn.v_proj": COLWISE,
         "layers.*.self_attn.o_proj": ROWWISE,
         "layers.*.self_attn.sinks": COLWISE,
+    },
+    # multi-head latent attention: q_proj or, with q_lora_rank, q_b_proj (one of them:
+    # tp_plan_overrides keeps what the config builds) and kv_b_proj per head; the latents'
+    # projections and norms (q_a_*, kv_a_*) replicated, as modules the plan doesn't name are
+    "deepseek_v3": {
+        "layers.*.self_attn.q_proj": COLWISE,
+        "layers.*.self_attn.q_b_proj": COLWISE,
+        "layers.*.self_attn.kv_b_proj": COLWISE,
+        "layers.*.self_attn.o_proj": ROWWISE,
+    },
+}
+# model_type -> the routed experts' entries of transformers' plan that textgen runs as the
+# library loads them (each rank its share of every expert's gate|up rows and down columns);
+# install_collectives all-reduces the experts' output. Other models' expert styles stay
+# refused (untested here).
+EXPERT_PLANS: dict[str, dict[str, str]] = {
+    "deepseek_v3": {
+        "layers.*.mlp.experts.gate_up_proj": PACKED_COLWISE,
+        "layers.*.mlp.experts.down_proj": ROWWISE,
+        "layers.*.mlp.experts": MOE_EXPERTS,
     },
 }
 # model_type -> the split of its fused projections, over the library's entries for them
@@ -108,16 +140,22 @@ def tp_plan_overrides(model_class: type, config, layout: ShardLayout) -> dict[st
             "(base_model_tp_plan): it can't be sharded; serve it with --num-shard 1"
         )
     model_type = getattr(text, "model_type", None)
-    added = {
-        f"{prefix}.{k}": v
-        for k, v in ATTENTION_PLANS.get(model_type, {}).items()
-        if f"{prefix}.{k}" not in plan
-    }
+    attention = ATTENTION_PLANS.get(model_type, {})
+    if getattr(text, "q_lora_rank", None) is not None:  # MLA: the config builds q_b_proj
+        attention = {k: v for k, v in attention.items() if not k.endswith(".q_proj")}
+    elif getattr(text, "kv_lora_rank", None) is not None:  # ... or q_proj
+        attention = {k: v for k, v in attention.items() if not k.endswith(".q_b_proj")}
+    added = {f"{prefix}.{k}": v for k, v in attention.items() if f"{prefix}.{k}" not in plan}
     fused = {f"{prefix}.{k}": v for k, v in FUSED_PLANS.get(model_type, {}).items()}
     added.update(fused)
     plan.update(added)
+    experts = {f"{prefix}.{k}": v for k, v in EXPERT_PLANS.get(model_type, {}).items()}
     unsupported = sorted(
-        {s for k, s in plan.items() if s not in SUPPORTED_STYLES and k not in fused}
+        {
+            s
+            for k, s in plan.items()
+            if s not in SUPPORTED_STYLES and k not in fused and experts.get(k) != s
+        }
     )
     if unsupported:
         raise ShardingError(
@@ -159,6 +197,8 @@ def localize(model: torch.nn.Module, rank: int, layout: ShardLayout) -> None:
         if style == PACKED_QKV:
             _keep_rows(module, qkv_rows(layout, rank))
             _local_heads(model.get_submodule(name.rpartition(".")[0]), layout, rank)
+        elif style == COLWISE and name.rsplit(".", 1)[-1] == MLA_KV_PROJECTION:
+            _local_heads(model.get_submodule(name.rpartition(".")[0]), layout, rank)
         elif layout.kv_replicated and name.rsplit(".", 1)[-1] in KV_PROJECTIONS:
             _keep_kv_head(module, layout.kv_head_of(rank), layout.head_dim)
 
@@ -166,14 +206,14 @@ def localize(model: torch.nn.Module, rank: int, layout: ShardLayout) -> None:
 def install_collectives(
     model: torch.nn.Module, group: dist.ProcessGroup, rank: int, world_size: int
 ) -> VocabSlice:
-    """All-reduce after each row-parallel layer and the vocab-parallel embedding; -> the
-    slice of the vocabulary this rank's lm_head computes."""
+    """All-reduce after each row-parallel layer, split experts module and the vocab-parallel
+    embedding; -> the slice of the vocabulary this rank's lm_head computes."""
     global _group
     _group = group
     vocab = None
     for name, style in resolved_plan(model).items():
         module = model.get_submodule(name)
-        if style == ROWWISE:
+        if style in (ROWWISE, MOE_EXPERTS):
             _all_reduce_output(module)
         elif style == EMBEDDING:
             _vocab_parallel(module, rank, world_size)
@@ -293,8 +333,9 @@ class _LocalHeads:
 
 
 def _local_heads(attention: torch.nn.Module, layout: ShardLayout, rank: int) -> None:
-    """A fused attention's head counts, those of this rank's heads (Phi-3's splits its qkv
-    output by the config's num_attention_heads and its own num_key_value_heads)."""
+    """A fused or latent attention's head counts, those of this rank's heads (Phi-3's splits
+    its qkv output by the config's num_attention_heads and its own num_key_value_heads;
+    DeepSeek-V3's eager path repeats K/V by its num_key_value_groups)."""
     heads, kv_heads = layout.heads_per_rank, len(layout.kv_heads_of(rank))
     attention.config = _LocalHeads(
         attention.config, num_attention_heads=heads, num_key_value_heads=kv_heads
@@ -319,8 +360,8 @@ def _keep_kv_head(linear: torch.nn.Linear, head: int, head_dim: int) -> None:
 def _all_reduce_output(module: torch.nn.Module) -> None:
     forward = type(module).forward
 
-    def reduced(x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(forward(module, x))
+    def reduced(*args, **kwargs) -> torch.Tensor:  # experts: (states, top-k ids, weights)
+        return all_reduce(forward(module, *args, **kwargs))
 
     module.forward = reduced
 

@@ -251,6 +251,12 @@ class _EngineCollector:
             "textgen_preemptions", "Sequences preempted (recomputed) so far", s.preemptions
         )
         yield _gauge(
+            "textgen_kv_blocks_window_released",
+            "KV blocks running sequences gave back out of their sliding window, so far (a"
+            " model whose every layer slides)",
+            s.window_released_blocks,
+        )
+        yield _gauge(
             "textgen_prefill_tokens",
             "Prompt tokens computed so far (recomputes included; prefix-cache hits and the"
             " other choices of an n > 1 request, which share the prompt, not)",

@@ -31,12 +31,19 @@ def kv_bytes_per_token(
         layers = list(cfg.per_layer_config)
     else:
         layers = [cfg] * cfg.num_hidden_layers
-    values = sum(_kv_values(layer, kv_heads) for layer in layers)  # per K (and per V)
-    return 2 * values * torch.finfo(dtype).bits // 8
+    values = sum(_kv_values(layer, kv_heads) for layer in layers)  # K and V
+    return values * torch.finfo(dtype).bits // 8
 
 
 def _kv_values(cfg, kv_heads: int | None) -> int:
-    """The K values one token takes in one layer: KV heads x head size."""
+    """The K and V values one token takes in one layer: KV heads x (key + value head
+    size). MLA (DeepSeek V2/V3, `kv_lora_rank`) caches each head's K of `qk_nope_head_dim
+    + qk_rope_head_dim` and V of `v_head_dim` (its config's `head_dim` is the rotary part
+    alone), for every attention head."""
+    if getattr(cfg, "kv_lora_rank", None):
+        heads = kv_heads or cfg.num_attention_heads
+        key = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        return heads * (key + cfg.v_head_dim)
     heads = (
         kv_heads
         or attention_adapters.kv_heads(cfg)  # Falcon's multi-query: one, whatever it states
@@ -44,7 +51,7 @@ def _kv_values(cfg, kv_heads: int | None) -> int:
         or cfg.num_attention_heads
     )
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return heads * head_dim
+    return 2 * heads * head_dim
 
 
 def free_memory_bytes(device: torch.device, cuda_memory_fraction: float = 1.0) -> int:

@@ -324,3 +324,33 @@ def test_llama4_chunked_attention_batch_invariant_equals_generate():
         core.add(seq)
     run_to_completion(core)
     assert_matches_generate(model, seqs)
+
+
+def test_mla_kv_bytes_count_each_heads_key_and_value():
+    """DeepSeek's MLA caches, per attention head, K of nope + rope (16 + 8) and V of 16
+    values: its config's head_dim (the rotary part alone) would count 2 x 8."""
+    from textgen.service.replica.kv_sizing import kv_bytes_per_token
+
+    config = AutoConfig.for_model(
+        "deepseek_v3",
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    assert kv_bytes_per_token(model, torch.float32) == 2 * 4 * (16 + 8 + 16) * 4
+    core = make_core(model, block_size=8)
+    core.warm_up()
+    keys, values = core.runner.pool._layers[0].keys, core.runner.pool._layers[0].values
+    assert (keys.shape[2:], values.shape[2:]) == ((4, 24), (4, 16))

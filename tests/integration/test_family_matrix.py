@@ -20,9 +20,10 @@ import pytest
 import torch
 from support.families import FAMILIES, build_family, library_greedy
 from support.servers import ServerThread, tiny_settings
+from textgen.service.engine.config import every_layer_window
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(120)]
 
@@ -109,6 +110,9 @@ def test_served_greedy_tokens_equal_generate(model_type, tmp_path):
         assert out.details.input_length == len(prompt_ids[prompt]), prompt
         served = [t.id for t in out.details.tokens]
         assert served == expected[prompt], f"{len(prompt_ids[prompt])}-token prompt {prompt!r}"
-    assert during.preemptions > before.preemptions, "the small pool preempted nothing"
+    if every_layer_window(AutoConfig.from_pretrained(folder)) is None:
+        assert during.preemptions > before.preemptions, "the small pool preempted nothing"
+    else:  # the sequences give back what their window left: the pool's pressure is that
+        assert during.window_released_blocks > before.window_released_blocks
     # the first of its two full blocks (the last prompt token is always computed)
     assert after.prefix_cache_hit_tokens - between.prefix_cache_hit_tokens == BLOCK

@@ -3,9 +3,9 @@
 (float32), for mixed batches, prefix-cache hits, preemption, aborts and a grammar; the
 architectures whose attention differs (GQA with a replicated KV head and q/k/v biases,
 sliding windows, softcapping), an 8-bit KV cache, and the embedded model on 3 shards; more
-families (Qwen3, Gemma 3, Phi-3's fused q|k|v and gate|up, gpt-oss's attention sinks) split
-in 2 and equal transformers' own greedy generate, DeepSeek-V3's refusal a strict xfail; a
-shard killed under load ends the streams typed and the server exits non-zero."""
+families (Qwen3, Gemma 3, Phi-3's fused q|k|v and gate|up, DeepSeek-V3's latent attention
+and experts, gpt-oss's attention sinks) split in 2 and equal transformers' own greedy
+generate; a shard killed under load ends the streams typed and the server exits non-zero."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ from support.serve_process import textgen_serve
 from support.servers import ServerThread, tiny_settings
 from support.tiny_model import build_tiny_model
 from textgen.sdk import Client, TextGenError
+from textgen.service.engine.config import every_layer_window
 from textgen.service.models.shard_layout import ShardingError, ShardLayout, shard_layout
 from textgen.service.models.sharding import tp_plan_overrides
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.timeout(600)]
 
@@ -245,16 +246,14 @@ def test_a_dead_shard_ends_the_streams_typed_and_the_server(tiny_model_dir):
 # model_type -> why `--num-shard 2` refuses it: ShardingError from the check each rank makes
 # of transformers' plan before reading a weight (models/sharding.py; strict xfails, so that
 # a transformers whose plan does split them says so)
-REFUSED_ON_SHARDS = {
-    "deepseek_v3": "transformers' DeepSeek-V3 plan splits only the MLP, its experts packed "
-    "(packed_colwise, moe_tp_experts: styles textgen's shards don't implement), and not the "
-    "MLA attention at all (V2's plan splits it with mla_kv_a_proj, not implemented either)",
-}
+REFUSED_ON_SHARDS: dict[str, str] = {}
 # what differs from the layouts above: Qwen3's q/k norms, Gemma 3's alternating window
 # layers (q/k norms, scaled embeddings), Phi-3's fused q|k|v and gate|up (sharding.py's
-# FUSED_PLANS: transformers' gathers them whole), gpt-oss's attention sinks (sharding.py's
-# own plan for its attention: transformers' splits only the embedding) and biased q/k/v/o,
-# experts
+# FUSED_PLANS: transformers' gathers them whole), DeepSeek-V3's multi-head latent attention
+# (sharding.py's ATTENTION_PLANS: transformers' leaves it whole) and routed experts split by
+# intermediate features (EXPERT_PLANS), a dense first layer and a shared expert, gpt-oss's
+# attention sinks (sharding.py's own plan for its attention: transformers' splits only the
+# embedding) and biased q/k/v/o, experts
 FAMILIES_ON_SHARDS = ("qwen3", "gemma3_text", "phi3", "deepseek_v3", "gpt_oss")
 # 7, 9 and 48 tokens (a window of 8 crossed, a block of 16 filled): 2, 2 and 4 blocks with
 # their 16 new tokens, in a pool of 6
@@ -300,11 +299,35 @@ def test_more_families_on_two_shards(model_type, tmp_path):
     and those heads' sinks), and its greedy tokens on 2 shards, under preemption, are
     transformers' own `generate` on the folder (one server start per family, not two).
     Phi-3's fused q|k|v loads whole, each rank then keeping its heads' rows of each (sharding.py's
-    localize), and its gate|up loads packed: each rank its share of each half."""
+    localize), and its gate|up loads packed: each rank its share of each half. DeepSeek-V3's
+    latent attention: each rank 2 of the 4 heads (q_b_proj and kv_b_proj by heads, the latents
+    whole), its pool 2 heads' K and V as kv_b_proj expands them; its experts each rank's share
+    of every expert's features, their output all-reduced."""
     folder = build_family(model_type, tmp_path / model_type, bias_std=0.2)
     layout, plan = two_shard_plan(folder)
-    assert (layout.num_heads, layout.num_kv_heads, layout.kv_heads_per_rank) == (4, 2, 1)
-    if model_type == "phi3":
+    kv_heads = 4 if model_type == "deepseek_v3" else 2  # MLA: K/V per query head
+    assert (layout.num_heads, layout.num_kv_heads, layout.kv_heads_per_rank) == (
+        4,
+        kv_heads,
+        kv_heads // 2,
+    )
+    if model_type == "deepseek_v3":
+        mla = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+        assert {p: plan.get(f"model.layers.*.self_attn.{p}") for p in mla} == {
+            "q_a_proj": None,  # whole on every rank, as kv_a_proj_with_mqa
+            "q_b_proj": "colwise",
+            "kv_a_proj_with_mqa": None,
+            "kv_b_proj": "colwise",
+            "o_proj": "rowwise",
+        }
+        experts = ("experts.gate_up_proj", "experts.down_proj", "experts", "gate")
+        assert {p: plan.get(f"model.layers.*.mlp.{p}") for p in experts} == {
+            "experts.gate_up_proj": "packed_colwise",
+            "experts.down_proj": "rowwise",
+            "experts": "moe_tp_experts",
+            "gate": None,
+        }
+    elif model_type == "phi3":
         fused = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
         layer = {p: plan.get(f"model.layers.*.{p}") for p in fused}
         assert layer == {
@@ -328,4 +351,7 @@ def test_more_families_on_two_shards(model_type, tmp_path):
         served.drain_log()
         two = served.grpc_target
         assert greedy(two, FAMILY_PROMPTS, FAMILY_NEW_TOKENS) == expected
-        assert metric(two, "textgen_preemptions") > 0, "the load preempted nothing"
+        if every_layer_window(AutoConfig.from_pretrained(folder)) is None:
+            assert metric(two, "textgen_preemptions") > 0, "the load preempted nothing"
+        else:  # Phi-3's window: the sequences give back its blocks instead of waiting
+            assert metric(two, "textgen_kv_blocks_window_released") > 0
