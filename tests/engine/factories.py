@@ -85,7 +85,9 @@ def make_core(
     block_size=16,
     batch_invariant=False,
     speculation=None,
+    **options,
 ) -> PagedCore:
+    """options: more EngineConfig fields."""
     core = PagedCore(
         engine_copy(model),
         EngineConfig(
@@ -95,6 +97,7 @@ def make_core(
             block_size=block_size,
             batch_invariant=batch_invariant,
             speculation=speculation,
+            **options,
         ),
     )
     if batch_invariant:  # as served: the matmuls' smallest products probed at warm-up

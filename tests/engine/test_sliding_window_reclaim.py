@@ -20,7 +20,7 @@ from .factories import (
     VOCAB_SIZE,
     assert_idle,
     assert_matches_generate,
-    engine_copy,
+    make_core,
     make_seq,
     random_prompt,
     reference_greedy,
@@ -59,31 +59,22 @@ def window_core(
     prefill_tokens=16,
     batch_size=8,
     block_size=4,
-    speculation=None,
-    batch_invariant=False,
     sliding_window: int | None = -1,
     **options,
 ) -> PagedCore:
     """A core as the server builds one for `model` (sliding_window from its config; -1),
-    or with the window given (None: no reclaim); options: more EngineConfig fields."""
+    or with the window given (None: no reclaim); options: make_core's."""
     if sliding_window == -1:
         sliding_window = every_layer_window(model.config)
-    core = PagedCore(
-        engine_copy(model),
-        EngineConfig(
-            max_batch_total_tokens=total_tokens,
-            max_batch_prefill_tokens=prefill_tokens,
-            max_batch_size=batch_size,
-            block_size=block_size,
-            speculation=speculation,
-            batch_invariant=batch_invariant,
-            sliding_window=sliding_window,
-            **options,
-        ),
+    return make_core(
+        model,
+        total_tokens=total_tokens,
+        prefill_tokens=prefill_tokens,
+        batch_size=batch_size,
+        block_size=block_size,
+        sliding_window=sliding_window,
+        **options,
     )
-    if batch_invariant:
-        core.warm_up()
-    return core
 
 
 def run_tracking_blocks(core: PagedCore, max_steps: int = 10_000) -> int:
