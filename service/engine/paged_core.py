@@ -35,6 +35,7 @@ from .speculation import (
     accepted_run,
     sample_rows,
 )
+from .state_slots import StateSlots
 from .stopping import token_stop_reason
 from .types import EngineError, EngineStats
 from .watermark import Watermark
@@ -86,19 +87,24 @@ class PagedCore:
                 `adapters` (engine/adapters.py); None: requests name no adapter.
         """
         self.config = config
-        num_blocks = config.num_blocks
+        self.runner: Runner = build_runner(model, config, lora, adapters)
+        # a hybrid model's state pool: a slot per running sequence (state_slots.py). A
+        # prefix-cache hit would skip the state layers' pass over the prefix: off for it.
+        states = getattr(self.runner, "states", None)
+        self.state_slots = StateSlots(states.num_slots) if states is not None else None
+        prefix_caching = config.enable_prefix_caching and states is None
         # a sliding window's released table entries point at the pool's scratch block
         # (build_runner's; block id num_blocks, BlockManager.placeholder)
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, config.sliding_window
+            config.num_blocks, config.block_size, prefix_caching, config.sliding_window
         )
         self.scheduler = Scheduler(
             self.block_manager,
             max_batch_prefill_tokens=config.max_batch_prefill_tokens,
             max_batch_size=config.max_batch_size,
             max_loras=lora.num_slots if lora is not None else 0,
+            state_slots=self.state_slots,
         )
-        self.runner: Runner = build_runner(model, config, lora, adapters)
         self.shards = shards
         if shards is not None:
             self.runner = ShardedRunner(self.runner, shards)
@@ -144,6 +150,12 @@ class PagedCore:
             )
         if seq.num_prompt_tokens == 0:
             raise EngineError("empty prompt", ErrorType.VALIDATION)
+        if self.state_slots is not None and seq.width > self.state_slots.num_slots:
+            raise EngineError(
+                f"request of {seq.width} choices needs as many state slots, but this hybrid "
+                f"model's state pool holds {self.state_slots.num_slots} (max_batch_size)",
+                ErrorType.VALIDATION,
+            )
         if seq.request.grammar is not None and self.grammars is None:
             raise EngineError("this engine has no grammar support", ErrorType.VALIDATION)
         uid = seq.request.adapter_uid
@@ -224,6 +236,8 @@ class PagedCore:
             prefix_cache_queried_tokens=bm.prefix_queried_tokens,
             preemptions=self.scheduler.num_preemptions,
             window_released_blocks=bm.window_released_blocks,
+            state_slots_total=self.state_slots.num_slots if self.state_slots else 0,
+            state_slots_used=self.state_slots.num_used if self.state_slots else 0,
             steps=self._steps,
             prefill_tokens=self.scheduler.num_prefill_tokens,
             spec_proposed_tokens=self._spec_proposed,
@@ -385,6 +399,7 @@ def build_runner(
         custom_kernels=config.custom_kernels,
         lora=lora,
         adapters=adapters,
+        state_slots=config.max_batch_size,
     )
     if config.cuda_graphs is not None:
         return GraphedRunner(runner, config.cuda_graphs)

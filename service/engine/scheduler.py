@@ -27,6 +27,11 @@ step's earliest query is the sequence's first uncomputed token, so nothing a sch
 (or a later one) reads is ever released, and a rejected proposal only rolls back tokens
 past the kept ones.
 
+Hybrid models (state layers: state_pool.py): every running sequence owns a slot of the
+state pool (`state_slots`), taken at admission, given back at finish or preemption; a
+waiting sequence is admitted only when the free slots hold all its choices, as the free
+blocks must hold its prompt.
+
 LoRA adapters: every running sequence decodes in every step, so bounding the adapters of
 the running sequences by `max_loras` (the runner's slots) bounds every step's. A waiting
 sequence whose adapter would be one too many waits, first in rank as any other, until a
@@ -53,6 +58,7 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, num_blocks_for_tokens
 from .sequence import Sequence, SequenceStatus
+from .state_slots import StateSlots
 
 
 @dataclass(slots=True)
@@ -74,6 +80,9 @@ class SchedulerOutput:
     # decodes verifying proposed tokens (speculation.py): the proposals, which follow the
     # sequence's last token in its scheduled chunk of 1 + len(proposals) tokens
     proposals: dict[Sequence, list[int]] = field(default_factory=dict)
+    # (source, destination) state slots to copy before the forward: a fork's copy of its
+    # parent's state (state_slots.py)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -92,11 +101,14 @@ class Scheduler:
         max_batch_prefill_tokens: int,
         max_batch_size: int,
         max_loras: int = 0,
+        state_slots: StateSlots | None = None,
     ) -> None:
-        """max_loras: distinct LoRA adapters among the running sequences (0: no adapters)."""
+        """max_loras: distinct LoRA adapters among the running sequences (0: no adapters).
+        state_slots: a hybrid model's state pool (None: the model keeps no state)."""
         if max_batch_prefill_tokens <= 0 or max_batch_size <= 0:
             raise ValueError("max_batch_prefill_tokens and max_batch_size must be positive")
         self.block_manager = block_manager
+        self.state_slots = state_slots
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
         self.max_batch_size = max_batch_size
         # Both ranked: (priority, arrival). The last running one is the first preempted.
@@ -124,13 +136,15 @@ class Scheduler:
             self._remove_running(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.status = SequenceStatus.FINISHED
 
     def add_fork(self, parent: Sequence, child: Sequence) -> None:
         """Run `child`, a choice of parent's request, on parent's computed prompt (after
         the step that computed it): it shares parent's blocks and rank."""
         self.block_manager.fork(parent, child)
+        if self.state_slots is not None:
+            self.state_slots.fork(parent, child)
         child.status = SequenceStatus.RUNNING
         child.arrival_order = parent.arrival_order
         child.first_scheduled_time = parent.first_scheduled_time
@@ -157,6 +171,8 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget)
         out.block_copies = self.block_manager.take_copies()
+        if self.state_slots is not None:
+            out.state_copies = self.state_slots.take_copies()
         self.num_prefill_tokens += out.num_prefill_tokens
         return out
 
@@ -260,8 +276,12 @@ class Scheduler:
                 break
             if not self._adapter_fits(seq):
                 break
+            if self.state_slots is not None and self.state_slots.num_free < seq.width:
+                break
             self.waiting.pop(0)
             bm.allocate(seq, hits)
+            if self.state_slots is not None:
+                self.state_slots.allocate(seq)
             bm.release_out_of_window(seq)  # prefix hits already behind its window
             bm.append_slots(seq, num_new)
             seq.status = SequenceStatus.RUNNING
@@ -277,13 +297,19 @@ class Scheduler:
         """Recompute preemption: drop seq's K/V; its generated tokens stay in token_ids and
         are recomputed with the prompt when it is admitted again (at the queue's front)."""
         self._remove_running(seq)
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         _insert(self.waiting, seq)  # its rank is kept: ahead of what arrived after it
         out.preempted.append(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        """Give back seq's blocks and state slot."""
+        self.block_manager.free(seq)
+        if self.state_slots is not None:
+            self.state_slots.free(seq)
 
     def _adapter_fits(self, seq: Sequence) -> bool:
         uid = seq.request.adapter_uid

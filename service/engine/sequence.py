@@ -45,6 +45,7 @@ class Sequence:
     # its logits (paged_core.py). Empty once forked, or when n is 1.
     forks: list[Sequence] = field(default_factory=list)
     holds_adapter: bool = False  # counted among its LoRA adapter's users (PagedCore)
+    state_slot: int = -1  # its slot of a hybrid model's state pool (state_slots.py); -1: none
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -151,6 +151,9 @@ class EngineStats:
     preemptions: int = 0
     # blocks running sequences gave back out of their window (every layer sliding), cumulative
     window_released_blocks: int = 0
+    # a hybrid model's state pool (engine/state_pool.py): slots, one per running sequence
+    state_slots_total: int = 0
+    state_slots_used: int = 0
     steps: int = 0
     prefill_tokens: int = 0  # prompt (and recompute) tokens computed so far, cumulative
     # speculative decoding (engine/speculation.py), cumulative: tokens proposed and verified,

@@ -6,9 +6,12 @@ A model is served by its transformers code with our attention beneath, so what d
 the code transformers runs for the config's `model_type`, read as text (never imported,
 never run): whether its attention goes through `AttentionInterface` (transformers' own
 heuristic, `PreTrainedModel._can_set_attn_implementation`, on the same source), whether
-its attention keeps sinks (served, but not batch-invariant), and which kinds of layers the
-config lists. Families whose attention is computed inline (Falcon, Bloom, MPT) are served
-through an attention adapter of ours (attention_adapters.py).
+its attention keeps sinks (served, but not batch-invariant), which kinds of layers the
+config lists, and whether layers that keep a state per sequence (Mamba, linear attention,
+convolutions) keep it through transformers' cache interface (served with the state pool:
+state_layers.py) or otherwise (xLSTM: refused). Families whose attention is computed
+inline (Falcon, Bloom, MPT) are served through an attention adapter of ours
+(attention_adapters.py).
 """
 
 from __future__ import annotations
@@ -18,12 +21,17 @@ import re
 from pathlib import Path
 
 from .attention_adapters import is_adapted, uses_alibi
+from .state_layers import STATE_CALL
 
 # The layer kinds the paged KV cache holds: attention over every earlier token, or over a
 # window of them; and, where the family's adapter says the chunk size (Llama 4's), within
 # chunks. Others keep a state of their own (linear attention, Mamba, convolutions).
 SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 _CHUNKED_FAMILIES = frozenset({"llama4_text"})
+# the kinds of a hybrid family's layers besides attention, as transformers' configs name
+# them: state layers (Mamba, Gated DeltaNet, convolutions), layers holding both an
+# attention and a state layer (Falcon-H1), and Nemotron-H's MLP-only and MoE-only layers
+STATE_LAYER_TYPES = frozenset({"linear_attention", "conv", "mamba", "hybrid", "mlp", "moe"})
 
 
 def unsupported_layer_types(model_type: str | None, layer_types) -> list[str]:
@@ -31,6 +39,8 @@ def unsupported_layer_types(model_type: str | None, layer_types) -> list[str]:
     served = SUPPORTED_LAYER_TYPES
     if model_type in _CHUNKED_FAMILIES:
         served = served | {"chunked_attention"}
+    if model_type and keeps_state_in_cache(model_type):
+        served = served | STATE_LAYER_TYPES
     return sorted(set(layer_types or []) - served)
 
 
@@ -62,7 +72,7 @@ def unserved_reason(config: dict) -> str | None:
     source = modeling_source(model_type)
     if source is None:
         return None  # transformers has no code for it: the loader says so
-    if keeps_recurrent_state(model_type):
+    if keeps_recurrent_state(model_type) and not keeps_state_in_cache(model_type):
         return state_reason(model_type)
     if _ATTENTION_CLASS.search(source) and _INTERFACE_CALL not in source:
         return interface_reason(model_type)
@@ -124,10 +134,32 @@ def keeps_recurrent_state(model_type: str) -> bool:
     return bool(source and _RECURRENT_STATE.search(source))
 
 
+def has_attention(model_type: str) -> bool:
+    """Whether transformers' code for `model_type` has an attention class (a pure
+    state-space model, Mamba's, has none)."""
+    source = modeling_source(model_type)
+    return bool(source and re.search(r"^class \w*Attention\w*\(", source, re.MULTILINE))
+
+
+def has_state_layers(config: dict) -> bool:
+    """Whether the model `config` (a config.json) describes has layers that keep a state
+    per sequence and are served with the state pool (a hybrid or state-space model)."""
+    text = config.get("text_config") or config
+    model_type = text.get("model_type") or config.get("model_type")
+    return bool(model_type and not config.get("auto_map") and keeps_state_in_cache(model_type))
+
+
+def keeps_state_in_cache(model_type: str) -> bool:
+    """Whether transformers' code for `model_type` keeps its layers' state through the
+    cache interface the state pool serves (`update_conv_state`: state_layers.py)."""
+    source = modeling_source(model_type)
+    return bool(source and STATE_CALL in source)
+
+
 def state_reason(name: str) -> str:
     return (
-        f"{name} has layers that keep a recurrent state per sequence (Mamba, linear "
-        "attention or convolution layers), which the paged KV cache can't hold"
+        f"{name} has layers that keep a recurrent state per sequence outside transformers' "
+        "cache interface (e.g. xLSTM), which the state pool can't hold"
     )
 
 

@@ -26,6 +26,8 @@ from .architectures import (
     ALIBI,
     CHUNKED,
     SINKS,
+    has_attention,
+    has_state_layers,
     no_graphs_reason,
     not_invariant_reason,
     sdpa_only_terms,
@@ -35,11 +37,13 @@ from .attention_adapters import is_adapted, kv_heads
 
 INTERFACE = "transformers' code, attention through AttentionInterface"
 ADAPTER = "attention adapter (models/attention_adapters.py)"
+NO_ATTENTION = "none: state layers only"
 
 MATRIX = "tests/integration/test_family_matrix.py"  # every family through a real server
 SPECIAL = "tests/engine/test_families.py"  # what the Llama-like families don't need
 FALCON_QUICKSTART = "tests/integration/test_falcon_quickstart.py"  # TGI's quick start
 SHARDS = "tests/integration/test_shards.py"  # on --num-shard 2 too
+HYBRID = "tests/engine/test_hybrid_models.py"  # the state pool's rules
 
 # model_type -> (name, the tests that prove it equals transformers' generate token for
 # token); the order is the table's
@@ -85,6 +89,18 @@ VERIFIED: dict[str, tuple[str, tuple[str, ...]]] = {
     "bloom": ("BLOOM", (MATRIX, SPECIAL)),
     "mpt": ("MPT", (MATRIX, SPECIAL)),
     "llama4_text": ("Llama 4 (text: Scout, Maverick)", (MATRIX, SPECIAL)),
+    # hybrid and state-space models: layers that keep a state per sequence (state pool)
+    "qwen3_next": ("Qwen3-Next", (MATRIX, HYBRID)),
+    "qwen3_5_text": ("Qwen3.5 (text)", (MATRIX, HYBRID)),
+    "granitemoehybrid": ("Granite 4.0 hybrid (H-Micro, H-Tiny, H-Small)", (MATRIX, HYBRID)),
+    "nemotron_h": ("Nemotron-H, Nemotron Nano 2", (MATRIX, HYBRID)),
+    "jamba": ("Jamba", (MATRIX, HYBRID)),
+    "falcon_h1": ("Falcon-H1", (MATRIX, HYBRID)),
+    "bamba": ("Bamba", (MATRIX, HYBRID)),
+    "lfm2": ("LFM2", (MATRIX, HYBRID)),
+    "mamba": ("Mamba", (MATRIX, HYBRID)),
+    "mamba2": ("Mamba-2 (Codestral Mamba)", (MATRIX, HYBRID)),
+    "falcon_mamba": ("Falcon-Mamba", (MATRIX, HYBRID)),
 }
 
 
@@ -166,6 +182,7 @@ FEATURES = (
     _Feature("multi-query", _one_kv_head),
     _Feature("MLA", lambda c, _: bool(getattr(c, "kv_lora_rank", None))),
     _Feature("MoE", _experts),
+    _Feature("state layers", lambda _, j: has_state_layers(j)),
 )
 WHEN_SET = " (when set)"
 # what the engine runs only on its SDPA path: the server's own words for each
@@ -174,6 +191,12 @@ SDPA_ONLY = {
     "ALiBi": (no_graphs_reason(ALIBI), not_invariant_reason(ALIBI)),
     "chunked attention": (no_graphs_reason(CHUNKED),),
 }
+# what a hybrid model's state layers don't run with yet (settings/preflight.py)
+STATE_LAYERS_NOTE = (
+    "state layers: each sequence's state in a slot of the state pool (engine/state_pool.py); "
+    "prefix caching off; --speculate, --num-shard, --compile, CUDA graphs, --deterministic "
+    "and LoRA adapters refused"
+)
 
 
 @functools.cache
@@ -205,15 +228,15 @@ def features(model_type: str) -> tuple[str, ...]:
 
 def served_families() -> list[Family]:
     return [
-        Family(
-            model_type,
-            name,
-            ADAPTER if is_adapted(model_type) else INTERFACE,
-            features(model_type),
-            tests,
-        )
+        Family(model_type, name, _served_by(model_type), features(model_type), tests)
         for model_type, (name, tests) in VERIFIED.items()
     ]
+
+
+def _served_by(model_type: str) -> str:
+    if is_adapted(model_type):
+        return ADAPTER
+    return INTERFACE if has_attention(model_type) else NO_ATTENTION
 
 
 @functools.cache
@@ -297,7 +320,7 @@ def _unchecked(count: int) -> str:
     return f"unchecked: their default config doesn't build ({count})"
 
 
-_SHORT = {INTERFACE: "interface", ADAPTER: "adapter"}
+_SHORT = {INTERFACE: "interface", ADAPTER: "adapter", NO_ATTENTION: "none"}
 
 
 def models_text(everything: bool = False) -> str:
@@ -377,6 +400,7 @@ def _notes(bullet: str) -> list[str]:
             "leaves it off"
         ),
         *(f"{bullet}{'; '.join(words)}" for words in SDPA_ONLY.values()),
+        f"{bullet}{STATE_LAYERS_NOTE}",
     ]
 
 

@@ -231,6 +231,17 @@ class _EngineCollector:
         yield _gauge(
             "textgen_kv_cache_blocks_total", "KV-cache blocks in the pool", s.kv_blocks_total
         )
+        if s.state_slots_total:  # a hybrid model's state pool
+            yield _gauge(
+                "textgen_state_slots_used",
+                "State-pool slots in use (a hybrid model's per-sequence state)",
+                s.state_slots_used,
+            )
+            yield _gauge(
+                "textgen_state_slots_total",
+                "State-pool slots (one per sequence)",
+                s.state_slots_total,
+            )
         queried = s.prefix_cache_queried_tokens
         yield _gauge(
             "textgen_prefix_cache_hit_tokens",

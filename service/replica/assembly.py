@@ -42,6 +42,12 @@ from ..models.compile_cache import compile_cache_dir
 from ..models.loader import LoadOptions, LoraSetup, ModelShard
 from ..models.lora import AdapterError, read_adapter
 from ..models.lora_layers import LoraLayers
+from ..models.state_layers import (
+    has_state_layers,
+    probe_states,
+    state_bytes_per_sequence,
+    state_kernels,
+)
 from ..observability.metrics import Metrics
 from ..processes.build_info import source_commit
 from ..proto import text_generation_service_pb2 as svc_pb
@@ -72,6 +78,8 @@ def cuda_graph_settings(
         terms = module_sdpa_only_terms(loaded.model) or module_sdpa_only_layers(loaded.model)
     if terms:
         reason = no_graphs_reason(terms)
+    if reason is None and has_state_layers(loaded.model):
+        reason = "a hybrid model's state layers run eagerly"
     if settings.cuda_graphs and reason:
         raise SettingError("--cuda-graphs", None, f"{reason} (pass --no-cuda-graphs)")
     if settings.cuda_graphs is None:
@@ -152,6 +160,9 @@ def engine_config(
     request (CUDA graphs' block tables are sized for it)."""
     compiled = compile_settings(settings, loaded)
     graphs = cuda_graph_settings(settings, loaded, max_total_tokens)
+    hybrid = has_state_layers(loaded.model)
+    if hybrid:
+        log_state_pool(settings, loaded)
     return EngineConfig(
         max_batch_total_tokens=capacity,
         max_batch_prefill_tokens=settings.max_batch_prefill_tokens,
@@ -167,6 +178,18 @@ def engine_config(
         watermark_delta=settings.watermark_delta,
         # blocks before the window go back to the pool while a sequence runs
         sliding_window=every_layer_window(loaded.model.config),
+        enable_prefix_caching=not hybrid,
+    )
+
+
+def log_state_pool(settings: Settings, loaded: LoadedModel) -> None:
+    per_sequence = state_bytes_per_sequence(probe_states(loaded.model))
+    log.info(
+        "state pool: %d slots (--max-batch-size) of %.1f MiB, %.1f MiB in all; prefix "
+        "caching off (a cached prefix would skip the state layers' pass over it)",
+        settings.max_batch_size,
+        per_sequence / 2**20,
+        settings.max_batch_size * per_sequence / 2**20,
     )
 
 
@@ -387,7 +410,12 @@ def served_model(
         speculate_max_batch=settings.speculate_max_batch,
         max_loras=loaded.lora.num_slots if loaded.lora else 0,
         max_lora_rank=loaded.lora.max_rank if loaded.lora else 0,
+        state_slots=stats.state_slots_total,
+        prefix_caching=core.block_manager.enable_prefix_caching,
     )
+    if stats.state_slots_total:
+        info.state_bytes_per_sequence = state_bytes_per_sequence(probe_states(loaded.model))
+        info.state_kernels = state_kernels(loaded.model)
     if loaded.resolved.sha:
         info.model_sha = loaded.resolved.sha
     commit = source_commit()

@@ -1,6 +1,8 @@
 """How many tokens the KV pool holds: --max-batch-total-tokens, or a share of the memory
 free once the weights are loaded, in the pool's dtype; never less than one request of
---max-total-tokens."""
+--max-total-tokens. A hybrid model's state pool (a slot per sequence of --max-batch-size:
+engine/state_pool.py) comes out of the same share first, and its KV pool holds only its
+attention layers."""
 
 from __future__ import annotations
 
@@ -8,6 +10,12 @@ import torch
 
 from ..engine.kv_pool import KV_CACHE_DTYPES
 from ..models import LoadedModel, attention_adapters
+from ..models.state_layers import (
+    attention_layer_count,
+    has_state_layers,
+    probe_states,
+    state_bytes_per_sequence,
+)
 from ..settings.preflight import check_kv_capacity
 from ..settings.table import DEFAULT_MAX_TOTAL_TOKENS, Settings
 
@@ -29,6 +37,8 @@ def kv_bytes_per_token(
     )
     if getattr(cfg, "is_heterogeneous", False):
         layers = list(cfg.per_layer_config)
+    elif has_state_layers(model):  # a hybrid: only its attention layers hold K/V
+        layers = [cfg] * attention_layer_count(model)
     else:
         layers = [cfg] * cfg.num_hidden_layers
     values = sum(_kv_values(layer, kv_heads) for layer in layers)  # K and V
@@ -98,5 +108,18 @@ def kv_capacity_tokens(settings: Settings, loaded: LoadedModel, max_total_tokens
     )
     fraction = KV_MEMORY_FRACTION.get(loaded.device.type, 0.1)
     free = free_memory_bytes(loaded.device, settings.cuda_memory_fraction)
-    fits = int(free * fraction) // per_token
-    return max(max_total_tokens, min(fits, 1 << 20))
+    share = int(free * fraction) - state_pool_bytes(settings, loaded)
+    if per_token == 0:  # a pure state-space model (Mamba): blocks only count tokens
+        return MAX_POOL_TOKENS
+    fits = max(share, 0) // per_token
+    return max(max_total_tokens, min(fits, MAX_POOL_TOKENS))
+
+
+MAX_POOL_TOKENS = 1 << 20
+
+
+def state_pool_bytes(settings: Settings, loaded: LoadedModel) -> int:
+    """The state pool's memory: a slot per sequence of --max-batch-size (0: no state)."""
+    if not has_state_layers(loaded.model):
+        return 0
+    return settings.max_batch_size * state_bytes_per_sequence(probe_states(loaded.model))

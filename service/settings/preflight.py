@@ -48,6 +48,7 @@ def preflight(settings: Settings) -> Preflight:
     model, config = model_config(settings)
     check_remote_code(settings, model, config)
     check_architecture(settings, model, config)
+    check_state_layers(settings, model, config)
     check_quantization(settings, device, config)
     context = check_context(settings, model, config)
     # with --full-context the limits are bounded by the KV cache: here by the one given
@@ -440,6 +441,41 @@ def check_architecture(settings: Settings, model: str, config: dict) -> None:
     terms = sdpa_only_terms(config) if settings.deterministic else None
     if terms:
         raise SettingError("--deterministic", "true", f"{model}: {not_invariant_reason(terms)}")
+
+
+def check_state_layers(settings: Settings, model: str, config: dict) -> None:
+    """What a hybrid model's state layers (the state pool: engine/state_pool.py) don't
+    run with yet, refused before the weights load."""
+    from ..models.architectures import has_state_layers
+
+    if not has_state_layers(config):
+        return
+    refused = [
+        ("--speculate", settings.speculate, "a rejected proposal would stay in the layers' state"),
+        (
+            "--num-shard",
+            (settings.num_shard or 1) > 1 and settings.num_shard,
+            "no tensor-parallel plan for state layers yet",
+        ),
+        ("--compile", settings.compile, "state layers run eagerly"),
+        ("--cuda-graphs", settings.cuda_graphs, "state layers run eagerly"),
+        ("--deterministic", settings.deterministic, "no batch-invariant path for state layers"),
+        (
+            "--lora-adapters",
+            settings.lora_adapters,
+            "LoRA slots don't split by sequence as state layers do",
+        ),
+    ]
+    for flag, given, why in refused:
+        if given:
+            value = None if given is True else given
+            if flag == "--lora-adapters":
+                value = ",".join(name for name, _ in given)
+            raise SettingError(
+                flag,
+                value,
+                f"is not supported for {model}, a hybrid model with state layers: {why}",
+            )
 
 
 def check_context(settings: Settings, model: str, config: dict) -> int:

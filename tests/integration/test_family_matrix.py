@@ -10,6 +10,11 @@ then the repeated prompt alone, twice: the second from the cache for sure (the b
 own hits depend on the order its requests are admitted in). Every request's greedy tokens
 (ignore_eos) equal transformers' `generate` on the same folder (EOS not stopping it).
 
+The hybrid and state-space families (STATE_FAMILIES: Mamba, Gated DeltaNet and convolution
+layers beside or instead of attention) run the same burst with their state pool: their
+chunks carry each sequence's state from chunk to chunk, and prefix caching is off for them
+(the repeated prompt is computed again, with the same tokens).
+
 A family listed in NOT_SERVED stays in the matrix, an expected failure (strict) saying why.
 """
 
@@ -18,10 +23,11 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from support.families import FAMILIES, build_family, library_greedy
+from support.families import FAMILIES, STATE_FAMILIES, build_family, library_greedy
 from support.servers import ServerThread, tiny_settings
 from textgen.service.engine.config import every_layer_window
 from textgen.service.proto import generate_pb2 as pb
+from textgen.service.proto import text_generation_service_pb2 as svc_pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
 from transformers import AutoConfig, AutoTokenizer
 
@@ -75,7 +81,7 @@ def families():
             else [],
             id=model_type,
         )
-        for model_type in FAMILIES
+        for model_type in [*FAMILIES, *STATE_FAMILIES]
     ]
 
 
@@ -103,6 +109,7 @@ def test_served_greedy_tokens_equal_generate(model_type, tmp_path):
             between = server.engine.stats()
             cached = stub.Generate(request(REPEATED), timeout=RPC_TIMEOUT)
             after = server.engine.stats()
+            info = stub.Info(svc_pb.InfoRequest(), timeout=RPC_TIMEOUT)
     finally:
         server.stop()
 
@@ -114,5 +121,12 @@ def test_served_greedy_tokens_equal_generate(model_type, tmp_path):
         assert during.preemptions > before.preemptions, "the small pool preempted nothing"
     else:  # the sequences give back what their window left: the pool's pressure is that
         assert during.window_released_blocks > before.window_released_blocks
+    if model_type in STATE_FAMILIES:  # every sequence's slot back; nothing from a cache
+        assert during.state_slots_total > 0 and after.state_slots_used == 0
+        assert after.prefix_cache_hit_tokens == 0
+        assert (info.state_slots, info.prefix_caching) == (during.state_slots_total, False)
+        assert info.state_bytes_per_sequence > 0 and info.state_kernels == "torch"
+        return
+    assert info.prefix_caching and not info.state_slots and not info.HasField("state_kernels")
     # the first of its two full blocks (the last prompt token is always computed)
     assert after.prefix_cache_hit_tokens - between.prefix_cache_hit_tokens == BLOCK

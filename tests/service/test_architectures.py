@@ -26,12 +26,9 @@ pytestmark = pytest.mark.timeout(120)
 REFUSED = {
     "gpt_neo": "AttentionInterface",
     "xglm": "AttentionInterface",
-    "qwen3_next": "linear_attention",
-    # layers that keep state, in configs with no layer_types: from the modelling code
-    "mamba": "recurrent state",
-    "jamba": "recurrent state",
-    "lfm2": "recurrent state",
-    "nemotron_h": "recurrent state",
+    "axk2": "indexed_attention",  # a layer kind no pool holds
+    # state kept outside transformers' cache interface, seen in the modelling code
+    "xlstm": "recurrent state",
 }
 # families the engine serves token for token (tests/integration/test_family_matrix.py,
 # tests/engine/test_families.py)
@@ -41,6 +38,9 @@ SERVED = [
     "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe",
     "olmoe", "granitemoe", "stablelm", "gpt_oss", "gemma4_text", "falcon", "bloom", "mpt",
     "llama4_text", "glm4", "exaone4", "seed_oss", "glm4_moe", "ernie4_5_moe",
+    # hybrid and state-space models, on the state pool (tests/engine/test_hybrid_models.py)
+    "qwen3_next", "qwen3_5_text", "granitemoehybrid", "nemotron_h", "jamba", "falcon_h1",
+    "bamba", "lfm2", "mamba", "mamba2", "falcon_mamba",
 ]  # fmt: skip
 
 
@@ -75,7 +75,7 @@ def test_a_model_with_its_own_code_is_left_to_the_load():
     assert unserved_reason(config) is None
 
 
-@pytest.mark.parametrize("model_type", ["gpt_neo", "qwen3_next"])
+@pytest.mark.parametrize("model_type", ["gpt_neo", "axk2"])
 def test_preflight_names_the_flag_and_the_missing_feature(tmp_path, model_type):
     folder = write_model_folder(tmp_path / model_type, model_type)
     with pytest.raises(SettingError) as refused:
@@ -97,6 +97,28 @@ def test_sdpa_only_attention_is_refused_batch_invariant(tmp_path, model_type, wo
         preflight(replace(settings, deterministic=True))
     assert str(refused.value).startswith("--deterministic true: ")
     assert words in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "flag"),
+    [
+        ("speculate", 2, "--speculate 2"),
+        ("compile", True, "--compile"),
+        ("deterministic", True, "--deterministic"),
+        ("num_shard", 2, "--num-shard 2"),
+        ("lora_adapters", (("sql", "/adapters/sql"),), "--lora-adapters sql"),
+    ],
+)
+def test_what_state_layers_dont_run_with_is_refused_before_loading(tmp_path, option, value, flag):
+    """A hybrid model (Qwen3-Next: Gated DeltaNet layers) is served, but its state layers
+    run neither speculation, shards, compiled graphs, batch-invariant nor with LoRA slots:
+    each flag is refused from config.json, in one line naming it."""
+    folder = write_model_folder(tmp_path / "qwen3_next", "qwen3_next")
+    settings = Settings(model_id=str(folder), grpc_port=0, port=0, no_envoy=True)
+    preflight(settings)  # served as it is
+    with pytest.raises(SettingError) as refused:
+        preflight(replace(settings, **{option: value}))
+    assert str(refused.value).startswith(f"{flag}: is not supported for {folder}, a hybrid")
 
 
 @pytest.mark.server  # runs `textgen serve`

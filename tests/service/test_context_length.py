@@ -1,7 +1,8 @@
 """The context a model is served: the one its config.json states (under any of the keys
 families use, MPT's max_seq_len too), else --max-total-tokens. A config that states none
-(Bloom's ALiBi, Mamba's recurrent state) is refused before loading without that flag, in
-one SettingError naming it; given, it is the context the settings and the loader serve."""
+(Bloom's ALiBi, Mamba's state-space layers: no positions) is refused before loading
+without that flag, in one SettingError naming it; given, it is the context the settings
+and the loader serve."""
 
 from __future__ import annotations
 

@@ -10,13 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.families import FAMILIES
+from support.families import FAMILIES, STATE_FAMILIES
 from textgen.service.cli import main
 from textgen.service.models.architectures import unserved_reason
 from textgen.service.models.families import (
     ADAPTER,
+    HYBRID,
     INTERFACE,
     MATRIX,
+    NO_ATTENTION,
     SPECIAL,
     VERIFIED,
     features,
@@ -61,7 +63,7 @@ def test_textgen_models_lists_the_families_and_loads_nothing(capsys):
     assert "adapter" in rows["falcon"] and "interface" in rows["gpt_oss"]
     assert "attention sinks" in rows["gpt_oss"] and "chunked attention" in rows["llama4_text"]
     assert "test_families" in rows["llama4_text"]
-    assert "qwen3_next" not in out  # the verdicts only with --all
+    assert "xlstm" not in out  # the verdicts only with --all
     assert "textgen models --all" in out
     header = out.splitlines()[0]  # aligned columns: each row's cells start under the header's
     for column in ("family", "attention", "features"):
@@ -73,7 +75,8 @@ def test_textgen_models_lists_the_families_and_loads_nothing(capsys):
 def test_textgen_models_all_names_the_refused_and_why(capsys):
     out = textgen(capsys, "--all")
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
-    assert "linear_attention" in lines["qwen3_next"]
+    assert "indexed_attention" in lines["axk2"]
+    assert "cache interface" in lines["xlstm"]
     assert "AttentionInterface" in lines["gpt_neo"]
     assert "AttentionInterface" in lines["xglm"]
 
@@ -81,7 +84,7 @@ def test_textgen_models_all_names_the_refused_and_why(capsys):
 def test_textgen_models_json(capsys):
     report = json.loads(textgen(capsys, "--json", "--all"))
     assert [f["model_type"] for f in report["families"]] == list(VERIFIED)
-    assert "linear_attention" in report["refused"]["qwen3_next"]
+    assert "indexed_attention" in report["refused"]["axk2"]
     assert not set(report["refused"]) & set(VERIFIED)
     assert not set(report["unverified"]) & set(report["refused"])
     short = json.loads(textgen(capsys, "--json"))
@@ -101,17 +104,25 @@ def test_each_family_is_in_the_tests_it_names():
     for family in served_families():
         for path in family.tests:
             assert (ROOT / path).is_file(), path
-        assert (MATRIX in family.tests) == (family.model_type in FAMILIES), family.model_type
+        in_matrix = family.model_type in FAMILIES or family.model_type in STATE_FAMILIES
+        assert (MATRIX in family.tests) == in_matrix, family.model_type
+        if HYBRID in family.tests:
+            assert f'"{family.model_type}"' in (ROOT / HYBRID).read_text(), family.model_type
         if SPECIAL in family.tests:
             names = (f'"{family.model_type}"', CONFIG_MAPPING[family.model_type].__name__)
             assert any(name in special for name in names), family.model_type
-    assert set(FAMILIES) <= set(VERIFIED)
+    assert set(FAMILIES) | set(STATE_FAMILIES) <= set(VERIFIED)
 
 
 def test_how_served_and_the_features_come_from_the_code():
     served_by = {f.model_type: f.served_by for f in served_families()}
     assert {t for t, how in served_by.items() if how == ADAPTER} == set(ADAPTED)
-    assert set(served_by.values()) == {INTERFACE, ADAPTER}
+    assert set(served_by.values()) == {INTERFACE, ADAPTER, NO_ATTENTION}
+    assert {t for t, how in served_by.items() if how == NO_ATTENTION} == {
+        "mamba",
+        "mamba2",
+        "falcon_mamba",
+    }
     expected = {
         "llama": (),
         "mistral": ("sliding window",),
@@ -127,6 +138,8 @@ def test_how_served_and_the_features_come_from_the_code():
         "deepseek_v3": ("MLA", "MoE"),
         "gpt_bigcode": ("multi-query",),
         "phi3": ("sliding window (when set)",),
+        "qwen3_next": ("MoE", "state layers"),
+        "mamba": ("state layers",),
     }  # fmt: skip
     for model_type, found in expected.items():
         assert features(model_type) == found, model_type

@@ -218,6 +218,130 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+# Hybrid and state-space families, apart from FAMILIES: layers that keep a convolution
+# and/or recurrent state (transformers' linear-attention cache layers) instead of, or
+# beside, a K/V cache. The same sizes as above where the config names them; the mixers'
+# heads of 16 (2 * HIDDEN wide in all), SSM states of 16, conv kernels of 4, and SSM
+# chunks of 16 so that a prompt spans several; as few layers as hold every kind.
+_SSM_CHUNK = 16
+# Mamba-2's mixer (Bamba, GraniteMoeHybrid, Falcon-H1): 8 heads of 16 = 2 * HIDDEN wide
+_MAMBA2 = {
+    "mamba_n_heads": 8,
+    "mamba_d_state": 16,
+    "mamba_d_conv": 4,
+    "mamba_chunk_size": _SSM_CHUNK,
+}
+# Gated DeltaNet (Qwen3-Next, Qwen3.5): 2 key heads shared by 4 value heads, of 16
+_GATED_DELTA = {
+    "head_dim": HEAD_DIM,  # a quarter of each rotary (partial_rotary_factor 0.25)
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": HEAD_DIM,
+    "linear_value_head_dim": HEAD_DIM,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "layer_types": ["linear_attention", "full_attention"],
+}
+
+STATE_FAMILIES: dict[str, dict] = {
+    # Gated DeltaNet layer, then a gated full-attention one; experts and a shared expert
+    "qwen3_next": {
+        **_LLAMA_LIKE,
+        **_MOE,
+        **_GATED_DELTA,
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+    },
+    "qwen3_5_text": {**_LLAMA_LIKE, **_GATED_DELTA},  # the same, dense
+    # Mamba-2 layer, then a position-free attention one; experts and a shared MLP
+    "granitemoehybrid": {
+        **_LLAMA_LIKE,
+        **_MOE,
+        **_MAMBA2,
+        "num_local_experts": 4,
+        "shared_intermediate_size": 64,
+        "layer_types": ["linear_attention", "full_attention"],
+        "attention_multiplier": 1.0 / HEAD_DIM,
+    },
+    # Nemotron-H's pattern "M*-": Mamba-2 (2 groups) mixer, position-free attention, and
+    # an MLP (squared ReLU) as layers of their own. Its prompt scan clamps dt to at least
+    # time_step_min, its one-token step doesn't: transformers' decode differs by ~1e-3
+    "nemotron_h": {
+        "hidden_size": HIDDEN,
+        "intermediate_size": 2 * HIDDEN,
+        "layers_block_type": ["linear_attention", "full_attention", "mlp"],
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": 2,
+        "head_dim": HEAD_DIM,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 16,
+        "n_groups": 2,
+        "ssm_state_size": 16,
+        "conv_kernel": 4,
+        "chunk_size": _SSM_CHUNK,
+        "max_position_embeddings": CONTEXT,
+        "initializer_range": 0.2,
+        "tie_word_embeddings": False,
+    },
+    # Mamba-1 layer with a dense MLP, then an attention layer with experts. Mamba-1's scan
+    # (transformers' and mamba-ssm's) starts from a zero state: a prompt continued from a
+    # cached state is not what transformers computes (nor are mamba's, falcon_mamba's)
+    "jamba": {
+        **_LLAMA_LIKE,
+        **_MOE,
+        "intermediate_size": 2 * HIDDEN,
+        "num_experts": 4,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+    },
+    # every layer attention and a Mamba-2 mixer side by side
+    "falcon_h1": {**_LLAMA_LIKE, **_MAMBA2, "mamba_d_ssm": 2 * HIDDEN},
+    # a short (gated, 3-tap) convolution layer, then an attention one
+    "lfm2": {
+        **_LLAMA_LIKE,
+        "layer_types": ["conv", "full_attention"],
+        "conv_L_cache": 3,
+        "block_auto_adjust_ff_dim": False,  # else the MLP rounds up to 256
+    },
+    # Bamba's: a Mamba-2 layer, then an attention one
+    "bamba": {**_LLAMA_LIKE, **_MAMBA2, "attn_layer_indices": [1]},
+    # Mamba-1 only (its selective scan, no attention, no context length)
+    "mamba": {
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 2,
+        "state_size": 16,
+        "conv_kernel": 4,
+        "initializer_range": 0.2,
+        "tie_word_embeddings": False,
+    },
+    # the same with Falcon's B/C/dt norms
+    "falcon_mamba": {
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 2,
+        "state_size": 16,
+        "conv_kernel": 4,
+        "initializer_range": 0.2,
+        "tie_word_embeddings": False,
+    },
+    # Mamba-2 only: 8 heads of 16, 2 groups, its chunked scan
+    "mamba2": {
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 2,
+        "num_heads": 8,
+        "head_dim": 16,
+        "n_groups": 2,
+        "state_size": 16,
+        "conv_kernel": 4,
+        "chunk_size": _SSM_CHUNK,
+        "initializer_range": 0.2,
+        "tie_word_embeddings": False,
+    },
+}
+
 # the seed a family's weights are drawn with, where 0's model repeats one token (GPT-J's:
 # its MLP's GELU mean, the same for every token, outweighs the token in the residual)
 SEEDS = {"gptj": 1}
@@ -227,7 +351,8 @@ def family_config(model_type: str, tokenizer):
     """transformers' config for the family's tiny model, over `tokenizer`'s vocabulary."""
     from transformers import AutoConfig
 
-    options = {k: v for k, v in FAMILIES[model_type].items() if v is not None}
+    table = FAMILIES if model_type in FAMILIES else STATE_FAMILIES
+    options = {k: v for k, v in table[model_type].items() if v is not None}
     vocab = len(tokenizer)
     if model_type == "gemma4_text":
         options["vocab_size_per_layer_input"] = vocab

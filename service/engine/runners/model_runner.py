@@ -17,6 +17,10 @@ token's logits), and sharded.py's ShardedRunner by sending the inputs to the oth
 which run the same device side on their slice of the model. The host side then picks the
 sampled rows and prompt logprobs out of the logits.
 
+Hybrid models: each entry of StepInputs names its sequence's slot of the state pool
+(state_pool.py), and `state_copies` the forks' copies of their parents' states, made
+before the forward; the state layers split the step by entry (`StateStep`).
+
 LoRA adapters: each entry of StepInputs names the slot of stacked adapter weights its rows
 read (-1: the base model), and `lora_loads` the adapters the device side writes into slots
 before the forward; the host side keeps the slot table (engine/adapters.py), so every rank
@@ -53,6 +57,7 @@ from ...models.architectures import (
     unsupported_layer_types,
 )
 from ...models.lora_layers import LoraLayers, LoraStep, bound_lora, register_layers
+from ...models.state_layers import has_state_layers, probe_states
 from ..adapters import AdapterRegistry, SlotTable
 from ..attention.invariant import ROW_MULTIPLE
 from ..attention.paged import (
@@ -65,6 +70,8 @@ from ..attention.paged import (
 from ..kv_pool import KVCachePool
 from ..scheduler import SchedulerOutput
 from ..sequence import Sequence
+from ..state_pool import StatePool, StateStep, bound_state_step
+from ..state_pool import install as install_state_layers
 from .invariant_linear import (
     LINEAR_BLOCK_ROWS,
     fixed_rows_linears,
@@ -117,6 +124,9 @@ class StepInputs:
     lora_slots: list[int] = field(default_factory=list)  # [B] each entry's slot, -1: none
     # (slot, adapter uid) to write before the forward, in order
     lora_loads: list[tuple[int, int]] = field(default_factory=list)
+    state_slots: list[int] = field(default_factory=list)  # [B] each entry's state slot
+    # (source, destination) state slots to copy before the forward: forks (state_slots.py)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_pure_decode(self) -> bool:
@@ -165,6 +175,7 @@ class StepRunner:
             layout = lay_out(batch, slots=slots)
         inputs = layout.inputs
         inputs.block_copies = batch.block_copies
+        inputs.state_copies = batch.state_copies
         inputs.lora_loads = loads
         logits = self.run(inputs)
         if len(layout.sample_rows) == logits.shape[0]:
@@ -195,12 +206,14 @@ class ModelRunner(StepRunner):
         custom_kernels: bool = True,
         lora: LoraLayers | None = None,
         adapters: AdapterRegistry | None = None,
+        state_slots: int = 0,
     ) -> None:
         """batch_invariant: each sequence's logits bit for bit the same whatever else the
         step computes (CPU only; needs a pool with a scratch block for padding tokens).
         custom_kernels=False: attention never takes textgen's Triton kernel (on CUDA,
         flash-attn or SDPA instead; --disable-custom-kernels). lora: the model's LoRA slots
-        (models/lora_layers.py), filled from `adapters`."""
+        (models/lora_layers.py), filled from `adapters`. state_slots: a hybrid model's
+        state pool holds that many sequences (the engine's max_batch_size)."""
         check_model_supported(model)
         AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
         if model._can_set_attn_implementation():
@@ -234,6 +247,20 @@ class ModelRunner(StepRunner):
         self.adapters = adapters
         if lora is not None:
             register_layers(lora)
+        self.states = self._state_pool(model, state_slots)
+
+    def _state_pool(self, model: torch.nn.Module, num_slots: int) -> StatePool | None:
+        """A hybrid model's state pool, its state layers set to split each step; None
+        when it keeps no state."""
+        shapes = probe_states(model)
+        if not shapes:
+            return None
+        if self.batch_invariant or self.lora is not None:
+            raise ValueError(
+                "a hybrid model's state layers run neither batch-invariant nor with LoRA slots"
+            )
+        install_state_layers(model)
+        return StatePool(shapes, max(num_slots, 1), self.device)
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -250,13 +277,16 @@ class ModelRunner(StepRunner):
             custom_kernels=self.custom_kernels,
         )
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        self.forward(ids, ids, meta, torch.zeros(1, dtype=torch.long, device=self.device))
+        keep = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.forward(ids, ids, meta, keep, state=self.state_step([1], [1], [0]))
         if self._linears:  # on the thread that runs the forwards, with its thread count
             self._min_rows = probe_min_rows(self._linears)
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
         self.pool.copy_blocks(inputs.block_copies)
+        if self.states is not None:
+            self.states.copy_slots(inputs.state_copies)
         meta = BatchMetadata.build(
             self.pool,
             inputs.query_lens,
@@ -272,7 +302,14 @@ class ModelRunner(StepRunner):
             meta,
             self._tensor(inputs.keep),
             self.prepare_lora(inputs),
+            self.state_step(inputs.query_lens, inputs.context_lens, inputs.state_slots),
         )
+
+    def state_step(self, query_lens, context_lens, slots) -> StateStep | None:
+        """How the step splits in the state layers (None: the model keeps no state)."""
+        if self.states is None:
+            return None
+        return StateStep.build(self.states, query_lens, context_lens, slots, self.device)
 
     def prepare_lora(self, inputs: StepInputs) -> LoraStep | None:
         """Write the step's new adapters into their slots; -> the step's LoRA rows (None:
@@ -299,13 +336,19 @@ class ModelRunner(StepRunner):
         meta: BatchMetadata,
         keep: torch.Tensor,
         lora: LoraStep | None = None,
+        state: StateStep | None = None,
     ) -> torch.Tensor:
         """-> logits `[len(keep), vocab]`. Public for runner strategies that lay out
         their own inputs (cuda_graphs.py)."""
         if keep.numel() == 0:  # a step of prefill chunks only: nothing to project
             keep = keep.new_zeros(1)
         linears = fixed_rows_linears(self._linears, self._min_rows) if self._linears else None
-        with linears or contextlib.nullcontext(), bound_lora(lora), bound_metadata(meta):
+        with (
+            linears or contextlib.nullcontext(),
+            bound_lora(lora),
+            bound_metadata(meta),
+            bound_state_step(state),
+        ):
             out = self.model(
                 input_ids=ids,
                 position_ids=positions,
@@ -328,6 +371,7 @@ class Layout:
     context_lens: list[int] = field(default_factory=list)  # tokens cached after the step
     block_tables: list[list[int]] = field(default_factory=list)
     lora_slots: list[int] = field(default_factory=list)  # LoRA slot, -1: none
+    state_slots: list[int] = field(default_factory=list)  # state pool slot, -1: none
     keep: list[int] = field(default_factory=list)  # batch positions whose logits we project
     sample_seqs: list[Sequence] = field(default_factory=list)  # reached their last token
     # rows in `keep` sampled: one per sample_seqs entry, then one per proposal it verifies
@@ -347,6 +391,7 @@ class Layout:
             self.block_tables,
             self.keep,
             lora_slots=self.lora_slots,
+            state_slots=self.state_slots,
         )
 
     def add(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> None:
@@ -365,6 +410,7 @@ class Layout:
         self.context_lens.append(start + num_new)
         self.block_tables.append(seq.block_table)
         self.lora_slots.append(self.slot_of.get(seq.request.adapter_uid, -1))
+        self.state_slots.append(seq.state_slot)
         if drafts:
             self.sample_rows.extend(range(len(self.keep), len(self.keep) + num_new))
             self.keep.extend(range(offset, offset + num_new))
@@ -389,6 +435,7 @@ class Layout:
             self.context_lens.append(1)
             self.block_tables.append([scratch_block])
             self.lora_slots.append(-1)
+            self.state_slots.append(-1)
 
 
 def lay_out(
@@ -444,7 +491,7 @@ def check_model_supported(model: torch.nn.Module) -> None:
     loading), held here on the loaded model."""
     name = type(model).__name__
     model_type = getattr(model.config, "model_type", None)
-    if model_type and keeps_recurrent_state(model_type):
+    if model_type and keeps_recurrent_state(model_type) and not has_state_layers(model):
         raise ValueError(state_reason(name))
     adapted = attention_adapters.is_adapted(model_type)
     if not adapted and not model._can_set_attn_implementation():

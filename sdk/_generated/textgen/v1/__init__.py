@@ -757,6 +757,28 @@ class InfoResponse(betterproto2.Message):
     The largest LoRA rank served (--max-lora-rank).
     """
 
+    state_slots: "int" = betterproto2.field(43, betterproto2.TYPE_UINT32)
+    """
+    A hybrid model's state pool (the state of its Mamba, linear-attention or convolution
+    layers): slots, one per running sequence (--max-batch-size); 0: the model keeps none.
+    """
+
+    state_bytes_per_sequence: "int" = betterproto2.field(44, betterproto2.TYPE_UINT32)
+    """
+    The state one sequence holds, in bytes, summed over the state layers.
+    """
+
+    state_kernels: "str | None" = betterproto2.field(45, betterproto2.TYPE_STRING, optional=True)
+    """
+    What the state layers run on: "torch" (transformers' reference code) or the kernel
+    packages found (causal-conv1d, mamba-ssm, flash-linear-attention).
+    """
+
+    prefix_caching: "bool" = betterproto2.field(46, betterproto2.TYPE_BOOL)
+    """
+    Prefix caching: off for a hybrid model (a cached prefix would skip its state layers).
+    """
+
 
 default_message_pool.register_message("textgen.v1", "InfoResponse", InfoResponse)
 

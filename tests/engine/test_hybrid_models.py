@@ -1,0 +1,162 @@
+"""Hybrid and state-space models on the state pool (engine/state_pool.py): each running
+sequence's Mamba, Gated DeltaNet or convolution state in a slot of its own, carried from
+prefill chunk to chunk, updated in place by every decode, given back at finish or
+preemption (and recomputed after one), copied for each of a request's other choices.
+Tiny random models of each family from transformers' own config classes
+(tests/support/families.py's STATE_FAMILIES), float32, against their own `generate`.
+The same families go through a real server in tests/integration/test_family_matrix.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.families import STATE_FAMILIES
+from textgen.service.engine.kv_pool import KVCachePool
+from textgen.service.engine.runners.model_runner import ModelRunner
+from textgen.service.engine.types import SamplingParams
+from textgen.service.models.state_layers import (
+    probe_states,
+    state_bytes_per_sequence,
+    state_kernels,
+)
+from textgen.service.replica.kv_sizing import kv_bytes_per_token
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .factories import (
+    VOCAB_SIZE,
+    assert_idle,
+    assert_matches_generate,
+    make_core,
+    make_seq,
+    random_prompt,
+    run_to_completion,
+)
+from .test_choices import alone, choices
+
+# every family of STATE_FAMILIES, by name (the families table checks each is here)
+FAMILIES = [
+    "qwen3_next", "qwen3_5_text", "granitemoehybrid", "nemotron_h", "jamba", "falcon_h1",
+    "bamba", "lfm2", "mamba", "mamba2", "falcon_mamba",
+]  # fmt: skip
+
+
+def tiny(model_type: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB_SIZE, **STATE_FAMILIES[model_type])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_the_list_is_the_table():
+    assert sorted(FAMILIES) == sorted(STATE_FAMILIES)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_greedy_tokens_equal_generate_through_chunks_and_preemption(model_type):
+    """Prompts of 1 to 40 tokens through a 12-block pool of 8 and a prefill budget of 16:
+    prompts split into chunks (a later chunk continues from the state the earlier left;
+    Mamba-1's token by token), decodes run beside them, a 1-token prompt decodes from its
+    first step, and growing sequences preempt others, whose state is recomputed."""
+    model = tiny(model_type)
+    g = torch.Generator().manual_seed(1)
+    seqs = [
+        make_seq(random_prompt(n, VOCAB_SIZE, g), request_id=f"r{i}", max_new_tokens=8 + i)
+        for i, n in enumerate([5, 23, 40, 1, 17])
+    ]
+    core = make_core(model, total_tokens=96, prefill_tokens=16, batch_size=4, block_size=8)
+    for seq in seqs:
+        core.add(seq)
+    slots_used = []
+    while core.has_work():
+        core.step()
+        stats = core.stats()
+        slots_used.append(stats.state_slots_used)
+        assert stats.state_slots_used == stats.running  # one slot per running sequence
+    assert_matches_generate(model, seqs)
+    stats = core.stats()
+    assert stats.preemptions > 0 and stats.state_slots_total == 4 and max(slots_used) == 4
+    assert stats.state_slots_used == 0
+    assert_idle(core)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "jamba"])
+def test_each_choice_samples_from_a_copy_of_the_prompts_state(model_type):
+    """n = 3: the prompt is computed once; each other choice forks the state after it
+    into a slot of its own, and samples (seeded) what an n = 1 request with its seed
+    samples alone."""
+    model = tiny(model_type)
+    g = torch.Generator().manual_seed(2)
+    sampling = SamplingParams(do_sample=True, temperature=0.7, seed=5)
+    seqs = choices(random_prompt(19, VOCAB_SIZE, g), 3, sampling=sampling)
+    core = make_core(model, prefill_tokens=8, batch_size=4)
+    core.add(seqs[0])
+    run_to_completion(core)
+    assert core.stats().state_slots_used == 0
+    for seq in seqs:
+        assert seq.output_ids == alone(model, seq, prefill_tokens=8, batch_size=4), seq.request_id
+    assert len({tuple(s.output_ids) for s in seqs}) > 1  # the choices differ
+
+
+def test_prefix_caching_is_off_and_the_state_recomputed():
+    """A cached prefix would skip the state layers' pass over it: a hybrid engine caches
+    nothing (its config asks for prefix caching), and a repeated prompt gets the same
+    tokens."""
+    model = tiny("granitemoehybrid")
+    prompt = random_prompt(40, VOCAB_SIZE, torch.Generator().manual_seed(3))
+    core = make_core(model, block_size=8)
+    assert core.config.enable_prefix_caching and not core.block_manager.enable_prefix_caching
+    seqs = [make_seq(prompt, request_id=f"r{i}") for i in range(2)]
+    for seq in seqs:
+        core.add(seq)
+        run_to_completion(core)
+    assert core.stats().prefix_cache_hit_tokens == 0
+    assert_matches_generate(model, seqs)
+
+
+def test_slots_bound_the_running_sequences():
+    """Two slots: of four requests two run at once; the others wait for a slot."""
+    model = tiny("mamba2")
+    g = torch.Generator().manual_seed(4)
+    seqs = [make_seq(random_prompt(9, VOCAB_SIZE, g), request_id=f"r{i}") for i in range(4)]
+    core = make_core(model, batch_size=2)
+    for seq in seqs:
+        core.add(seq)
+    core.step()
+    stats = core.stats()
+    assert (stats.running, stats.waiting, stats.state_slots_used) == (2, 2, 2)
+    run_to_completion(core)
+    assert_matches_generate(model, seqs)
+
+
+def test_a_request_of_more_choices_than_slots_is_refused():
+    core = make_core(tiny("lfm2"), batch_size=2)
+    seqs = choices([1, 2, 3], 3)
+    with pytest.raises(Exception, match="state slots"):
+        core.add(seqs[0])
+
+
+def test_batch_invariant_and_lora_slots_are_refused_by_the_runner():
+    model = tiny("bamba")
+    with pytest.raises(ValueError, match="state layers run neither batch-invariant"):
+        ModelRunner(model, KVCachePool(4, 8, scratch_blocks=1), batch_invariant=True)
+
+
+def test_the_state_and_kv_sizes_come_from_the_layers():
+    """A sequence's state: each state layer's conv window and recurrent state, as
+    transformers stores them; the KV pool's bytes per token count the attention layers
+    only (none for Mamba)."""
+    qwen = tiny("qwen3_next")  # a Gated DeltaNet layer, a full-attention one
+    shapes = probe_states(qwen)
+    assert list(shapes) == [0]
+    conv, recurrent = shapes[0].conv, shapes[0].recurrent
+    # q, k (2 heads of 16) and v (4 heads of 16) through a 4-tap window; per value head a
+    # 16 x 16 state
+    assert conv == ((2 * 32 + 64, 4), torch.float32)
+    assert recurrent == ((4, 16, 16), torch.float32)
+    assert state_bytes_per_sequence(shapes) == (128 * 4 + 4 * 16 * 16) * 4
+    one_layer = 2 * 2 * 16 * 4  # K and V, 2 KV heads of 16, float32
+    assert kv_bytes_per_token(qwen, torch.float32) == one_layer
+    assert kv_bytes_per_token(tiny("mamba"), torch.float32) == 0
+    assert state_kernels(qwen) == "torch"  # no kernel package on this machine
+
