@@ -44,6 +44,7 @@ SPECIAL = "tests/engine/test_families.py"  # what the Llama-like families don't 
 FALCON_QUICKSTART = "tests/integration/test_falcon_quickstart.py"  # TGI's quick start
 SHARDS = "tests/integration/test_shards.py"  # on --num-shard 2 too
 HYBRID = "tests/engine/test_hybrid_models.py"  # the state pool's rules
+HYBRID_SHARDS = "tests/integration/test_hybrid_shards.py"  # Gated DeltaNet on 2 shards
 
 # model_type -> (name, the tests that prove it equals transformers' generate token for
 # token); the order is the table's
@@ -90,8 +91,8 @@ VERIFIED: dict[str, tuple[str, tuple[str, ...]]] = {
     "mpt": ("MPT", (MATRIX, SPECIAL)),
     "llama4_text": ("Llama 4 (text: Scout, Maverick)", (MATRIX, SPECIAL)),
     # hybrid and state-space models: layers that keep a state per sequence (state pool)
-    "qwen3_next": ("Qwen3-Next", (MATRIX, HYBRID)),
-    "qwen3_5_text": ("Qwen3.5 (text)", (MATRIX, HYBRID)),
+    "qwen3_next": ("Qwen3-Next", (MATRIX, HYBRID, HYBRID_SHARDS)),
+    "qwen3_5_text": ("Qwen3.5 (text)", (MATRIX, HYBRID, HYBRID_SHARDS)),
     "granitemoehybrid": ("Granite 4.0 hybrid (H-Micro, H-Tiny, H-Small)", (MATRIX, HYBRID)),
     "nemotron_h": ("Nemotron-H, Nemotron Nano 2", (MATRIX, HYBRID)),
     "jamba": ("Jamba", (MATRIX, HYBRID)),
@@ -194,8 +195,9 @@ SDPA_ONLY = {
 # what a hybrid model's state layers don't run with yet (settings/preflight.py)
 STATE_LAYERS_NOTE = (
     "state layers: each sequence's state in a slot of the state pool (engine/state_pool.py); "
-    "prefix caching off; --speculate, --num-shard, --compile, CUDA graphs, --deterministic "
-    "and LoRA adapters refused"
+    "prefix caching off; --speculate, --compile, CUDA graphs, --deterministic and LoRA "
+    "adapters refused; --num-shard for Gated DeltaNet only (Qwen3-Next, Qwen3.5): docs/"
+    "hybrid-models.md"
 )
 
 

@@ -71,4 +71,11 @@ def shard_layout(config: dict, world_size: int) -> ShardLayout:
             f"divide into copies of them (use a --num-shard that divides {kv_heads} or that "
             f"{kv_heads} divides)"
         )
+    for key, kind in (("linear_num_key_heads", "key"), ("linear_num_value_heads", "value")):
+        count = text.get(key)  # a Gated DeltaNet's heads (Qwen3-Next, Qwen3.5)
+        if count and count % world_size:
+            raise ShardingError(
+                f"{count} linear-attention {kind} heads do not split evenly over {world_size} "
+                f"shards (use a --num-shard that divides {count})"
+            )
     return ShardLayout(world_size, heads, kv_heads, head_dim)

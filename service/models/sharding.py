@@ -34,6 +34,15 @@ rowwise, the attention told its heads; the KV pool then holds this rank's heads'
 kv_b_proj expands them. Its routed experts run on the library's split (EXPERT_PLANS): each
 rank its share of every expert's intermediate features (gate|up packed, down by its input
 columns), the experts' partial output all-reduced (`moe_tp_experts`), the router whole.
+Qwen3-Next's experts likewise.
+
+Gated DeltaNet (Qwen3-Next, Qwen3.5), whose state layers the library's plan computes whole
+on every rank (`colwise_gather_output`), STATE_PLANS splits by heads as the attention is:
+each rank its share of the key heads and of the value heads that read them, their rows of
+the input projections (Qwen3-Next's are laid out per key head: plain colwise; Qwen3.5's
+q|k|v loads whole and is cut like Phi-3's), their channels of the short convolution, their
+decay and step parameters; the output projection row-parallel. Each rank's state pool then
+holds its heads' states (engine/state_pool.py sizes it from the layers as they are).
 
 The collective is one opaque custom op (`textgen::all_reduce`), so torch.compile'd decode
 steps and CUDA graphs keep it as it is; its process group is this process's one model group.
@@ -49,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from .shard_layout import ShardingError, ShardLayout
+from .state_layers import state_layers
 
 logger = logging.getLogger("textgen.models")
 
@@ -102,11 +112,33 @@ ATTENTION_PLANS: dict[str, dict[str, str]] = {
 # library loads them (each rank its share of every expert's gate|up rows and down columns);
 # install_collectives all-reduces the experts' output. Other models' expert styles stay
 # refused (untested here).
+_SPLIT_EXPERTS = {
+    "layers.*.mlp.experts.gate_up_proj": PACKED_COLWISE,
+    "layers.*.mlp.experts.down_proj": ROWWISE,
+    "layers.*.mlp.experts": MOE_EXPERTS,
+}
 EXPERT_PLANS: dict[str, dict[str, str]] = {
-    "deepseek_v3": {
-        "layers.*.mlp.experts.gate_up_proj": PACKED_COLWISE,
-        "layers.*.mlp.experts.down_proj": ROWWISE,
-        "layers.*.mlp.experts": MOE_EXPERTS,
+    "deepseek_v3": _SPLIT_EXPERTS,
+    "qwen3_next": _SPLIT_EXPERTS,
+}
+# a Gated DeltaNet's fused [q | k | v] input projection (Qwen3.5's): loaded whole, cut by
+# localize to this rank's key heads' q and k rows and value heads' v rows
+PACKED_GATED_DELTA = "packed_gated_delta"
+LOADED_AS[PACKED_GATED_DELTA] = "replicate"
+# model_type -> the split of its Gated DeltaNet layers by heads (over the library's
+# entries, which compute them whole): the module docstring
+STATE_PLANS: dict[str, dict[str, str]] = {
+    "qwen3_next": {
+        "layers.*.linear_attn.in_proj_qkvz": COLWISE,  # rows per key head: q, k, v, z
+        "layers.*.linear_attn.in_proj_ba": COLWISE,  # rows per key head: b, a
+        "layers.*.linear_attn.out_proj": ROWWISE,
+    },
+    "qwen3_5_text": {
+        "layers.*.linear_attn.in_proj_qkv": PACKED_GATED_DELTA,
+        "layers.*.linear_attn.in_proj_z": COLWISE,
+        "layers.*.linear_attn.in_proj_b": COLWISE,
+        "layers.*.linear_attn.in_proj_a": COLWISE,
+        "layers.*.linear_attn.out_proj": ROWWISE,
     },
 }
 # model_type -> the split of its fused projections, over the library's entries for them
@@ -146,7 +178,10 @@ def tp_plan_overrides(model_class: type, config, layout: ShardLayout) -> dict[st
     elif getattr(text, "kv_lora_rank", None) is not None:  # ... or q_proj
         attention = {k: v for k, v in attention.items() if not k.endswith(".q_b_proj")}
     added = {f"{prefix}.{k}": v for k, v in attention.items() if f"{prefix}.{k}" not in plan}
-    fused = {f"{prefix}.{k}": v for k, v in FUSED_PLANS.get(model_type, {}).items()}
+    fused = {
+        f"{prefix}.{k}": v
+        for k, v in {**FUSED_PLANS.get(model_type, {}), **STATE_PLANS.get(model_type, {})}.items()
+    }
     added.update(fused)
     plan.update(added)
     experts = {f"{prefix}.{k}": v for k, v in EXPERT_PLANS.get(model_type, {}).items()}
@@ -201,6 +236,10 @@ def localize(model: torch.nn.Module, rank: int, layout: ShardLayout) -> None:
             _local_heads(model.get_submodule(name.rpartition(".")[0]), layout, rank)
         elif layout.kv_replicated and name.rsplit(".", 1)[-1] in KV_PROJECTIONS:
             _keep_kv_head(module, layout.kv_head_of(rank), layout.head_dim)
+    model_type = getattr(model.config.get_text_config(), "model_type", None)
+    if model_type in STATE_PLANS:
+        for layer in state_layers(model).values():
+            _local_gated_delta(layer, rank, layout.world_size)
 
 
 def install_collectives(
@@ -277,6 +316,7 @@ def resolved_plan(model: torch.nn.Module) -> dict[str, str]:
     prefix = getattr(model, "base_model_prefix", "model")
     model_type = getattr(model.config.get_text_config(), "model_type", None)
     plan.update({f"{prefix}.{k}": v for k, v in FUSED_PLANS.get(model_type, {}).items()})
+    plan.update({f"{prefix}.{k}": v for k, v in STATE_PLANS.get(model_type, {}).items()})
     patterns = [
         (re.compile("^" + re.escape(p).replace(r"\*", r"\d+") + "$"), s) for p, s in plan.items()
     ]
@@ -303,6 +343,38 @@ def qkv_rows(layout: ShardLayout, rank: int) -> torch.Tensor:
             _rows(v_start + kv.start * d, len(kv) * d),
         ]
     )
+
+
+def _local_gated_delta(layer: torch.nn.Module, rank: int, world_size: int) -> None:
+    """A Gated DeltaNet layer as rank `rank` runs it: its key heads and the value heads
+    that read them (a contiguous share of each), their convolution channels ([q | k | v],
+    as the layer concatenates them) and decay/step parameters; Qwen3.5's fused q|k|v
+    projection cut to the same rows. Its input projections were split by the plan."""
+    nk, nv = layer.num_k_heads // world_size, layer.num_v_heads // world_size
+    k_width, v_width = nk * layer.head_k_dim, nv * layer.head_v_dim
+    channels = torch.cat(
+        [
+            _rows(rank * k_width, k_width),
+            _rows(layer.key_dim + rank * k_width, k_width),
+            _rows(2 * layer.key_dim + rank * v_width, v_width),
+        ]
+    )
+    if hasattr(layer, "in_proj_qkv"):
+        _keep_rows(layer.in_proj_qkv, channels)
+    conv = layer.conv1d
+    for name in ("weight", "bias"):
+        param = getattr(conv, name)
+        if param is not None:
+            local = param.data[channels.to(param.device)].clone()
+            setattr(conv, name, torch.nn.Parameter(local, requires_grad=False))
+    conv.in_channels = conv.out_channels = conv.groups = len(channels)
+    heads = slice(rank * nv, (rank + 1) * nv)
+    for name in ("A_log", "dt_bias"):
+        local = getattr(layer, name).data[heads].clone()
+        setattr(layer, name, torch.nn.Parameter(local, requires_grad=False))
+    layer.num_k_heads, layer.num_v_heads = nk, nv
+    layer.key_dim, layer.value_dim = k_width, v_width
+    layer.conv_dim = len(channels)
 
 
 def _rows(start: int, n: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ family's own code runs unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -120,20 +121,27 @@ class _Recorder:
 
     def update_recurrent_state(self, states, layer_idx=None, **kwargs):
         self.recurrent = (tuple(states.shape[1:]), states.dtype)
-        return states
+        raise _Recorded  # the rest of the layer (its output projection) is not needed
+
+
+class _Recorded(Exception):
+    """The recurrent state is stored last: the probe stops the layer there. A sharded
+    layer's output projection all-reduces, which a probe on one rank must never reach."""
 
 
 @torch.inference_mode()
 def probe_states(model: torch.nn.Module) -> dict[int, StateShape]:
     """Each state layer's state per sequence, from one token run through the layer alone
-    (its weights on any device, `meta` included: only shapes matter)."""
+    (its weights on any device, `meta` included: only shapes matter), up to where it
+    stores its recurrent state."""
     hidden = model.config.get_text_config().hidden_size
     param = next(model.parameters())
     shapes = {}
     for layer_idx, layer in state_layers(model).items():
         recorder = _Recorder()
         x = torch.zeros(1, 1, hidden, dtype=param.dtype, device=param.device)
-        _original_forward(layer)(x, cache=recorder)
+        with contextlib.suppress(_Recorded):
+            _original_forward(layer)(x, cache=recorder)
         shapes[layer_idx] = StateShape(recorder.conv, recorder.recurrent)
     return shapes
 

@@ -185,12 +185,16 @@ def engine_config(
 def log_state_pool(settings: Settings, loaded: LoadedModel) -> None:
     per_sequence = state_bytes_per_sequence(probe_states(loaded.model))
     log.info(
-        "state pool: %d slots (--max-batch-size) of %.1f MiB, %.1f MiB in all; prefix "
-        "caching off (a cached prefix would skip the state layers' pass over it)",
+        "state pool: %d slots (--max-batch-size) of %s, %s in all; prefix caching off (a "
+        "cached prefix would skip the state layers' pass over it)",
         settings.max_batch_size,
-        per_sequence / 2**20,
-        settings.max_batch_size * per_sequence / 2**20,
+        _size(per_sequence),
+        _size(settings.max_batch_size * per_sequence),
     )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 def build_core(

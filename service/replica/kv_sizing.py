@@ -17,7 +17,7 @@ from ..models.state_layers import (
     state_bytes_per_sequence,
 )
 from ..settings.preflight import check_kv_capacity
-from ..settings.table import DEFAULT_MAX_TOTAL_TOKENS, Settings
+from ..settings.table import DEFAULT_MAX_TOTAL_TOKENS, SettingError, Settings
 
 # Share of free memory the KV cache takes when --max-batch-total-tokens is unset: most
 # of what a GPU has left after the weights; on CPU a tenth of free RAM, since the pool
@@ -108,10 +108,20 @@ def kv_capacity_tokens(settings: Settings, loaded: LoadedModel, max_total_tokens
     )
     fraction = KV_MEMORY_FRACTION.get(loaded.device.type, 0.1)
     free = free_memory_bytes(loaded.device, settings.cuda_memory_fraction)
-    share = int(free * fraction) - state_pool_bytes(settings, loaded)
+    share = int(free * fraction)
+    state = state_pool_bytes(settings, loaded)
+    if state and state + max_total_tokens * per_token > share:
+        raise SettingError(
+            "--max-batch-size",
+            settings.max_batch_size,
+            f"a state slot per sequence takes {state / 2**30:.1f} GiB, and with one request "
+            f"of {max_total_tokens} tokens that is more than the {share / 2**30:.1f} GiB the "
+            f"cache may use: lower --max-batch-size (at most "
+            f"{max(share - max_total_tokens * per_token, 0) * settings.max_batch_size // state})",
+        )
     if per_token == 0:  # a pure state-space model (Mamba): blocks only count tokens
         return MAX_POOL_TOKENS
-    fits = max(share, 0) // per_token
+    fits = max(share - state, 0) // per_token
     return max(max_total_tokens, min(fits, MAX_POOL_TOKENS))
 
 

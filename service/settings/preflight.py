@@ -452,11 +452,6 @@ def check_state_layers(settings: Settings, model: str, config: dict) -> None:
         return
     refused = [
         ("--speculate", settings.speculate, "a rejected proposal would stay in the layers' state"),
-        (
-            "--num-shard",
-            (settings.num_shard or 1) > 1 and settings.num_shard,
-            "no tensor-parallel plan for state layers yet",
-        ),
         ("--compile", settings.compile, "state layers run eagerly"),
         ("--cuda-graphs", settings.cuda_graphs, "state layers run eagerly"),
         ("--deterministic", settings.deterministic, "no batch-invariant path for state layers"),
@@ -515,6 +510,7 @@ def check_shards(settings: Settings, kind: str, config: dict) -> int:
         raise SettingError(
             "--local-shards", settings.local_shards, f"is more than --num-shard ({world_size})"
         )
+    check_state_layers_split(world_size, config)
     if "num_attention_heads" in (config.get("text_config") or config):
         try:
             shard_layout(config, world_size)
@@ -523,6 +519,23 @@ def check_shards(settings: Settings, kind: str, config: dict) -> int:
     if settings.master_port and _is_local(settings.master_addr):
         _probe("--master-port", socket.AF_INET, "0.0.0.0", settings.master_port, "this host")
     return world_size
+
+
+def check_state_layers_split(world_size: int, config: dict) -> None:
+    """A hybrid model's state layers split over shards only where sharding.py has their
+    plan (Gated DeltaNet: Qwen3-Next, Qwen3.5), whether --num-shard was given or is one
+    shard per visible GPU."""
+    from ..models.architectures import has_state_layers
+    from ..models.sharding import STATE_PLANS
+
+    model_type = (config.get("text_config") or config).get("model_type")
+    if has_state_layers(config) and model_type not in STATE_PLANS:
+        raise SettingError(
+            "--num-shard",
+            world_size,
+            f"{model_type}'s state layers have no tensor-parallel plan (Qwen3-Next's and "
+            "Qwen3.5's Gated DeltaNet do): serve it with --num-shard 1",
+        )
 
 
 def _is_local(host: str) -> bool:

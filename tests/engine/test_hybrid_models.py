@@ -160,3 +160,21 @@ def test_the_state_and_kv_sizes_come_from_the_layers():
     assert kv_bytes_per_token(tiny("mamba"), torch.float32) == 0
     assert state_kernels(qwen) == "torch"  # no kernel package on this machine
 
+
+def test_a_state_pool_larger_than_the_cache_memory_is_refused(monkeypatch):
+    """--max-batch-size slots of state must fit, with one full-length request's KV, in
+    the memory the cache may use; the refusal says how many would."""
+    from textgen.service.models import LoadedModel
+    from textgen.service.replica import kv_sizing
+    from textgen.service.settings.table import SettingError, Settings
+
+    model = tiny("qwen3_next")
+    per_sequence = state_bytes_per_sequence(probe_states(model))
+    loaded = LoadedModel(None, model, None, torch.float32, torch.device("cpu"), frozenset(), 64)
+    kv = 64 * kv_bytes_per_token(model, torch.float32)  # one request of 64 tokens
+    share = kv + 10 * per_sequence  # room for ten slots beside it
+    monkeypatch.setattr(kv_sizing, "free_memory_bytes", lambda *_: share * 10)  # a tenth
+    fits = kv_sizing.kv_capacity_tokens(Settings(max_batch_size=10), loaded, 64)
+    assert fits == 64  # the ten slots, then that request's KV
+    with pytest.raises(SettingError, match=r"^--max-batch-size 11: .*at most 10\)"):
+        kv_sizing.kv_capacity_tokens(Settings(max_batch_size=11), loaded, 64)

@@ -200,10 +200,14 @@ def test_step_inputs_cross_to_other_shards_with_their_lora_slots():
         block_copies=[(3, 8)],
         lora_slots=[1, -1],
         lora_loads=[(1, 42)],
+        state_slots=[0, 3],  # a hybrid model's state slots, and a fork's copy
+        state_copies=[(0, 2)],
     )
     assert decode(encode(inputs), *_sizes(inputs)) == inputs
     plain = StepInputs([5], [0], [1], [1], [[3]], [0])
-    assert decode(encode(plain), *_sizes(plain)) == replace(plain, lora_slots=[-1])
+    assert decode(encode(plain), *_sizes(plain)) == replace(
+        plain, lora_slots=[-1], state_slots=[-1]
+    )
 
 
 # reading and refusing adapters -------------------------------------------------------

@@ -105,7 +105,6 @@ def test_sdpa_only_attention_is_refused_batch_invariant(tmp_path, model_type, wo
         ("speculate", 2, "--speculate 2"),
         ("compile", True, "--compile"),
         ("deterministic", True, "--deterministic"),
-        ("num_shard", 2, "--num-shard 2"),
         ("lora_adapters", (("sql", "/adapters/sql"),), "--lora-adapters sql"),
     ],
 )
@@ -119,6 +118,19 @@ def test_what_state_layers_dont_run_with_is_refused_before_loading(tmp_path, opt
     with pytest.raises(SettingError) as refused:
         preflight(replace(settings, **{option: value}))
     assert str(refused.value).startswith(f"{flag}: is not supported for {folder}, a hybrid")
+
+
+def test_state_layers_without_a_shard_plan_are_refused_on_shards(tmp_path):
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5) split over shards
+    (tests/integration/test_hybrid_shards.py); Mamba-2's (Bamba) have no plan: refused
+    before loading."""
+    settings = Settings(grpc_port=0, port=0, no_envoy=True, num_shard=2, master_port=0)
+    qwen = write_model_folder(tmp_path / "qwen3_next", "qwen3_next")
+    assert preflight(replace(settings, model_id=str(qwen))).num_shard == 2
+    bamba = write_model_folder(tmp_path / "bamba", "bamba")
+    with pytest.raises(SettingError) as refused:
+        preflight(replace(settings, model_id=str(bamba)))
+    assert str(refused.value).startswith("--num-shard 2: bamba's state layers have no")
 
 
 @pytest.mark.server  # runs `textgen serve`

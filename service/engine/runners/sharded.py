@@ -38,7 +38,7 @@ from .model_runner import StepInputs, StepRunner
 
 log = logging.getLogger("textgen.engine")
 
-HEADER_SIZE = 7
+HEADER_SIZE = 8
 HEARTBEAT_S = 5.0  # an idle rank 0 says it is alive this often
 # How long a failed step waits for a local shard's exit to show: the dead process's sockets
 # close (failing the collective) a moment before its exit status can be read.
@@ -73,7 +73,7 @@ class ShardGroup:
         header = torch.zeros(HEADER_SIZE, dtype=torch.long)
         header[0] = op
         if inputs is not None:
-            header[1:7] = torch.tensor(_sizes(inputs))
+            header[1:8] = torch.tensor(_sizes(inputs))
         dist.broadcast(header, 0, group=self.control)
         if payload is not None:
             dist.broadcast(payload, 0, group=self.control)
@@ -85,7 +85,7 @@ class ShardGroup:
         op = Op(int(header[0]))
         if op is not Op.STEP:
             return op, None
-        sizes = header[1:7].tolist()
+        sizes = header[1:8].tolist()
         payload = torch.empty(_payload_length(*sizes), dtype=torch.long)
         dist.broadcast(payload, 0, group=self.control)
         return op, decode(payload, *sizes)
@@ -128,8 +128,9 @@ def _transport_failure(error: RuntimeError) -> bool:
     return isinstance(error, dist.DistError) or "gloo" in text or "NCCL" in text
 
 
-def _sizes(inputs: StepInputs) -> tuple[int, int, int, int, int, int]:
-    """(tokens, entries, kept rows, block-table entries, block copies, LoRA slot writes)."""
+def _sizes(inputs: StepInputs) -> tuple[int, int, int, int, int, int, int]:
+    """(tokens, entries, kept rows, block-table entries, block copies, LoRA slot writes,
+    state slot copies)."""
     return (
         len(inputs.token_ids),
         len(inputs.query_lens),
@@ -137,19 +138,29 @@ def _sizes(inputs: StepInputs) -> tuple[int, int, int, int, int, int]:
         sum(len(t) for t in inputs.block_tables),
         len(inputs.block_copies),
         len(inputs.lora_loads),
+        len(inputs.state_copies),
     )
 
 
 def _payload_length(
-    tokens: int, entries: int, kept: int, table_entries: int, copies: int, loads: int
+    tokens: int,
+    entries: int,
+    kept: int,
+    table_entries: int,
+    copies: int,
+    loads: int,
+    state_copies: int,
 ) -> int:
-    return 2 * tokens + 4 * entries + kept + table_entries + 2 * copies + 2 * loads
+    return (
+        2 * tokens + 5 * entries + kept + table_entries + 2 * copies + 2 * loads + 2 * state_copies
+    )
 
 
 def encode(inputs: StepInputs) -> torch.Tensor:
     """ids | positions | query lens | context lens | table lens | tables | keep | block
     copies (source, destination) | LoRA slots (one per entry, -1: none) | LoRA writes
-    (slot, uid)."""
+    (slot, uid) | state slots (one per entry, -1: none) | state copies (source,
+    destination)."""
     flat: list[int] = [*inputs.token_ids, *inputs.positions, *inputs.query_lens]
     flat += inputs.context_lens
     flat += [len(t) for t in inputs.block_tables]
@@ -161,6 +172,9 @@ def encode(inputs: StepInputs) -> torch.Tensor:
     flat += inputs.lora_slots or [-1] * len(inputs.query_lens)
     for slot, uid in inputs.lora_loads:
         flat += (slot, uid)
+    flat += inputs.state_slots or [-1] * len(inputs.query_lens)
+    for source, destination in inputs.state_copies:
+        flat += (source, destination)
     return torch.tensor(flat, dtype=torch.long)
 
 
@@ -172,6 +186,7 @@ def decode(
     table_entries: int,
     copies: int,
     loads: int,
+    state_copies: int,
 ) -> StepInputs:
     values = payload.tolist()
     at = 0
@@ -187,6 +202,7 @@ def decode(
     tables = [take(n) for n in table_lens]
     keep, pairs = take(kept), take(2 * copies)
     lora_slots, writes = take(entries), take(2 * loads)
+    state_slots, state_pairs = take(entries), take(2 * state_copies)
     return StepInputs(
         token_ids,
         positions,
@@ -197,6 +213,8 @@ def decode(
         block_copies=list(zip(pairs[0::2], pairs[1::2], strict=True)),
         lora_slots=lora_slots,
         lora_loads=list(zip(writes[0::2], writes[1::2], strict=True)),
+        state_slots=state_slots,
+        state_copies=list(zip(state_pairs[0::2], state_pairs[1::2], strict=True)),
     )
 
 
