@@ -18,7 +18,8 @@ that splits the step's tokens into `StateGroup`s (laid out once per step by `Sta
   token by token through its one-token form.
 For each group the layer's own forward runs with `SlotStates`, a cache that presents the
 group's gathered states through transformers' cache interface and keeps what the layer
-stores; the group's states then go back to their slots.
+stores; the group's states then go back to their slots. LoRA adapters on the layer's
+projections read the group's own rows of the step's LoRA layout (`LoraStep.within`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..models.lora_layers import LoraStep, bound_lora, bound_step
 from ..models.state_layers import ORIGINAL_FORWARD, StateShape, continues_chunks, state_layers
 
 
@@ -203,16 +205,31 @@ def _state_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
     if step is None:
         return own(hidden_states, *args, **kwargs)
     stepwise = not continues_chunks(type(layer))
+    lora = bound_step()  # LoRA rows of the whole step: each call reads its own tokens'
     outputs = []
     for group in step.groups:
         x = hidden_states[:, group.start : group.end]
         states = SlotStates(step.pool, layer.layer_idx, group)
         if group.batched:  # [1, b, H] -> b sequences of one token
-            out = own(x.transpose(0, 1).contiguous(), cache=states).transpose(0, 1)
+            with _lora_rows(lora, group.start, group.end):
+                out = own(x.transpose(0, 1).contiguous(), cache=states).transpose(0, 1)
         elif stepwise and not group.fresh:
-            out = torch.cat([own(x[:, i : i + 1], cache=states) for i in range(x.shape[1])], 1)
+            out = torch.cat(
+                [_one_token(own, x, i, states, lora, group) for i in range(x.shape[1])], 1
+            )
         else:
-            out = own(x, cache=states)
+            with _lora_rows(lora, group.start, group.end):
+                out = own(x, cache=states)
         states.store()
         outputs.append(out)
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+
+def _one_token(own, x: torch.Tensor, i: int, states: SlotStates, lora, group: StateGroup):
+    with _lora_rows(lora, group.start + i, group.start + i + 1):
+        return own(x[:, i : i + 1], cache=states)
+
+
+def _lora_rows(lora: LoraStep | None, start: int, end: int):
+    """The LoRA rows of tokens [start, end) bound, for a call on those tokens alone."""
+    return bound_lora(lora.within(start, end) if lora is not None else None)

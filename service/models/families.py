@@ -195,9 +195,8 @@ SDPA_ONLY = {
 # what a hybrid model's state layers don't run with yet (settings/preflight.py)
 STATE_LAYERS_NOTE = (
     "state layers: each sequence's state in a slot of the state pool (engine/state_pool.py); "
-    "prefix caching off; --speculate, --compile, CUDA graphs, --deterministic and LoRA "
-    "adapters refused; --num-shard for Gated DeltaNet only (Qwen3-Next, Qwen3.5): docs/"
-    "hybrid-models.md"
+    "prefix caching off; --speculate, --compile, CUDA graphs and --deterministic refused; "
+    "--num-shard for Gated DeltaNet only (Qwen3-Next, Qwen3.5): docs/hybrid-models.md"
 )
 
 

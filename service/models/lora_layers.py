@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -106,7 +108,9 @@ class LoraLayers:
         device: torch.device,
         slices: dict[str, tuple[slice | None, slice | None]] | None = None,
     ) -> None:
-        """Wrap `model`'s decoder linear layers (all but lm_head). `slices`: per layer, the
+        """Wrap `model`'s decoder linear layers (all but lm_head, and those whose weight
+        the model's code reads instead of calling the layer: Mamba-1's dt_proj, which a
+        wrapper would hide and whose delta would never apply). `slices`: per layer, the
         (output rows, input columns) of the full weight this shard holds (sharding.py)."""
         if num_slots <= 0 or max_rank <= 0:
             raise ValueError("LoRA slots need num_slots > 0 and max_rank > 0")
@@ -115,7 +119,11 @@ class LoraLayers:
         self.dtype = dtype
         self.slices = slices or {}
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        targets = [(n, m) for n, m in model.named_modules() if _is_linear(m) and m is not head]
+        targets = [
+            (n, m)
+            for n, m in model.named_modules()
+            if _is_linear(m) and m is not head and not _weight_read_directly(model, n)
+        ]
         self.layers: dict[str, LoraLinear] = {}
         for index, (name, base) in enumerate(targets):
             layer = LoraLinear(base, index, num_slots, max_rank, dtype, device)
@@ -151,6 +159,21 @@ class LoraLayers:
         for name, layer in self.layers.items():
             layer.write(slot, adapter.layers.get(name))
         self.slot_uids[slot] = adapter.uid
+
+
+def _weight_read_directly(model: torch.nn.Module, name: str) -> bool:
+    """Whether the code of the layer's parent reads `self.<layer>.weight` itself."""
+    parent, _, child = name.rpartition(".")
+    owner = type(model.get_submodule(parent) if parent else model)
+    return f"self.{child}.weight" in _class_source(owner)
+
+
+@functools.cache
+def _class_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""
 
 
 def _is_linear(module: torch.nn.Module) -> bool:
@@ -205,6 +228,29 @@ class LoraStep:
             slots = torch.tensor(entry_slots, dtype=torch.int32, device="cpu")
             token_slots = slots.repeat_interleave(counts).to(device)
         return cls(segments, token_slots)
+
+    def within(self, start: int, end: int) -> LoraStep | None:
+        """The step of tokens [start, end) alone, as a layer run on just those rows (a
+        hybrid model's state layer, one group of sequences at a time) reads it."""
+        segments = []
+        for slot, rows in self.segments:
+            if isinstance(rows, slice):
+                first, last = max(rows.start, start), min(rows.stop, end)
+                if first < last:
+                    segments.append((slot, slice(first - start, last - start)))
+                continue
+            picked = rows[(rows >= start) & (rows < end)] - start
+            if picked.numel():
+                segments.append((slot, picked))
+        token_slots = None if self.token_slots is None else self.token_slots[start:end]
+        if not segments and (token_slots is None or not bool((token_slots >= 0).any())):
+            return None
+        return LoraStep(tuple(segments), token_slots)
+
+
+def bound_step() -> LoraStep | None:
+    """The LoRA step the running forward reads (None: none)."""
+    return _bound_step.get()
 
 
 def _rows(spans: list[tuple[int, int]], device: torch.device) -> Rows:

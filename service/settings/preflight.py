@@ -455,17 +455,10 @@ def check_state_layers(settings: Settings, model: str, config: dict) -> None:
         ("--compile", settings.compile, "state layers run eagerly"),
         ("--cuda-graphs", settings.cuda_graphs, "state layers run eagerly"),
         ("--deterministic", settings.deterministic, "no batch-invariant path for state layers"),
-        (
-            "--lora-adapters",
-            settings.lora_adapters,
-            "LoRA slots don't split by sequence as state layers do",
-        ),
     ]
     for flag, given, why in refused:
         if given:
             value = None if given is True else given
-            if flag == "--lora-adapters":
-                value = ",".join(name for name, _ in given)
             raise SettingError(
                 flag,
                 value,

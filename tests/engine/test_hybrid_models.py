@@ -29,6 +29,7 @@ from .factories import (
     make_core,
     make_seq,
     random_prompt,
+    reference_greedy,
     run_to_completion,
 )
 from .test_choices import alone, choices
@@ -136,9 +137,9 @@ def test_a_request_of_more_choices_than_slots_is_refused():
         core.add(seqs[0])
 
 
-def test_batch_invariant_and_lora_slots_are_refused_by_the_runner():
+def test_batch_invariant_is_refused_by_the_runner():
     model = tiny("bamba")
-    with pytest.raises(ValueError, match="state layers run neither batch-invariant"):
+    with pytest.raises(ValueError, match="state layers don't run batch-invariant"):
         ModelRunner(model, KVCachePool(4, 8, scratch_blocks=1), batch_invariant=True)
 
 
@@ -158,7 +159,9 @@ def test_the_state_and_kv_sizes_come_from_the_layers():
     one_layer = 2 * 2 * 16 * 4  # K and V, 2 KV heads of 16, float32
     assert kv_bytes_per_token(qwen, torch.float32) == one_layer
     assert kv_bytes_per_token(tiny("mamba"), torch.float32) == 0
-    assert state_kernels(qwen) == "torch"  # no kernel package on this machine
+    # flash-linear-attention isn't installed here: the delta rule runs transformers' torch
+    # code (its convolution may resolve to a package another library ships: gptqmodel's)
+    assert "torch" in state_kernels(qwen).split(", ")
 
 
 def test_a_state_pool_larger_than_the_cache_memory_is_refused(monkeypatch):
@@ -178,3 +181,61 @@ def test_a_state_pool_larger_than_the_cache_memory_is_refused(monkeypatch):
     assert fits == 64  # the ten slots, then that request's KV
     with pytest.raises(SettingError, match=r"^--max-batch-size 11: .*at most 10\)"):
         kv_sizing.kv_capacity_tokens(Settings(max_batch_size=11), loaded, 64)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "targets"),
+    [
+        ("qwen3_next", ["q_proj", "in_proj_qkvz", "out_proj"]),  # Gated DeltaNet's own
+        ("jamba", ["in_proj", "x_proj", "out_proj", "v_proj"]),  # Mamba-1's, token by token
+    ],
+)
+def test_lora_adapters_on_state_layers_equal_each_merged_model(model_type, targets, tmp_path):
+    """Adapters on the state layers' projections (and an attention one): each group of
+    sequences a state layer runs reads its own rows of the step's LoRA layout; a batch
+    mixing two adapters and the base model, in chunks beside decodes, gives each
+    sequence what peft's merged model generates alone."""
+    import copy
+
+    from peft import PeftModel
+    from support.lora_adapters import make_adapter
+    from textgen.service.engine.adapters import AdapterRegistry
+    from textgen.service.engine.config import EngineConfig
+    from textgen.service.engine.paged_core import PagedCore
+    from textgen.service.models.lora import read_adapter
+    from textgen.service.models.lora_layers import LoraLayers
+
+    from .test_lora import with_adapter
+
+    base = tiny(model_type)
+    folders = {
+        name: make_adapter(base, tmp_path / name, rank, targets, seed)
+        for seed, (name, rank) in enumerate([("a", 4), ("b", 8)])
+    }
+    merged = {None: base}
+    for name, folder in folders.items():
+        peft_model = PeftModel.from_pretrained(copy.deepcopy(base), folder)
+        merged[name] = peft_model.merge_and_unload().eval()
+    model = copy.deepcopy(base)
+    layers = LoraLayers(model, 2, 8, torch.float32, torch.device("cpu"))
+    registry = AdapterRegistry(2, 8)
+    for name, folder in folders.items():
+        registry.add(read_adapter(name, folder, layers))
+    config = EngineConfig(
+        max_batch_total_tokens=2048, max_batch_prefill_tokens=16, max_batch_size=8
+    )
+    core = PagedCore(model, config, lora=layers, adapters=registry)
+    g = torch.Generator().manual_seed(6)
+    seqs = []
+    for i, name in enumerate([None, "a", "b", "a", "b", None]):
+        seq = make_seq(random_prompt(4 + 7 * i, VOCAB_SIZE, g), request_id=f"s{i}")
+        seqs.append((name, with_adapter(seq, registry, name)))
+        core.add(seq)
+        if i % 2:
+            core.step()
+    run_to_completion(core)
+    for name, seq in seqs:
+        expected = reference_greedy(merged[name], list(seq.request.prompt_ids), 8)
+        assert seq.output_ids == expected, f"{seq.request_id} on {name or 'the base model'}"
+    prompt = list(seqs[0][1].request.prompt_ids)
+    assert len({tuple(reference_greedy(m, prompt, 8)) for m in merged.values()}) == 3

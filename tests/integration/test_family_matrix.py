@@ -56,6 +56,7 @@ LIMITS = {
     "torch_threads": 1,  # see single_intra_op_thread
 }
 RPC_TIMEOUT = 60
+KERNEL_SOURCES = {"torch", "causal_conv1d", "mamba_ssm", "fla", "gptqmodel"}
 
 # model_type -> why the server doesn't serve it token for token (an xfail, strict)
 NOT_SERVED: dict[str, str] = {}
@@ -125,7 +126,9 @@ def test_served_greedy_tokens_equal_generate(model_type, tmp_path):
         assert during.state_slots_total > 0 and after.state_slots_used == 0
         assert after.prefix_cache_hit_tokens == 0
         assert (info.state_slots, info.prefix_caching) == (during.state_slots_total, False)
-        assert info.state_bytes_per_sequence > 0 and info.state_kernels == "torch"
+        assert info.state_bytes_per_sequence > 0
+        # transformers' torch code, or a kernel package it resolved (gptqmodel ships one)
+        assert set(info.state_kernels.split(", ")) <= KERNEL_SOURCES, info.state_kernels
         return
     assert info.prefix_caching and not info.state_slots and not info.HasField("state_kernels")
     # the first of its two full blocks (the last prompt token is always computed)

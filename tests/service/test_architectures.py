@@ -105,12 +105,11 @@ def test_sdpa_only_attention_is_refused_batch_invariant(tmp_path, model_type, wo
         ("speculate", 2, "--speculate 2"),
         ("compile", True, "--compile"),
         ("deterministic", True, "--deterministic"),
-        ("lora_adapters", (("sql", "/adapters/sql"),), "--lora-adapters sql"),
     ],
 )
 def test_what_state_layers_dont_run_with_is_refused_before_loading(tmp_path, option, value, flag):
     """A hybrid model (Qwen3-Next: Gated DeltaNet layers) is served, but its state layers
-    run neither speculation, shards, compiled graphs, batch-invariant nor with LoRA slots:
+    run neither speculation, compiled graphs nor batch-invariant:
     each flag is refused from config.json, in one line naming it."""
     folder = write_model_folder(tmp_path / "qwen3_next", "qwen3_next")
     settings = Settings(model_id=str(folder), grpc_port=0, port=0, no_envoy=True)

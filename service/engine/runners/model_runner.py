@@ -255,10 +255,8 @@ class ModelRunner(StepRunner):
         shapes = probe_states(model)
         if not shapes:
             return None
-        if self.batch_invariant or self.lora is not None:
-            raise ValueError(
-                "a hybrid model's state layers run neither batch-invariant nor with LoRA slots"
-            )
+        if self.batch_invariant:
+            raise ValueError("a hybrid model's state layers don't run batch-invariant")
         install_state_layers(model)
         return StatePool(shapes, max(num_slots, 1), self.device)
 
