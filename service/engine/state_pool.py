@@ -212,17 +212,32 @@ def _state_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
         states = SlotStates(step.pool, layer.layer_idx, group)
         if group.batched:  # [1, b, H] -> b sequences of one token
             with _lora_rows(lora, group.start, group.end):
-                out = own(x.transpose(0, 1).contiguous(), cache=states).transpose(0, 1)
+                out = own(x.transpose(0, 1).contiguous(), cache=states)
+            out = _each(out, lambda t: t.transpose(0, 1))
         elif stepwise and not group.fresh:
-            out = torch.cat(
-                [_one_token(own, x, i, states, lora, group) for i in range(x.shape[1])], 1
-            )
+            tokens = range(x.shape[1])
+            out = _joined([_one_token(own, x, i, states, lora, group) for i in tokens])
         else:
             with _lora_rows(lora, group.start, group.end):
                 out = own(x, cache=states)
         states.store()
         outputs.append(out)
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+    return _joined(outputs)
+
+
+def _each(out, change):
+    """`change` applied to a layer's output: a tensor, or a tuple of them (ZAYA's
+    projection returns its query, key and value), each `[batch, tokens, ...]`."""
+    return tuple(change(t) for t in out) if isinstance(out, tuple) else change(out)
+
+
+def _joined(outputs: list):
+    """The groups' outputs as one, along the tokens."""
+    if len(outputs) == 1:
+        return outputs[0]
+    if isinstance(outputs[0], tuple):
+        return tuple(torch.cat(parts, dim=1) for parts in zip(*outputs, strict=True))
+    return torch.cat(outputs, dim=1)
 
 
 def _one_token(own, x: torch.Tensor, i: int, states: SlotStates, lora, group: StateGroup):

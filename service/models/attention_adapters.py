@@ -81,6 +81,33 @@ def install(model: torch.nn.Module, attention: AttentionFunction, implementation
     return True
 
 
+# Zamba's shared attention: one module (layer_idx None or -1) run by several hybrid layers,
+# each passing its own index as an argument; the paged pool is keyed by the module's
+SHARED_ATTENTION = {"zamba": "ZambaAttention", "zamba2": "Zamba2Attention"}
+
+
+def install_shared_attention(model: torch.nn.Module) -> bool:
+    """Give a Zamba model's shared attention modules the layer_idx of the layer running
+    them, for the call (so each hybrid layer has its own K/V in the pool); -> whether it
+    has any."""
+    name = SHARED_ATTENTION.get(getattr(model.config, "model_type", None))
+    modules = [m for m in model.modules() if name and type(m).__name__ == name]
+    for module in modules:
+        module.forward = types.MethodType(_indexed_forward(type(module).forward), module)
+    return bool(modules)
+
+
+def _indexed_forward(forward):
+    def indexed(self, hidden_states, layer_idx, *args, **kwargs):
+        own, self.layer_idx = self.layer_idx, layer_idx
+        try:
+            return forward(self, hidden_states, layer_idx, *args, **kwargs)
+        finally:
+            self.layer_idx = own
+
+    return indexed
+
+
 class _StepPositions:
     """The running step's `position_ids` `[1, T]`, kept by a pre-hook on the text model."""
 

@@ -102,6 +102,18 @@ VERIFIED: dict[str, tuple[str, tuple[str, ...]]] = {
     "mamba": ("Mamba", (MATRIX, HYBRID)),
     "mamba2": ("Mamba-2 (Codestral Mamba)", (MATRIX, HYBRID)),
     "falcon_mamba": ("Falcon-Mamba", (MATRIX, HYBRID)),
+    "qwen3_5_moe_text": ("Qwen3.5 MoE (text)", (MATRIX, HYBRID)),
+    "qwen3_5": ("Qwen3.5 (vision-language checkpoints, served as text)", (MATRIX, HYBRID)),
+    "qwen3_5_moe": ("Qwen3.5 MoE (vision-language checkpoints, served as text)", (MATRIX, HYBRID)),
+    "lara_mini": ("Lara 4 Mini", (MATRIX, HYBRID)),
+    "olmo_hybrid": ("OLMo Hybrid", (MATRIX, HYBRID)),
+    "kimi_linear": ("Kimi Linear", (MATRIX, HYBRID)),
+    "bailing_hybrid": ("Ling 3.0 (Bailing hybrid)", (MATRIX, HYBRID)),
+    "lfm2_moe": ("LFM2-MoE (LFM2-8B-A1B)", (MATRIX, HYBRID)),
+    "lfm3": ("LFM3", (MATRIX, HYBRID)),
+    "zamba": ("Zamba", (MATRIX, HYBRID)),
+    "zamba2": ("Zamba2", (MATRIX, HYBRID)),
+    "zaya": ("ZAYA", (MATRIX, HYBRID)),
 }
 
 

@@ -87,14 +87,21 @@ def has_state_layers(model: torch.nn.Module) -> bool:
 
 
 def attention_layer_count(model: torch.nn.Module) -> int:
-    """The attention modules of a hybrid model (its KV pool's layers)."""
-    return sum(
-        1
+    """The attention layers of a hybrid model (its KV pool's layers): its attention
+    modules, or where one module is shared by several layers (Zamba's, whose layer_idx is
+    None or -1: each hybrid layer passes its own), the layers running it."""
+    modules = [
+        module
         for module in model.modules()
         if hasattr(module, "layer_idx")
         and "Attention" in type(module).__name__
         and not is_state_layer_class(type(module))
-    )
+    ]
+    if any(module.layer_idx in (None, -1) for module in modules):
+        text = model.config.get_text_config()
+        kinds = getattr(text, "layers_block_type", None) or getattr(text, "layer_types", [])
+        return sum(1 for kind in kinds if kind == "hybrid")
+    return len(modules)
 
 
 class _Recorder:

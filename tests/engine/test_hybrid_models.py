@@ -37,7 +37,9 @@ from .test_choices import alone, choices
 # every family of STATE_FAMILIES, by name (the families table checks each is here)
 FAMILIES = [
     "qwen3_next", "qwen3_5_text", "granitemoehybrid", "nemotron_h", "jamba", "falcon_h1",
-    "bamba", "lfm2", "mamba", "mamba2", "falcon_mamba",
+    "bamba", "lfm2", "mamba", "mamba2", "falcon_mamba", "qwen3_5_moe_text", "qwen3_5",
+    "qwen3_5_moe", "lara_mini", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "lfm2_moe",
+    "lfm3", "zamba", "zamba2", "zaya",
 ]  # fmt: skip
 
 

@@ -40,7 +40,9 @@ SERVED = [
     "llama4_text", "glm4", "exaone4", "seed_oss", "glm4_moe", "ernie4_5_moe",
     # hybrid and state-space models, on the state pool (tests/engine/test_hybrid_models.py)
     "qwen3_next", "qwen3_5_text", "granitemoehybrid", "nemotron_h", "jamba", "falcon_h1",
-    "bamba", "lfm2", "mamba", "mamba2", "falcon_mamba",
+    "bamba", "lfm2", "mamba", "mamba2", "falcon_mamba", "qwen3_5_moe_text", "qwen3_5",
+    "qwen3_5_moe", "lara_mini", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "lfm2_moe",
+    "lfm3", "zamba", "zamba2", "zaya",
 ]  # fmt: skip
 
 

@@ -340,6 +340,132 @@ STATE_FAMILIES: dict[str, dict] = {
         "initializer_range": 0.2,
         "tie_word_embeddings": False,
     },
+    # Qwen3.5's MoE text model: Gated DeltaNet, gated attention, experts, a shared expert
+    "qwen3_5_moe_text": {
+        **_LLAMA_LIKE,
+        **_MOE,
+        **_GATED_DELTA,
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+    },
+    # the vision-language configs: their causal LM is the text model alone (its folder
+    # saves as qwen3_5_text / qwen3_5_moe_text); the vocabulary the tokenizer's (400)
+    "qwen3_5": {"text_config": {**_LLAMA_LIKE, **_GATED_DELTA, "vocab_size": 400}},
+    "qwen3_5_moe": {
+        "text_config": {
+            **_LLAMA_LIKE,
+            **_MOE,
+            **_GATED_DELTA,
+            "num_experts": 4,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+            "vocab_size": 400,
+        }
+    },
+    # Gated DeltaNet, then a sliding-window layer and a full-attention one; experts and a
+    # shared expert
+    "lara_mini": {
+        **_LLAMA_LIKE,
+        **_MOE,
+        **_GATED_DELTA,
+        "num_hidden_layers": 3,
+        "layer_types": ["linear_attention", "sliding_attention", "full_attention"],
+        "sliding_window": WINDOW,
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+    },
+    # OLMo's hybrid: Gated DeltaNet (negative eigenvalues allowed), then q/k-normed attention
+    "olmo_hybrid": {
+        **_LLAMA_LIKE,
+        **_GATED_DELTA,
+        "pad_token_id": None,  # its default, 100277, is past the tiny vocabulary
+    },
+    # Kimi Delta Attention (per-channel gates), then MLA without rotary; dense, then experts
+    "kimi_linear": {
+        **_LLAMA_LIKE,
+        **_MLA,
+        "num_experts": 4,
+        "linear_head_dim": HEAD_DIM,
+        "linear_num_heads": 8,
+        "linear_conv_kernel_dim": 4,
+        "layer_types": ["linear_attention", "full_attention"],
+        "pad_token_id": None,  # as OLMo-hybrid's
+    },
+    # Ling's hybrid: Kimi Delta Attention (4 heads of 16), then gated MLA; dense, then
+    # experts and a shared expert
+    "bailing_hybrid": {
+        **_LLAMA_LIKE,
+        **_MLA,
+        "num_experts": 4,
+        "n_group": 1,
+        "topk_group": 1,
+        "head_dim": HEAD_DIM,  # the delta layers' heads (the config keeps the rotary part's)
+        "short_conv_kernel_size": 4,
+        "layer_group_size": 2,  # a delta layer, then MLA
+        "pad_token_id": None,  # as OLMo-hybrid's
+    },
+    # LFM2's with experts: a short convolution layer (dense MLP), then attention (experts)
+    "lfm2_moe": {
+        **_LLAMA_LIKE,
+        **_MOE,
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "num_dense_layers": 1,
+        "layer_types": ["conv", "full_attention"],
+        "conv_L_cache": 3,
+    },
+    # LFM3: a short convolution, then a sliding-window and a global (partial rotary) layer,
+    # gated attention and sandwich norms
+    "lfm3": {
+        **_LLAMA_LIKE,
+        "num_hidden_layers": 3,
+        "head_dim": HEAD_DIM,
+        "layer_types": ["conv", "sliding_attention", "full_attention"],
+        "sliding_window": WINDOW,
+        "conv_L_cache": 3,
+        "pad_token_id": None,  # as OLMo-hybrid's
+    },
+    # Zamba: Mamba layers, and hybrid ones running one shared attention block (its module's
+    # layer_idx None: each hybrid layer passes its own), two of them
+    "zamba": {
+        **_LLAMA_LIKE,
+        "num_hidden_layers": 3,
+        "n_mamba_heads": 2,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
+    },
+    # Zamba 2: Mamba-2 layers, hybrid ones sharing an attention block likewise
+    "zamba2": {
+        "hidden_size": HIDDEN,
+        "intermediate_size": 2 * HIDDEN,
+        "num_hidden_layers": 3,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": 2,
+        "n_mamba_heads": 8,
+        "mamba_ngroups": 2,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "chunk_size": _SSM_CHUNK,
+        "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
+        "max_position_embeddings": CONTEXT,
+        "initializer_range": 0.2,
+        "tie_word_embeddings": False,
+    },
+    # ZAYA: hybrid layers whose state layer (a convolved attention projection) returns its
+    # query, key and value
+    "zaya": {
+        **_LLAMA_LIKE,
+        **_MOE,
+        "head_dim": HEAD_DIM,
+        "num_experts": 4,
+        "num_experts_per_tok": 1,
+        "moe_intermediate_size": 32,
+        "router_hidden_size": 16,
+        "layer_types": ["hybrid", "hybrid"],
+    },
 }
 
 # the seed a family's weights are drawn with, where 0's model repeats one token (GPT-J's:

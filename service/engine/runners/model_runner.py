@@ -220,6 +220,7 @@ class ModelRunner(StepRunner):
             model.set_attn_implementation(ATTENTION_NAME)
         # Falcon, Bloom, MPT, Llama 4: through an attention adapter of ours
         attention_adapters.install(model, paged_attention_forward, ATTENTION_NAME)
+        attention_adapters.install_shared_attention(model)  # Zamba's, run by several layers
         terms = module_sdpa_only_terms(model)
         if batch_invariant and terms:
             raise ValueError(not_invariant_reason(terms))
