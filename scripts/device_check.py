@@ -189,8 +189,10 @@ PROFILES: dict[str, dict] = {
         "concurrency": [1, 32, 128],
         "serve_new_tokens": 128,
         "serve_min_requests": 4,
-        "deadline_s": 480,
+        "deadline_s": 540,
         "serve_reserve_s": 180,  # two servers: graphed and --no-cuda-graphs
+        "hybrid_families": None,  # every family of the test table
+        "hybrid_timing_batches": [1, 32],
     },
     "cpu": {
         "sizes": ["tiny", "small"],
@@ -214,6 +216,8 @@ PROFILES: dict[str, dict] = {
         "serve_min_requests": 2,
         "deadline_s": 900,
         "serve_reserve_s": 60,
+        "hybrid_families": None,
+        "hybrid_timing_batches": [1, 8],
     },
     "quick": {
         "sizes": ["tiny"],
@@ -237,6 +241,8 @@ PROFILES: dict[str, dict] = {
         "serve_min_requests": 2,
         "deadline_s": 300,
         "serve_reserve_s": 40,
+        "hybrid_families": ["qwen3_5_text", "mamba2"],
+        "hybrid_timing_batches": [],
     },
 }
 
@@ -580,12 +586,13 @@ def sync(device) -> None:
 # greedy equality --------------------------------------------------------------------------
 
 
-def reference_greedy(model, prompt: list[int], new_tokens: int):
+def reference_greedy(model, prompt: list[int], new_tokens: int, switch_attention: bool = True):
     """`model.generate` greedy on the prompt alone, with the model's own SDPA attention.
     Returns (tokens, per-step logits [new_tokens, vocab] on the CPU in float32)."""
     import torch
 
-    model.set_attn_implementation("sdpa")  # a PagedCore switched it to the paged function
+    if switch_attention:  # a PagedCore switched it to the paged function
+        model.set_attn_implementation("sdpa")
     model.generation_config.eos_token_id = None  # the engine runs with ignore_eos
     device = next(model.parameters()).device
     ids = torch.tensor([prompt], device=device)
@@ -1169,6 +1176,207 @@ def section_model(size, prof, device, dtype, bandwidth, graphs_enabled, rec, res
     return entry
 
 
+# hybrid models: the state pool ------------------------------------------------------------
+
+# The timing pair: Qwen3.5's text model (three Gated DeltaNet layers to one attention layer)
+# and Qwen3 of the same widths, every layer attending.
+HYBRID_TIMING_SHAPE = {
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+HYBRID_TIMING_DELTA = {
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 8,
+    "linear_num_value_heads": 16,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+}
+
+
+def section_hybrid(prof, device, dtype, rec, results) -> dict:
+    """The state pool on this device: each hybrid family of the test table
+    (tests/support/families.py's STATE_FAMILIES, tiny random float32 models) through chunked
+    prefill and preemption against `generate`, and the state kernels transformers resolved;
+    then a decode step of a hybrid against a dense model of the same widths."""
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from support.families import STATE_FAMILIES
+    from textgen.service.models.state_layers import state_kernels
+
+    entry: dict = {"families": {}}
+    results["hybrid"] = entry
+    names = prof["hybrid_families"] or list(STATE_FAMILIES)
+    for model_type in names:
+        row: dict = {}
+        entry["families"][model_type] = row
+        try:
+            rec.need(8, f"hybrid {model_type}")
+            row.update(_hybrid_equality(model_type, STATE_FAMILIES[model_type], device))
+            log(f"   {model_type}: {row['matched']}/{row['total']} equal, {row['kernels']}")
+        except Skip as exc:
+            row.update(status="skipped", reason=str(exc))
+        except Exception as exc:  # noqa: BLE001
+            row.update(status="error", error=f"{type(exc).__name__}: {exc}")
+            row["traceback"] = traceback.format_exc(limit=8)
+            log(f"   {model_type} ERROR {exc}\n{row['traceback']}")
+        _free_memory()
+        rec.save()
+    if prof["hybrid_timing_batches"]:
+        rec.need(30, "hybrid vs dense decode timing")
+        entry["timing"] = _hybrid_timing(prof, device, dtype, state_kernels)
+    failed = [n for n, r in entry["families"].items() if r.get("status") == "error"]
+    if failed:
+        raise RuntimeError(f"hybrid families failed: {', '.join(failed)}")
+    return entry
+
+
+def _hybrid_equality(model_type: str, options: dict, device) -> dict:
+    """A tiny model of the family (float32) as tests/engine/test_hybrid_models.py runs it:
+    prompts of 1 to 40 tokens, 16 prefill tokens a step, a 96-token pool of 8-token blocks,
+    4 sequences at most."""
+    import torch
+    from textgen.service.engine.config import EngineConfig
+    from textgen.service.engine.paged_core import PagedCore
+    from textgen.service.models.state_layers import state_kernels
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.backends.cudnn.allow_tf32 = False  # the convolutions of the state layers, exact
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, vocab_size=300, **options)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval()
+    lengths, new_tokens = [5, 23, 40, 1, 17], [8, 9, 10, 11, 12]
+    prompts = random_prompts(lengths, 300, seed=1)
+    # before the core: it takes the model's attention and state layers
+    refs = [reference_greedy(model, p, n, False) for p, n in zip(prompts, new_tokens)]
+    core = PagedCore(
+        model,
+        EngineConfig(
+            max_batch_total_tokens=96,
+            max_batch_prefill_tokens=16,
+            max_batch_size=4,
+            block_size=8,
+        ),
+    )
+    seqs = [make_seq(p, f"h{i}", n) for i, (p, n) in enumerate(zip(prompts, new_tokens))]
+    for seq in seqs:
+        core.add(seq)
+    steps = 0
+    while core.has_work() and steps < 10_000:
+        core.step()
+        steps += 1
+    stats = core.stats()
+    out = compare([s.output_ids for s in seqs], refs, lengths)
+    out.pop("per_prompt")
+    return {
+        **out,
+        "steps": steps,
+        "preemptions": stats.preemptions,
+        "slots_left_used": stats.state_slots_used,
+        "kernels": state_kernels(model),
+    }
+
+
+def _hybrid_timing(prof, device, dtype, state_kernels) -> dict:
+    """Eager decode step (schedule + forward + sample) of the hybrid and the dense model at
+    each batch, 256-token prompts, mean of prof["steps"] steps after prof["warmup"]."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out: dict = {"dtype": str(dtype).removeprefix("torch."), "shape": HYBRID_TIMING_SHAPE}
+    for name, model_type, extra in (
+        ("hybrid", "qwen3_5_text", HYBRID_TIMING_DELTA),
+        ("dense", "qwen3", {}),
+    ):
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(model_type, vocab_size=32000, **HYBRID_TIMING_SHAPE, **extra)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        rows = []
+        for batch in prof["hybrid_timing_batches"]:
+            steps, warm, ctx = prof["steps"], prof["warmup"], 256
+            core = make_core(model, batch * (ctx + steps + warm + 32), 8192, batch)
+            prompts = random_prompts([ctx] * batch, 32000, seed=batch)
+            seqs = [make_seq(p, f"t{i}", steps + warm + 4) for i, p in enumerate(prompts)]
+            for seq in seqs:
+                core.add(seq)
+            while any(not s.output_ids for s in seqs):
+                core.step()
+            for _ in range(warm):
+                core.step()
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                core.step()
+            sync(device)
+            ms = (time.perf_counter() - start) / steps * 1e3
+            rows.append({"batch": batch, "step_ms": round(ms, 3), "tok_s": round(batch / ms * 1e3)})
+            del core, seqs
+            _free_memory()
+        out[name] = {"rows": rows, "kernels": state_kernels(model) if name == "hybrid" else None}
+        del model
+        _free_memory()
+    out["hybrid_over_dense"] = [
+        round(h["step_ms"] / d["step_ms"], 3)
+        for h, d in zip(out["hybrid"]["rows"], out["dense"]["rows"])
+    ]
+    return out
+
+
+def _hybrid_lines(h: dict) -> list[str]:
+    lines = [
+        "## Hybrid models: the state pool",
+        "",
+        (
+            "Tiny random float32 models of each hybrid family (tests/support/families.py), "
+            "prompts of 1 to 40 tokens through 16-token prefill chunks and a 96-token pool "
+            "(preemption), greedy tokens vs `model.generate`:"
+        ),
+        "",
+        "| family | sequences equal | tokens before divergence | preemptions | state kernels |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    for name, r in h.get("families", {}).items():
+        if "matched" in r:
+            lines.append(
+                f"| {name} | {r['matched']}/{r['total']} | "
+                f"{r['tokens_matched_before_divergence']}/{r['tokens_total']} | "
+                f"{r['preemptions']} | {r['kernels']} |"
+            )
+        else:
+            detail = (r.get("error") or r.get("reason") or "")[:120]
+            lines.append(f"| {name} | {r.get('status')}: {detail} | | | |")
+    lines.append("")
+    t = h.get("timing")
+    if t:
+        lines += [
+            (
+                f"Eager decode step, {t['dtype']}, 256-token prompts: Qwen3.5 text (6 Gated "
+                "DeltaNet + 2 attention layers, hidden 1024) vs Qwen3 of the same widths "
+                f"(8 attention layers); state kernels: {t['hybrid']['kernels']}"
+            ),
+            "",
+            (
+                "| batch | hybrid step ms | dense step ms | hybrid / dense | hybrid tok/s "
+                "| dense tok/s |"
+            ),
+            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for hr, dr, ratio in zip(t["hybrid"]["rows"], t["dense"]["rows"], t["hybrid_over_dense"]):
+            lines.append(
+                f"| {hr['batch']} | {hr['step_ms']} | {dr['step_ms']} | {ratio} | "
+                f"{hr['tok_s']} | {dr['tok_s']} |"
+            )
+        lines.append("")
+    return lines
+
+
 # serving --------------------------------------------------------------------------------
 
 
@@ -1719,6 +1927,8 @@ def render_markdown(results: dict) -> str:
                 ),
                 "",
             ]
+    if results.get("hybrid"):
+        lines += _hybrid_lines(results["hybrid"])
     sections = results.get("sections", {})
     if sections:
         lines += ["| section | status | seconds |", "| --- | --- | ---: |"]
@@ -1849,6 +2059,8 @@ def run_all(args, prof, profile, device, dtype, out: Path, boot: dict) -> int:
         with rec.section(f"model {size}"):
             rec.need(30, f"model {size}")
             section_model(size, prof, device, dtype, bandwidth, not args.no_graphs, rec, results)
+    with rec.section("hybrid"):
+        section_hybrid(prof, device, dtype, rec, results)
     rec.reserve_s = 0.0
     with rec.section("shards"):
         section_shards(prof, device, dtype, boot["env"], rec, results)

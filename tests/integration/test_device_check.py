@@ -18,7 +18,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "device_check.py"
-SECTIONS = {"env", "bandwidth", "serving"}
+SECTIONS = {"env", "bandwidth", "hybrid", "serving"}
 
 pytestmark = pytest.mark.server  # the script runs as a subprocess
 
@@ -94,6 +94,12 @@ def test_quick_run_on_cpu(tmp_path):
     # the kernel timings and eager-vs-graphed serving need CUDA: said, not faked
     assert tiny["attention"] == {"status": "skipped", "reason": "needs CUDA"}
 
+    # the state pool: two hybrid families' greedy tokens equal generate's
+    families = results["hybrid"]["families"]
+    assert set(families) == {"qwen3_5_text", "mamba2"}
+    for row in families.values():
+        assert row["matched"] == row["total"] == 5 and row["preemptions"] > 0, row
+
     check_serving(results, [1, 4, 8])
     assert results["serving"]["no_graphs"]["status"] == "skipped"
     table = (tmp_path / "device_check.md").read_text()
@@ -106,7 +112,7 @@ def test_quick_run_on_cpu(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
 def test_full_run_on_gpu(tmp_path):
-    results = run_check(tmp_path, timeout=580)  # the script's own budget is 480 s
+    results = run_check(tmp_path, timeout=580)  # the script's own budget is 540 s
     assert SECTIONS | {"model 0.5b", "model 8b"} <= set(results["sections"])
     for size in ("0.5b", "8b"):
         model = results["models"][size]
@@ -129,3 +135,8 @@ def test_full_run_on_gpu(tmp_path):
     eager = results["serving"]["no_graphs"]
     assert [r["concurrency"] for r in eager["runs"]] == [1, 32, 128]
     assert all(r["report"]["errors"] == 0 for r in eager["runs"])
+    # every hybrid family on the state pool, float32 on the GPU, equals generate
+    for name, row in results["hybrid"]["families"].items():
+        assert row["matched"] == row["total"], (name, row)
+    timing = results["hybrid"]["timing"]
+    assert [r["batch"] for r in timing["hybrid"]["rows"]] == [1, 32]
