@@ -66,7 +66,8 @@ against transformers 5.23): carry these as wheels, prepared on a machine with ne
         opentelemetry-exporter-otlp-common==0.66b2 opentelemetry-proto==1.45.2 \\
         pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \\
         prometheus-client==0.26.0 httpx==0.29.0 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 \\
-        sniffio==1.3.1 certifi==2026.10.19.post1 idna==3.20
+        sniffio==1.3.1 certifi==2026.10.19.post1 idna==3.20 \\
+        flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2
     # llguidance (the grammar engine): the registry's newest manylinux wheel is older than the
     # venv's 1.9.1 (abi3), so the wheel is zipped from the venv's installed files:
     #   cd .venv/lib/python3.11/site-packages && zip -r \\
@@ -191,7 +192,21 @@ PROFILES: dict[str, dict] = {
         "serve_min_requests": 4,
         "deadline_s": 540,
         "serve_reserve_s": 180,  # two servers: graphed and --no-cuda-graphs
-        "hybrid_families": None,  # every family of the test table
+        # one of each kind of state layer: flash-linear-attention's Triton kernels, where
+        # they import, autotune for each new shape (~20 s a family on an H200)
+        "hybrid_families": [
+            "qwen3_next",
+            "granitemoehybrid",
+            "nemotron_h",
+            "jamba",
+            "falcon_h1",
+            "lfm2",
+            "mamba",
+            "mamba2",
+            "falcon_mamba",
+            "zamba2",
+            "zaya",
+        ],
         "hybrid_timing_batches": [1, 32],
     },
     "cpu": {
@@ -1212,6 +1227,10 @@ def section_hybrid(prof, device, dtype, rec, results) -> dict:
 
     entry: dict = {"families": {}}
     results["hybrid"] = entry
+    if prof["hybrid_timing_batches"]:
+        rec.need(60, "hybrid vs dense decode timing")
+        entry["timing"] = _hybrid_timing(prof, device, dtype, state_kernels)
+        rec.save()
     names = prof["hybrid_families"] or list(STATE_FAMILIES)
     for model_type in names:
         row: dict = {}
@@ -1228,9 +1247,6 @@ def section_hybrid(prof, device, dtype, rec, results) -> dict:
             log(f"   {model_type} ERROR {exc}\n{row['traceback']}")
         _free_memory()
         rec.save()
-    if prof["hybrid_timing_batches"]:
-        rec.need(30, "hybrid vs dense decode timing")
-        entry["timing"] = _hybrid_timing(prof, device, dtype, state_kernels)
     failed = [n for n, r in entry["families"].items() if r.get("status") == "error"]
     if failed:
         raise RuntimeError(f"hybrid families failed: {', '.join(failed)}")
