@@ -4,8 +4,8 @@ transcoded from the gRPC contract, native gRPC passed through, on one port.
 `render()` is pure: it returns the bootstrap as a dict; `write()` puts it in a file
 (JSON, which Envoy reads by the `.json` extension). Reading order, as in Envoy's
 own transcoder example: listener -> http_connection_manager -> lua (TGI error
-bodies, the `POST /` switch; envoy/lua.py) -> buffer (TGI's 2 MB limit) ->
-grpc_json_transcoder -> router -> HTTP/2 cluster with gRPC health checks.
+bodies, the `POST /` switch, TGI bodies' unknown fields; envoy/lua.py) -> buffer (TGI's
+2 MB limit) -> grpc_json_transcoder -> router -> HTTP/2 cluster with gRPC health checks.
 
 Traps, measured on Envoy 1.40 and commented where they bite:
 - the transcoder rewrites :path to the gRPC path and routes are matched again on it,
@@ -45,7 +45,7 @@ from textgen.sdk.keepalive import DEFAULT_KEEPALIVE, Keepalive
 
 from .affinity import affinity_filter
 from .clusters import Upstream, front_cluster, replica_cluster, socket_address
-from .contract import DESCRIPTOR, Contract, contract
+from .contract import DESCRIPTOR, Contract, contract, tgi_body_fields
 from .docs import SwaggerUI
 from .errors import (
     FACE_HEADER,
@@ -55,7 +55,7 @@ from .errors import (
     local_reply_config,
 )
 from .limits import MAX_CONNECTIONS, REQUEST_BODY_LIMIT, RESPONSE_BODY_LIMIT, STREAM_BUFFER_LIMIT
-from .lua import lua_source
+from .lua import lua_source, with_body_fields
 from .routes import QUICK_ROUTE_TIMEOUT, ROUTES, route_config
 
 # What other code imports from here (service/, deploy/, tests/); most are defined in
@@ -238,11 +238,14 @@ def _lua_filter(api: Contract) -> dict:
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
             "default_source_code": {
-                "inline_string": lua_source(
-                    HTTP_STATUS_BY_ERROR_TYPE,
-                    FALLBACK_BY_GRPC_CODE,
-                    FALLBACK_ERROR,
-                    FACE_HEADER,
+                "inline_string": with_body_fields(
+                    lua_source(
+                        HTTP_STATUS_BY_ERROR_TYPE,
+                        FALLBACK_BY_GRPC_CODE,
+                        FALLBACK_ERROR,
+                        FACE_HEADER,
+                    ),
+                    tgi_body_fields(api),
                 )
             },
         },

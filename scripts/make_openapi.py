@@ -297,7 +297,8 @@ def generate_parameters(tgi: dict) -> dict:
     params["properties"] = dict(sorted(props.items()))
     params["description"] = (
         "TGI's generation parameters. Unset (or null) fields take TGI's defaults;"
-        " unknown fields are ignored."
+        " an unknown field is refused (422, naming it). Each field may also be spelled"
+        " in lowerCamelCase (its proto JSON name)."
     )
     return params
 
@@ -311,6 +312,15 @@ def generate_request(tgi: dict, name: str) -> dict:
             " one-element array (false).",
             default=False,
         )
+    schema["description"] = (
+        "A field other than these (here, in `parameters` or in `parameters.grammar`) is refused"
+        " (422, naming it)"
+        + (
+            "."
+            if name == "CompatGenerateRequest"
+            else "; `stream`, which TGI's clients send to POST /, is accepted and ignored."
+        )
+    )
     return schema
 
 

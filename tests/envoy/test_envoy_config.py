@@ -14,6 +14,7 @@ from google.protobuf import descriptor_pb2
 from textgen.envoy import config, contract
 from textgen.service.grpc.errors import STATUS_BY_ERROR_TYPE
 from textgen.service.processes.envoy import envoy_binary
+from textgen.service.proto import generate_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -93,6 +94,49 @@ def test_lua_filter_carries_the_tables():
     for error_type, status in TGI_STATUS.items():
         assert f'["{error_type}"] = {status}' in code
     assert "__" not in code  # every placeholder was filled
+
+
+def lua_code() -> str:
+    listener = config.render([config.Upstream("127.0.0.1", 1)])["static_resources"]["listeners"][0]
+    lua = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"][0]
+    return lua["typed_config"]["default_source_code"]["inline_string"]
+
+
+def test_tgi_body_fields_are_the_contracts_in_both_spellings():
+    """The Lua filter refuses a TGI body's key the transcoder would drop: it knows the
+    names from the descriptor set, as the proto's field name and as its JSON name."""
+    body, params, grammar = contract.tgi_body_fields(contract.contract())
+    for fields, message in (
+        (body, pb.GenerateRequest),
+        (params, pb.GenerateParameters),
+        (grammar, pb.Grammar),
+    ):
+        spellings = {f.name for f in message.DESCRIPTOR.fields}
+        spellings |= {f.json_name for f in message.DESCRIPTOR.fields}
+        extras = set(contract.TGI_COMPAT_FIELDS) if message is pb.GenerateRequest else set()
+        assert fields.accepted == spellings | extras
+    assert "maxNewTokens" in params.accepted and "max_new_tokens" in params.names
+    code = lua_code()
+    assert '["max_new_tokens"] = true' in code and '["maxNewTokens"] = true' in code
+    assert '["stream"] = true' in code
+
+
+def test_tgi_clients_send_only_accepted_fields():
+    """Every field TGI's Python client and huggingface_hub's InferenceClient put in a
+    text-generation body is accepted (a field the contract lacks must be in
+    TGI_COMPAT_FIELDS)."""
+    import dataclasses
+
+    import text_generation.types as tgi
+    from huggingface_hub.inference._generated.types import text_generation as hub
+
+    body, params, grammar = (f.accepted for f in contract.tgi_body_fields(contract.contract()))
+    assert set(tgi.Request.model_fields) <= body
+    assert set(tgi.Parameters.model_fields) <= params
+    assert set(tgi.Grammar.model_fields) <= grammar
+    assert {f.name for f in dataclasses.fields(hub.TextGenerationInput)} <= body
+    assert {f.name for f in dataclasses.fields(hub.TextGenerationInputGenerateParameters)} <= params
+    assert {f.name for f in dataclasses.fields(hub.TextGenerationInputGrammarType)} <= grammar
 
 
 def test_contract_refuses_response_body_envoy_rejects(tmp_path):

@@ -1,6 +1,7 @@
 """Every error of TGI's HTTP face through a real Envoy, with TGI's status and body
-(OpenAI's under /v1/): the server's typed errors, Envoy's own rejections, overload
-and an unhealthy replica.
+(OpenAI's under /v1/): the server's typed errors, Envoy's own rejections (among them
+the Lua filter's refusal of a TGI body's unknown fields), overload and an unhealthy
+replica.
 
 Not reachable from outside yet, so covered by the status-table tests in
 test_envoy_config.py instead: generation (424), incomplete_generation (500),
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from urllib.parse import urlsplit
 
 import grpc
@@ -96,6 +98,136 @@ def test_unknown_query_parameter_is_ignored(web):
     assert status == 200, raw
     status, _, _ = web.call("GET", "/info?verbose=1")
     assert status == 200
+
+
+# unknown fields of TGI's bodies: refused by Envoy's Lua filter (envoy/lua.py) --------
+
+
+def request_count(web) -> float:
+    status, _, raw = web.call("GET", "/metrics")
+    assert status == 200
+    return float(re.search(rb"^tgi_request_count (\S+)$", raw, re.MULTILINE).group(1))
+
+
+GRAMMAR = {"type": "json", "value": {"type": "object", "properties": {"a": {"type": "string"}}}}
+
+
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        ("/generate", {"inputs": PROMPT, "foo": 1}, "foo"),
+        (
+            "/generate",
+            {"inputs": PROMPT, "parameters": {"max_new_token": 5}},
+            "parameters.max_new_token",
+        ),
+        # null is refused too: no client sends an unknown field as null
+        (
+            "/generate",
+            {"inputs": PROMPT, "parameters": {"max_new_tokens": 1, "foo": None}},
+            "parameters.foo",
+        ),
+        (
+            "/generate",
+            {"inputs": PROMPT, "parameters": {"grammar": {**GRAMMAR, "strict": True}}},
+            "parameters.grammar.strict",
+        ),
+        ("/generate_stream", {"inputs": PROMPT, "parameters": {"max_new_tokens": 1}, "n": 2}, "n"),
+        (
+            "/generate_stream",
+            {"inputs": PROMPT, "parameters": {"maxNewToken": 1}},
+            "parameters.maxNewToken",
+        ),
+        (
+            "/",
+            {"inputs": PROMPT, "stream": False, "parameters": {"max_new_token": 1}},
+            "parameters.max_new_token",
+        ),
+        (
+            "/",
+            {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 1}, "foo": None},
+            "foo",
+        ),
+        # an escaped key is read as the transcoder reads it
+        (
+            "/generate",
+            '{"inputs": "x", "parameters": {"max\\u005fnew_token": 1}}',
+            "parameters.max_new_token",
+        ),
+    ],
+)
+def test_unknown_field_is_refused_by_name_before_the_server(web, path, body, field):
+    """The transcoder drops a field its message lacks: `max_new_token` (a typo) would
+    generate to the whole context. The Lua filter refuses it, naming it, and the request
+    never reaches the server."""
+    before = request_count(web)
+    status, headers, raw = web.call("POST", path, body)
+    assert status == 422, raw
+    assert headers["content-type"] == "application/json"
+    error = json.loads(raw)
+    openapi_validator("ErrorResponse").validate(error)
+    assert error["error_type"] == "validation"
+    assert error["error"].startswith(f"unknown field `{field}`, expected one of `"), error
+    assert request_count(web) == before
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        # the proto's JSON names (lowerCamelCase), which the transcoder binds too; a key
+        # with an escape, read as the transcoder reads it
+        ("/generate", '{"inputs": "x", "parameters": {"max\\u005fnew_tokens": 1}}'),
+        # keys inside strings, escaped quotes, the arbitrary keys of logit_bias, of a
+        # grammar's schema and of nested arrays are not the body's
+        (
+            "/generate",
+            {
+                "inputs": 'say "foo": 1, \\"bar\\": {"baz": 2}',
+                "parameters": {
+                    "max_new_tokens": 2,
+                    "stop": ['"foo":', "}"],
+                    "logit_bias": {"5": 0.5},
+                    "grammar": {
+                        "type": "json",
+                        "value": {
+                            "type": "object",
+                            "properties": {
+                                "foo": {"type": "string"},
+                                "stream": {"type": "integer"},
+                            },
+                            "description": '{"nope": 1}',
+                            "examples": [{"foo": "x", "stream": 1}],
+                        },
+                    },
+                },
+            },
+        ),
+        (
+            "/generate_stream",
+            {"inputs": PROMPT, "parameters": {"max_new_tokens": 2, "grammar": None}},
+        ),
+        ("/generate", {"inputs": PROMPT, "parameters": None, "stream": False}),
+        (
+            "/",
+            {
+                "inputs": PROMPT,
+                "parameters": {"maxNewTokens": 2, "doSample": False},
+                "stream": True,
+            },
+        ),
+    ],
+)
+def test_known_fields_in_both_spellings_are_accepted(web, path, body):
+    status, _, raw = web.call("POST", path, body)
+    assert status == 200, raw
+
+
+def test_camel_case_fields_are_honoured(web, tokenizer):
+    params = {"maxNewTokens": 3, "topNTokens": 2, "details": True, "logitBias": no_eos(tokenizer)}
+    status, _, raw = web.call("POST", "/generate", {"inputs": PROMPT, "parameters": params})
+    assert status == 200, raw
+    details = json.loads(raw)["details"]
+    assert details["generated_tokens"] == 3 and len(details["top_tokens"][0]) == 2
 
 
 # overload and health (their own replicas) -------------------------------------------
