@@ -7,6 +7,9 @@ are transcoded and responses after. It never touches native gRPC
 - `POST /` (TGI's compat route): reads the top-level `stream` of the JSON body and
   rewrites the path to /generate_stream or /generate; the non-streamed answer is
   wrapped in `[ ]` as TGI does.
+- SageMaker's routes, as TGI's router serves them: `GET /ping` is /health; `POST
+  /invocations` goes where its body's first key of `inputs` (TGI's body: then as `POST /`),
+  `messages` (/v1/chat/completions) and `prompt` (/v1/completions) says, with that face.
 - A gRPC error (the transcoder's 4xx/5xx with grpc-status) becomes TGI's
   `{"error", "error_type"}` body, or OpenAI's `{"error": {...}}` under /v1/, with
   TGI's status for the server's `x-textgen-error-type` trailer.
@@ -127,11 +130,52 @@ local function refuse_unknown_fields(request_handle, bare)
   end
 end
 
+-- SageMaker's routes, as TGI's router serves them (router/src/server.rs: `/ping` is its
+-- health handler; router/src/sagemaker.rs: `/invocations` deserializes the untagged enum
+-- SagemakerRequest, trying TGI's CompatGenerateRequest, then ChatRequest, then
+-- CompletionRequest): the first key the body has, in that order, picks the route. TGI's
+-- body goes to POST /'s compat route (route_compat: `stream` switches, an array answers).
+local INVOCATION_ROUTES = {{"inputs", "/", "tgi"}, {"messages", "/v1/chat/completions", "openai"},
+                           {"prompt", "/v1/completions", "openai"}}
+
+-- :path becomes `route` (the query kept): the new bare path and path.
+local function reroute(request_handle, path, bare, route)
+  local rerouted = route .. path:sub(#bare + 1)
+  request_handle:headers():replace(":path", rerouted)
+  request_handle:clearRouteCache()
+  return route, rerouted
+end
+
+-- POST /invocations: the bare path, path and face of the route its body picks; nil when
+-- no key picks one (answered here: TGI's 422, as serde's "did not match any variant").
+local function route_invocations(request_handle, path)
+  local body = request_handle:body()
+  local keys = body ~= nil and object_keys(body:getBytes(0, body:length()), {}) or nil
+  local has = {}
+  for _, raw in ipairs(keys ~= nil and keys[1] or {}) do has[unescape_key(raw)] = true end
+  for _, route in ipairs(INVOCATION_ROUTES) do
+    if has[route[1]] then
+      local bare, rerouted = reroute(request_handle, path, "/invocations", route[2])
+      -- TRAP: wrappers taken before body() are dead once it has yielded: get them again.
+      request_handle:headers():replace(FACE_HEADER, route[3])
+      return bare, rerouted, route[3]
+    end
+  end
+  -- a 400 local reply: local_reply_config (errors.py) makes it TGI's 422 validation
+  request_handle:respond({[":status"] = "400"}, "data did not match any variant of "
+    .. "SagemakerRequest: POST /invocations takes TGI's body (`inputs`), OpenAI chat's "
+    .. "(`messages`) or OpenAI completions' (`prompt`)")
+  return nil
+end
+
 function envoy_on_request(request_handle)
   local headers = request_handle:headers()
   if is_grpc(headers:get("content-type")) then return end
   local path = headers:get(":path")
   local bare = path:match('^[^?]*')
+  if bare == "/ping" and headers:get(":method") == "GET" then  -- SageMaker's health check
+    bare, path = reroute(request_handle, path, bare, "/health")
+  end
   local face = "tgi"
   if bare:sub(1, 4) == "/v1/" then
     face = "openai"
@@ -148,6 +192,11 @@ function envoy_on_request(request_handle)
   -- transcoder has rewritten both when it rejects a body. Set before body(): a
   -- body over the buffer limit is rejected while this filter waits for it.
   headers:replace(FACE_HEADER, face)
+  if bare == "/invocations" and headers:get(":method") == "POST" then  -- SageMaker's
+    bare, path, face = route_invocations(request_handle, path)
+    if bare == nil then return end  -- refused: answered
+    headers = request_handle:headers()  -- the old one died in body()
+  end
   local meta = request_handle:streamInfo():dynamicMetadata()
   if bare == "/" and headers:get(":method") == "POST" then
     face = route_compat(request_handle, path)

@@ -37,7 +37,8 @@ class Route:
 
 
 # Every HTTP path the faces serve. `POST /` is TGI's compat route: the Lua filter
-# rewrites it to /generate or /generate_stream after reading `stream` in the body.
+# rewrites it to /generate or /generate_stream after reading `stream` in the body;
+# SageMaker's `GET /ping` and `POST /invocations` are rewritten by it too.
 ROUTES: tuple[Route, ...] = (
     Route("POST", "/generate", generation=True),
     Route("POST", "/generate_stream", generation=True, streaming=True),
@@ -48,6 +49,10 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/version"),
     Route("GET", "/health"),
     Route("GET", "/metrics"),
+    # SageMaker's (TGI's router serves both): the Lua filter rewrites /ping to /health, and
+    # /invocations to / (TGI's body), /v1/chat/completions or /v1/completions (OpenAI's)
+    Route("GET", "/ping"),
+    Route("POST", "/invocations", generation=True, streaming=True),
     Route("GET", "/v1/models"),
     # OpenAI's routes stream or not depending on the body: both get the stream headers.
     Route("POST", "/v1/chat/completions", generation=True, streaming=True),

@@ -21,6 +21,9 @@ match), with TGI's request and response schemas kept and adjusted where textgen 
   responses' routes (retrieve, delete, input items: stored_response_schemas()).
 - /tokenize also takes vLLM's body and answers vLLM's shape; /detokenize and /version
   (tokenizer_schemas()).
+- SageMaker's routes, as TGI's router serves them: GET /ping (/health's answers) and
+  POST /invocations (TGI's SagemakerRequest: TGI's body, OpenAI chat's or completions',
+  answered as the route it picks, with that face's errors).
 - Errors: every non-2xx answer is typed, `{"error", "error_type"}` on TGI routes and
   `{"error": {"message", "type", "param", "code"}}` under /v1/, with the statuses of
   textgen.envoy.config.HTTP_STATUS_BY_ERROR_TYPE.
@@ -430,6 +433,15 @@ def tgi_schemas(tgi: dict) -> dict:
             "error_type": {"type": "string", "enum": ERROR_TYPES, "description": "For programs."},
         },
         "example": {"error": "Input validation error", "error_type": "validation"},
+    }
+
+    # SageMaker's POST /invocations (TGI's router/src/sagemaker.rs: an untagged enum, its
+    # variants tried in this order; the Lua filter routes by the first key present)
+    s["SagemakerRequest"] = {
+        "description": "TGI's body (`inputs`: as POST /, `stream` switching), else OpenAI"
+        " chat's (`messages`), else OpenAI completions' (`prompt`), as TGI's"
+        " SagemakerRequest.",
+        "anyOf": [ref("CompatGenerateRequest"), ref("ChatRequest"), ref("CompletionRequest")],
     }
 
     s["Info"] = info_schema(tgi)
@@ -1381,6 +1393,42 @@ def paths(tgi_paths: dict) -> dict:
             }
         },
     }
+    # SageMaker's routes (TGI's router serves both; envoy/lua.py routes them)
+    ping = copy.deepcopy(health)
+    ping.update(summary="SageMaker's health check: GET /health", operationId="ping")
+    invocations = operation(
+        tgi_paths,
+        "/invocations",
+        "post",
+        summary="SageMaker's inference route: TGI's body as POST / (`stream` switching),"
+        " OpenAI chat's (`messages`) as /v1/chat/completions, OpenAI completions' (`prompt`)"
+        " as /v1/completions",
+        request="SagemakerRequest",
+        ok=ok(
+            "What the route the body picks answers",
+            {
+                json_: {
+                    "anyOf": [
+                        {"type": "array", "items": ref("GenerateResponse")},
+                        ref("ChatCompletion"),
+                        ref("CompletionFinal"),
+                    ]
+                },
+                sse: {
+                    "anyOf": [
+                        sse_event("StreamEvent"),
+                        sse_event("ChatStreamEvent", done=True),
+                        sse_event("CompletionStreamEvent", done=True),
+                    ]
+                },
+            },
+        ),
+        errors=GENERATION_ERRORS,
+    )
+    for status, answer in invocations["responses"].items():
+        if status != "200":  # TGI's error body, OpenAI's for an OpenAI body
+            media = answer["content"]["application/json"]
+            media["schema"] = {"anyOf": [ref("ErrorResponse"), ref("OpenAIErrorResponse")]}
     return {
         "/": {
             "post": operation(
@@ -1423,6 +1471,8 @@ def paths(tgi_paths: dict) -> dict:
             )
         },
         "/health": {"get": health},
+        "/ping": {"get": ping},
+        "/invocations": {"post": invocations},
         "/info": {
             "get": operation(
                 tgi_paths,

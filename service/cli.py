@@ -28,6 +28,7 @@ from .settings.tgi_launcher import (
     log_level,
     parse_bool,
     runtime_environment,
+    sagemaker_entrypoint,
     settings_from,
     tgi_environment,
 )
@@ -316,6 +317,9 @@ def tgi_launcher_main(argv: list[str] | None = None) -> int:
 
 
 def _settings_and_env(argv: list[str], environ: Mapping[str, str]) -> tuple[Settings, bool]:
+    # SageMaker's environment and its `serve` argument, as TGI's SageMaker image maps them
+    # (settings_from maps them too: its own output comes back unchanged)
+    argv, environ = sagemaker_entrypoint(argv, environ)
     values_env = "--env" in given(argv, environ)
     return settings_from(argv, environ), values_env
 

@@ -15,6 +15,10 @@ beyond TGI's translation; every TGI flag is in FLAGS with what textgen does with
 Where a value comes from, first found: the flag, TGI's variable (the bare name, MODEL_ID,
 PORT, ...: only this entry point reads those), textgen's TEXTGEN_<SETTING>, the launcher's
 default (TGI's, where it differs from serve's: LAUNCHER_DEFAULTS), serve's default.
+
+SageMaker's environment (HF_MODEL_ID, SM_NUM_GPUS, ...) is first mapped onto TGI's
+variables and `--port 8080`, as TGI's SageMaker image's entrypoint does
+(sagemaker_entrypoint).
 """
 
 from __future__ import annotations
@@ -266,7 +270,9 @@ def given(argv: list[str], environ: Mapping[str, str]) -> dict[str, tuple[str, s
 
 
 def settings_from(argv: list[str], environ: Mapping[str, str] = os.environ) -> Settings:
-    """The settings TGI's `argv` and environment say; LaunchError for a refused one."""
+    """The settings TGI's `argv` and environment say (SageMaker's too, mapped as TGI's
+    SageMaker image does: sagemaker_entrypoint); LaunchError for a refused one."""
+    argv, environ = sagemaker_entrypoint(argv, environ)
     values = _defaults(environ)
     flags = given(argv, environ)
     if "--max-input-tokens" in flags and "--max-input-length" in flags:
@@ -336,6 +342,109 @@ def _hostname(values: dict[str, object]) -> None:
     except ValueError:
         log.warning("hostname %r is not an IP address: listening on 0.0.0.0, as TGI does", host)
         values["hostname"] = "0.0.0.0"
+
+
+# SageMaker's environment -------------------------------------------------------------------
+
+# TGI's SageMaker image (its Dockerfile's `sagemaker` stage) runs sagemaker-entrypoint.sh
+# (huggingface/text-generation-inference, read at commit db931fcf), not the launcher:
+#   [[ -z "${HF_MODEL_ID}" ]] -> echo "HF_MODEL_ID must be set"; exit 1
+#   export MODEL_ID="${HF_MODEL_ID}"
+#   [[ -n "${HF_MODEL_REVISION}" ]] -> export REVISION="${HF_MODEL_REVISION}"
+#   [[ -n "${SM_NUM_GPUS}" ]] -> export NUM_SHARD="${SM_NUM_GPUS}"
+#   [[ -n "${HF_MODEL_QUANTIZE}" ]] -> export QUANTIZE="${HF_MODEL_QUANTIZE}"
+#   [[ -n "${HF_MODEL_TRUST_REMOTE_CODE}" ]] -> export TRUST_REMOTE_CODE="${...}"
+#   text-generation-launcher --port 8080
+# It keys on nothing (the image is SageMaker's); here one launcher serves both, so any of
+# these variables set (not empty: the script's -z/-n) says SageMaker's environment is there.
+SAGEMAKER_VARIABLES: dict[str, str] = {  # SageMaker's variable -> TGI's, which it overwrites
+    "HF_MODEL_ID": "MODEL_ID",
+    "HF_MODEL_REVISION": "REVISION",
+    "SM_NUM_GPUS": "NUM_SHARD",
+    "HF_MODEL_QUANTIZE": "QUANTIZE",
+    "HF_MODEL_TRUST_REMOTE_CODE": "TRUST_REMOTE_CODE",
+}
+SAGEMAKER_PORT = 8080  # the entrypoint's `--port 8080`: a flag, over PORT (80 in the image)
+# SageMaker's own variable for a container labelled
+# com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true (multi-container endpoints,
+# inference pipelines): the port to listen on instead of 8080. TGI's entrypoint ignores it;
+# SageMaker sets it for no other container, so unset (8080) is TGI's case.
+SAGEMAKER_BIND_TO_PORT = "SAGEMAKER_BIND_TO_PORT"
+# SageMaker runs a hosting container as `docker run IMAGE serve`; TGI's entrypoint passes
+# the launcher none of its arguments, so `serve` reaches nothing there.
+SAGEMAKER_ARGUMENT = "serve"
+
+
+def sagemaker_entrypoint(
+    argv: list[str], environ: Mapping[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    """(argv, environ) as TGI's sagemaker-entrypoint.sh hands them to the launcher when
+    SageMaker's environment is there (any of SAGEMAKER_VARIABLES set); unchanged otherwise.
+
+    SageMaker's variables overwrite TGI's, as the script's `export`s do (SM_NUM_GPUS=2 with
+    NUM_SHARD=4 serves 2 shards; logged), and the port is the script's `--port 8080` flag
+    (or SAGEMAKER_BIND_TO_PORT), over PORT and TEXTGEN_PORT. SageMaker's `serve` argument
+    is dropped. The script passes the launcher no other argument; the flags given here are
+    honoured, but one that contradicts what SageMaker's environment sets (--model-id,
+    --revision, --num-shard, --quantize, --trust-remote-code, --port) is refused:
+    TGI has no such case to copy. Idempotent: its own output comes back unchanged."""
+    present = {name: environ[name] for name in SAGEMAKER_VARIABLES if environ.get(name, "")}
+    if not present:
+        return list(argv), dict(environ)
+    if "HF_MODEL_ID" not in present:
+        raise LaunchError(
+            f"{', '.join(present)} set (SageMaker's environment): HF_MODEL_ID must be set, "
+            "as TGI's sagemaker-entrypoint.sh says"
+        )
+    args = list(argv[1:] if argv[:1] == [SAGEMAKER_ARGUMENT] else argv)
+    flags = {name: text for name, (where, text) in given(args, environ).items() if where == name}
+    out = dict(environ)
+    mapped = []
+    for name, text in present.items():
+        variable = SAGEMAKER_VARIABLES[name]
+        flag = next(f for f in FLAGS if f.variable == variable)
+        _refuse_contradiction(flag, flags.get(flag.name), text, f"{name}={text!r}")
+        before = environ.get(variable, "")
+        if before.strip() and before != text:
+            log.warning(
+                "%s=%r overwrites %s=%r, as TGI's sagemaker-entrypoint.sh exports it",
+                name, text, variable, before,
+            )  # fmt: skip
+        out[variable] = text
+        mapped.append(f"{name} -> {variable}")
+    bound = environ.get(SAGEMAKER_BIND_TO_PORT, "").strip()
+    port = bound or str(SAGEMAKER_PORT)
+    shown = f"{SAGEMAKER_BIND_TO_PORT}={port!r}" if bound else f"--port {port}"
+    _refuse_contradiction(BY_NAME["--port"], flags.get("--port"), port, shown)
+    if "--port" not in flags:
+        args += ["--port", port]
+    if args != list(argv) or out != dict(environ):
+        log.info(
+            "SageMaker's environment: %s, and %s, as TGI's sagemaker-entrypoint.sh does",
+            ", ".join(mapped),
+            shown,
+        )
+    return args, out
+
+
+def _refuse_contradiction(flag: Flag, given_text: str | None, wanted: str, shown: str) -> None:
+    """`flag` given as `given_text` where SageMaker's environment sets `wanted` (`shown`
+    says where): refused when the two values differ."""
+    if given_text is None:
+        return
+    option = Settings.__dataclass_fields__[flag.does.name].metadata["option"]
+
+    def value(text: str) -> object:
+        try:
+            return parse_bool(text) if flag.switch else option.parse(text)
+        except ValueError:
+            return text.strip()
+
+    if value(given_text) != value(wanted):
+        raise LaunchError(
+            f"{flag.name} {given_text!r}: SageMaker's environment sets it ({shown}, as TGI's "
+            "sagemaker-entrypoint.sh does); give one or the other"
+        )
 
 
 # TGI's other variables -------------------------------------------------------------------

@@ -664,6 +664,7 @@ HTTP_EXAMPLES = {
     "/v1/chat/completions": GENERATING,
     "/v1/completions": GENERATING,
     "/v1/responses": GENERATING,
+    "/invocations": (12, 12),  # routed to /, chat or completions by its body (lua.py)
 }
 HTTP_TARGETS = [
     pytest.param(path, method, mode, id=f"{method} {path} {mode.value}")
@@ -687,7 +688,11 @@ def typed_error(path: str, raw: bytes) -> tuple[str, str]:
         body = json.loads(raw)
     except ValueError:
         raise AssertionError(f"error body is not JSON: {raw[:300]!r}") from None
-    if path.startswith("/v1/"):
+    # SageMaker's /invocations answers in the face of the body it was sent (lua.py)
+    sagemaker_openai = (
+        path == "/invocations" and isinstance(body, dict) and isinstance(body.get("error"), dict)
+    )
+    if path.startswith("/v1/") or sagemaker_openai:
         error = body.get("error") if isinstance(body, dict) else None
         assert isinstance(error, dict) and set(error) >= {"message", "type", "param", "code"}, (
             f"not OpenAI's error shape: {body}"
@@ -739,6 +744,9 @@ def check_stream(path: str, raw: bytes, what: str) -> None:
     events = sse_events(raw)
     assert events, f"empty event stream: {what}"
     openai = path.startswith("/v1/")
+    if path == "/invocations":  # TGI's stream for TGI's body, OpenAI's for OpenAI's
+        first = json.loads(events[0]) if events[0] != b"[DONE]" else {}
+        openai = isinstance(first, dict) and "object" in first
     if openai:
         assert events[-1] == b"[DONE]", (
             f"OpenAI stream does not end with [DONE]: {events[-3:]}: {what}"
@@ -859,6 +867,13 @@ HOSTILE_BODIES = [
     ("/generate", '{"inputs": "\\ud800", "parameters": {"max_new_tokens": 2}}'),
     ("/generate", "\ufeff{}"),
     ("/", '{"stream": "true", "inputs": "hi", "parameters": {"max_new_tokens": 2}}'),
+    # SageMaker's /invocations: a body that names no route, or two
+    ("/invocations", "{}"),
+    ("/invocations", "[]"),
+    ("/invocations", '{"stream": true, "parameters": {"max_new_tokens": 2}}'),
+    ("/invocations", '{"inputs": "hi", "messages": [], "parameters": {"max_new_tokens": 2}}'),
+    ("/invocations", '{"\\u0069nputs": "hi", "parameters": {"max_new_tokens": 2}}'),
+    ("/invocations", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 0}'),
     # OpenAI: Python's json reads NaN/Infinity; integers beyond the proto's fields
     (
         "/v1/chat/completions",

@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -311,6 +311,101 @@ def test_tgis_other_variables():
         launcher.log_level({"LOG_LEVEL": "text_generation_router=debug"})
 
 
+# SageMaker's environment, as TGI's sagemaker-entrypoint.sh maps it --------------------------
+
+# SageMaker's variable: (a value, the settings it must give, as TGI's variable would)
+SAGEMAKER = {
+    "HF_MODEL_ID": ("org/name", {"model_id": "org/name"}),
+    "HF_MODEL_REVISION": ("refs/pr/2", {"revision": "refs/pr/2"}),
+    "SM_NUM_GPUS": ("2", {"num_shard": 2}),
+    "HF_MODEL_QUANTIZE": ("int8", {"quantize": "int8"}),
+    "HF_MODEL_TRUST_REMOTE_CODE": ("true", {"trust_remote_code": True}),
+}
+
+
+def test_sagemaker_samples_every_variable_of_tgis_entrypoint():
+    assert set(SAGEMAKER) == set(launcher.SAGEMAKER_VARIABLES)
+    for name, variable in launcher.SAGEMAKER_VARIABLES.items():  # each is TGI's own variable
+        assert any(f.variable == variable for f in FLAGS), name
+
+
+@pytest.mark.parametrize("name", sorted(SAGEMAKER))
+def test_a_sagemaker_variable_sets_what_its_tgi_variable_does(name):
+    text, expected = SAGEMAKER[name]
+    base = {"HF_MODEL_ID": "org/base"}
+    by_sagemaker = launched(env={**base, name: text})
+    by_tgi = launched(env={"MODEL_ID": "org/base", launcher.SAGEMAKER_VARIABLES[name]: text})
+    for field_name, value in expected.items():
+        assert getattr(by_sagemaker, field_name) == value, (name, field_name)
+    # everything else as TGI's variable gives it, but the port: the entrypoint's 8080
+    assert replace(by_tgi, port=8080) == by_sagemaker, name
+
+
+def test_sagemakers_environment_serves_on_8080_over_port_as_tgis_entrypoint():
+    env = {"HF_MODEL_ID": "org/name", "PORT": "80", "TEXTGEN_PORT": "82"}
+    settings = launched(env=env)
+    assert (settings.model_id, settings.port, settings.hostname) == ("org/name", 8080, "0.0.0.0")
+    assert launched(["serve"], env) == settings  # SageMaker runs `docker run IMAGE serve`
+    bound = launched(env={**env, "SAGEMAKER_BIND_TO_PORT": "8081"})
+    assert bound.port == 8081  # a multi-container endpoint's port, when SageMaker sets one
+    assert launched(env={"PORT": "80"}).port == 80  # no SageMaker variable: TGI's launcher
+    off = launched(env={"TRUST_REMOTE_CODE": "true", "HF_MODEL_ID": "o/n",
+                        "HF_MODEL_TRUST_REMOTE_CODE": "false"})  # fmt: skip
+    assert off.trust_remote_code is False
+
+
+def test_sagemakers_variables_overwrite_tgis_as_the_entrypoints_exports_do(caplog):
+    env = {"HF_MODEL_ID": "org/sm", "MODEL_ID": "org/tgi", "SM_NUM_GPUS": "2",
+           "NUM_SHARD": "4", "REVISION": "kept"}  # fmt: skip
+    with caplog.at_level("WARNING", logger="textgen.launcher"):
+        settings = launched(env=env)
+    assert (settings.model_id, settings.num_shard) == ("org/sm", 2)
+    assert settings.revision == "kept"  # HF_MODEL_REVISION unset: REVISION is left alone
+    assert "SM_NUM_GPUS='2' overwrites NUM_SHARD='4'" in caplog.text
+    assert "HF_MODEL_ID='org/sm' overwrites MODEL_ID='org/tgi'" in caplog.text
+    # empty is unset, as the entrypoint's -n tests say
+    assert launched(env={**env, "HF_MODEL_REVISION": "", "SM_NUM_GPUS": ""}).num_shard == 4
+
+
+def test_sagemakers_mapping_is_idempotent():
+    env = {"HF_MODEL_ID": "org/name", "SM_NUM_GPUS": "2", "PORT": "80", "NUM_SHARD": "4"}
+    argv, mapped = launcher.sagemaker_entrypoint(["serve", "--max-batch-size", "16"], env)
+    assert argv == ["--max-batch-size", "16", "--port", "8080"]
+    assert (mapped["MODEL_ID"], mapped["NUM_SHARD"], mapped["PORT"]) == ("org/name", "2", "80")
+    assert launcher.sagemaker_entrypoint(argv, mapped) == (argv, mapped)
+    assert launcher.sagemaker_entrypoint(["--port", "1"], {"PORT": "2"}) == (
+        ["--port", "1"], {"PORT": "2"})  # fmt: skip
+
+
+def test_a_flag_that_contradicts_sagemakers_environment_is_refused():
+    env = {"HF_MODEL_ID": "org/name", "SM_NUM_GPUS": "2", "HF_MODEL_TRUST_REMOTE_CODE": "false"}
+    refused = {
+        ("--port", "3000"): "--port '3000': SageMaker's environment sets it (--port 8080",
+        ("--num-shard", "4"): "--num-shard '4': SageMaker's environment sets it (SM_NUM_GPUS='2'",
+        ("--model-id", "x/y"): "--model-id 'x/y': SageMaker's environment sets it (HF_MODEL_ID",
+        ("--trust-remote-code",): "--trust-remote-code 'true': SageMaker's environment sets it",
+    }
+    for argv, words in refused.items():
+        with pytest.raises(LaunchError, match=re.escape(words)):
+            launched(list(argv), env)
+    # the same value, and the flags SageMaker's environment doesn't set, are honoured
+    settings = launched(["-p", "8080", "--num-shard", "2", "--max-batch-size", "16"], env)
+    assert (settings.port, settings.num_shard, settings.max_batch_size) == (8080, 2, 16)
+    assert launched(["--revision", "v2"], env).revision == "v2"
+
+
+def test_sagemakers_environment_without_hf_model_id_is_refused_as_tgis_entrypoint_does():
+    with pytest.raises(LaunchError, match="SM_NUM_GPUS set .*HF_MODEL_ID must be set"):
+        launched(env={"SM_NUM_GPUS": "1", "MODEL_ID": "org/name"})
+
+
+def test_the_docs_name_sagemakers_variables():
+    doc = (ROOT / "docs" / "launcher.md").read_text()
+    for name, variable in launcher.SAGEMAKER_VARIABLES.items():
+        assert f"`{name}`" in doc and f"`{variable}`" in doc, name
+    assert "`SAGEMAKER_BIND_TO_PORT`" in doc and "sagemaker-entrypoint.sh" in doc
+
+
 def test_the_runtime_environment_names_the_versions():
     text = launcher.runtime_environment()
     assert "textgen:" in text and "torch:" in text and "transformers:" in text
@@ -331,6 +426,8 @@ def test_the_docs_table_is_the_launchers():
         ([], {"SHARD_UDS_PATH": "/tmp/x"}, "SHARD_UDS_PATH='/tmp/x': textgen's shards"),
         (["--speculate", "x"], {}, "--speculate 'x': must be a whole number"),
         (["--max-total-tokens", "x"], {}, "--max-total-tokens 'x': must be a whole number"),
+        (["serve"], {"SM_NUM_GPUS": "1"}, "SM_NUM_GPUS set (SageMaker's environment): HF_"),
+        (["serve", "-p", "3000"], {"HF_MODEL_ID": "org/name"}, "--port '3000': SageMaker's"),
         (["--max-total-tokens", "100000", "--hostname", "127.0.0.1", "--port", "0",
           "--prometheus-port", "0"], {}, "--max-total-tokens 100000: exceeds the model's"),
     ],
