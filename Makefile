@@ -24,6 +24,9 @@ GPTQMODEL := gptqmodel==7.7.0
 TGI_CLIENT := text-generation==0.7.0
 
 SERVE_ARGS ?=
+# pytest-xdist workers for `make test` and `make test-fast` (0: one process, no workers);
+# each takes whole test files (--dist loadfile), so a file's module-scoped servers start once
+TEST_WORKERS ?= 2
 
 .PHONY: serve test test-fast proto lint-proto tools install-server install-test clean
 
@@ -32,12 +35,13 @@ serve: $(VENV)/.installed-server
 
 # Every test, the slowest 25 named at the end.
 test: $(VENV)/.installed-test $(BUF)
-	$(BIN)/python -m pytest --durations=25
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # The tiers (tests/support/tiers.py) left out: tests that start a server or a subprocess
 # (`server`), need a CUDA device (`gpu`) or load the embedded model (`slow`). A few minutes.
 test-fast: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -m "not server and not gpu and not slow" --durations=25
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile \
+		-m "not server and not gpu and not slow" --durations=25
 
 proto: $(VENV)/.installed-test
 	$(BIN)/python scripts/codegen.py
