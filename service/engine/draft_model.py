@@ -46,6 +46,8 @@ def check_same_tokenizer(target, draft) -> None:
 
 
 class DraftModelProposer:
+    free = False  # each proposal costs draft forwards: asked only for the tokens verified
+
     def __init__(
         self,
         model: torch.nn.Module,

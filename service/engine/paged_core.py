@@ -1,6 +1,7 @@
 """The fast engine core: continuous batching over a paged KV cache with prefix caching.
 
-One step = proposals for the decoding sequences when speculation is on (speculation.py) ->
+One step = proposals for the decoding sequences when speculation is on (speculation.py; when
+it adapts, of those whose measured acceptance pays for verifying: speculation_gate.py) ->
 `Scheduler.schedule()` (which sequences, how many tokens each) -> one forward of the model
 over the flattened ragged batch (`ModelRunner`) -> `Sampler` on the sequences that reached
 their last token (and on every proposal's position) -> the tokens kept appended, the step's
@@ -11,6 +12,7 @@ The engine loop (loop.py) drives it: add, abort, has_work, warm_up, step, stats.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,7 @@ from .speculation import (
     accepted_run,
     sample_rows,
 )
+from .speculation_gate import SpeculationGate
 from .state_slots import StateSlots
 from .stopping import token_stop_reason
 from .types import EngineError, EngineStats
@@ -72,6 +75,7 @@ class PagedCore:
         proposer: Proposer | None = None,
         lora: LoraLayers | None = None,
         adapters: AdapterRegistry | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """
         Args:
@@ -85,6 +89,7 @@ class PagedCore:
                 for a draft model).
             lora: the model's LoRA slots (models/lora_layers.py), serving the adapters of
                 `adapters` (engine/adapters.py); None: requests name no adapter.
+            clock: seconds, monotonic: what adaptive speculation times steps with.
         """
         self.config = config
         self.runner: Runner = build_runner(model, config, lora, adapters)
@@ -117,6 +122,10 @@ class PagedCore:
         if speculation is not None and proposer is None:
             proposer = NgramProposer(speculation.ngram_min, speculation.ngram_max)
         self.proposer = proposer if speculation is not None else None
+        # who proposes, step by step, when speculation adapts (speculation_gate.py)
+        self.gate: SpeculationGate | None = None
+        if speculation is not None and speculation.adaptive:
+            self.gate = SpeculationGate(free=getattr(proposer, "free", False), clock=clock)
         self._steps = 0
         self._spec_proposed = self._spec_accepted = self._spec_verifications = 0
 
@@ -185,6 +194,9 @@ class PagedCore:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
+        gate = self.gate
+        if gate is not None:  # the whole step is timed: what a user waits for
+            gate.start_step()
         batch = self.scheduler.schedule(self._propose())
         if batch.is_empty:
             return []
@@ -204,6 +216,8 @@ class PagedCore:
         for seq in dict.fromkeys(out.seq for out in outputs):  # forks included
             if seq.is_finished:
                 self._retire(seq)
+        if gate is not None:
+            gate.end_step(batch)
         return outputs
 
     def shrink_after_oom(self) -> bool:
@@ -243,6 +257,8 @@ class PagedCore:
             spec_proposed_tokens=self._spec_proposed,
             spec_accepted_tokens=self._spec_accepted,
             spec_verifications=self._spec_verifications,
+            spec_sequences_off=self.gate.sequences_off if self.gate else 0,
+            spec_skipped_proposals=self.gate.skipped if self.gate else 0,
         )
 
     # internals ---------------------------------------------------------------
@@ -260,8 +276,9 @@ class PagedCore:
     def _propose(self) -> dict[Sequence, list[int]]:
         """Proposed tokens for the running sequences in decode state, when speculation is on
         and at most `max_batch` sequences run (above, verifying costs more compute than the
-        batch has to spare). At most as many as the sequence may still gain, less one (the
-        verification's own draw), and only those its grammar admits."""
+        batch has to spare), and, when it adapts, for those the gate lets propose. At most as
+        many as the sequence may still gain, less one (the verification's own draw), and only
+        those its grammar admits."""
         spec = self.speculation
         running = self.scheduler.running
         if spec is None or not running or len(running) > spec.max_batch:
@@ -272,8 +289,20 @@ class PagedCore:
             if seq.num_computed_tokens == seq.num_tokens - 1 and seq.num_output_tokens and left > 0:
                 seqs.append(seq)
                 limits.append(min(spec.num_tokens, left))
+        if not seqs:
+            return {}
+        if self.gate is None:
+            drafted = self.proposer.propose(seqs, limits)
+        else:
+            # a step without prefill chunks: none running still prefills, none admitted
+            sched = self.scheduler
+            decode_only = len(seqs) == len(running) or all(
+                s.num_computed_tokens == s.num_tokens - 1 for s in running
+            )
+            decode_only &= not sched.waiting or len(running) >= sched.max_batch_size
+            drafted = self.gate.propose(self.proposer, seqs, limits, len(running), decode_only)
         proposals = {}
-        for seq, drafts in zip(seqs, self.proposer.propose(seqs, limits) if seqs else ()):
+        for seq, drafts in zip(seqs, drafted):
             if drafts and seq.grammar_state is not None:
                 drafts = drafts[: self.grammars.admitted(seq, drafts)]
             if drafts:
@@ -307,6 +336,8 @@ class PagedCore:
                 self._spec_proposed += len(proposed)
                 self._spec_accepted += run - 1
                 self._spec_verifications += 1
+                if self.gate is not None:
+                    self.gate.verified(seq, len(proposed), run - 1)
             for at in range(row, row + run):
                 token_id = sampled.token_ids[at]
                 seq.append_token(token_id, now)
@@ -339,6 +370,8 @@ class PagedCore:
             self.adapters.release(seq.request.adapter_uid)
         if self.proposer is not None:
             self.proposer.forget(seq)
+        if self.gate is not None:
+            self.gate.forget(seq)
 
     def _fork(
         self, seqs: list[Sequence], drafts: list[list[int]], rows: list, logits: torch.Tensor

@@ -27,6 +27,10 @@ Proposers:
   n-grams (n from `max_n` down to `min_n`) that ends it and occurred before, and the tokens
   that followed its most recent occurrence.
 - draft_model.py's `DraftModelProposer`: a small model sharing the tokenizer, greedily.
+
+With `SpeculationSettings.adaptive` (the default), speculation_gate.py's `SpeculationGate`
+chooses, step by step, which decoding sequences propose: those whose measured acceptance
+pays for the measured cost of verifying (and, now and then, the others, to measure again).
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class SpeculationSettings:
     max_batch: int  # steps with more running sequences than this don't speculate
     ngram_min: int = 2  # the shortest suffix n-gram the n-gram proposer matches
     ngram_max: int = 4  # the longest
+    # propose only while it pays, per sequence, by measured costs and acceptance
+    # (speculation_gate.py); False: every decoding sequence proposes whenever it can
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.num_tokens <= 0 or self.max_batch <= 0:
@@ -56,6 +63,11 @@ class SpeculationSettings:
 
 
 class Proposer(Protocol):
+    # proposing costs next to nothing (no forward): the gate (speculation_gate.py) may ask
+    # for sequences it won't verify, to measure their acceptance for free. A proposer
+    # without the attribute counts as not free.
+    free: bool
+
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         """Up to `limits[i]` tokens that may follow `seqs[i]` (each in decode state: all
         but its last token computed), [] where there is no guess."""
@@ -73,6 +85,8 @@ class NgramProposer:
     Each sequence keeps an index from every n-gram it holds (min_n <= n <= max_n) to where
     its latest occurrence ends, extended by the tokens appended since the last call: a
     proposal costs O(max_n) dict look-ups, not a scan of the context."""
+
+    free = True
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n

@@ -161,3 +161,7 @@ class EngineStats:
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verifications: int = 0
+    # adaptive speculation (engine/speculation_gate.py): the running sequences it keeps from
+    # proposing (but to probe) now, and the (sequence, step) pairs kept from proposing so far
+    spec_sequences_off: int = 0
+    spec_skipped_proposals: int = 0

@@ -299,6 +299,17 @@ class _EngineCollector:
             "Proposed tokens kept per verifying decode, on average",
             s.spec_accepted_tokens / s.spec_verifications if s.spec_verifications else 0.0,
         )
+        yield _gauge(
+            "textgen_speculative_sequences_off",
+            "Sequences adaptive speculation keeps from proposing (but to probe) now: their"
+            " kept tokens don't pay for the verification",
+            s.spec_sequences_off,
+        )
+        yield _gauge(
+            "textgen_speculative_skipped_proposals",
+            "Decodes adaptive speculation kept from proposing (one per sequence per step), so far",
+            s.spec_skipped_proposals,
+        )
 
 
 PRIORITY_LABEL_RANGE = 10  # priorities beyond +-10 share the labels "<-10" and ">10"

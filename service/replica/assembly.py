@@ -126,6 +126,7 @@ def speculation_settings(settings: Settings) -> SpeculationSettings | None:
         settings.speculate_max_batch,
         settings.speculate_ngram_min,
         settings.speculate_ngram_max,
+        adaptive=settings.speculate_adaptive,
     )
 
 

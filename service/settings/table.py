@@ -578,6 +578,14 @@ class Settings:
     speculate_ngram_max: int = option(
         4, "the longest n-gram the n-gram lookup matches (the longest match wins)", positive_int
     )
+    speculate_adaptive: bool = switch(
+        True,
+        "with --speculate, a sequence proposes only while the tokens its verifications keep "
+        "pay for the time they add to a step, both measured as it runs (a sequence that "
+        "stopped still probes now and then); --no-speculate-adaptive: every decoding "
+        "sequence proposes whenever it can",
+        negatable=True,
+    )
     watermark_gamma: float = option(
         0.5,
         "share of the vocabulary on the green list of requests with `watermark: true` "

@@ -188,7 +188,7 @@ def test_choices_fork_in_a_step_that_verifies_proposals(tiny_llama):
 
     g = torch.Generator().manual_seed(9)
     copying = make_seq(random_prompt(9, VOCAB_SIZE, g) * 3, request_id="copy", max_new_tokens=30)
-    core = make_core(tiny_llama, speculation=SpeculationSettings(3, 64))
+    core = make_core(tiny_llama, speculation=SpeculationSettings(3, 64, adaptive=False))
     core.add(copying)
     while copying.num_output_tokens < 2:  # decoding: proposals from the next step on
         core.step()

@@ -72,7 +72,7 @@ def draft_core(target, draft, *, draft_blocks=512, total_tokens=8192, block_size
             max_batch_prefill_tokens=prefill_tokens,
             max_batch_size=32,
             block_size=block_size,
-            speculation=SpeculationSettings(3, max_batch),
+            speculation=SpeculationSettings(3, max_batch, adaptive=False),
         ),
         proposer=proposer,
     )

@@ -204,7 +204,7 @@ def test_adapted_family_speculating_equals_generate(name):
     from textgen.service.engine.speculation import SpeculationSettings
 
     model = tiny_adapted(name)
-    core = make_core(model, speculation=SpeculationSettings(3, 8))
+    core = make_core(model, speculation=SpeculationSettings(3, 8, adaptive=False))
     g = torch.Generator().manual_seed(9)
     seqs = [
         make_seq(random_prompt(6, VOCAB_SIZE, g) * 4, request_id=f"s{i}", max_new_tokens=16)

@@ -397,7 +397,10 @@ def test_adapters_with_speculation_and_choices_equal_each_merged_model(
     }
     proposer = ScriptedProposer(expected)
     core, registry = lora_core(
-        tiny_llama, adapter_dirs, speculation=SpeculationSettings(3, 64), proposer=proposer
+        tiny_llama,
+        adapter_dirs,
+        speculation=SpeculationSettings(3, 64, adaptive=False),
+        proposer=proposer,
     )
     for name, seq in seqs:
         core.add(with_adapter(seq, registry, name))

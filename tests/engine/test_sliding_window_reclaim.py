@@ -293,7 +293,7 @@ def test_ngram_speculation_keeps_the_window(tiny_mistral_w8):
         make_seq(motif * 6 + random_prompt(n, VOCAB_SIZE, g), request_id=f"s{n}", max_new_tokens=40)
         for n in (2, 9)
     ]
-    core = window_core(tiny_mistral_w8, speculation=SpeculationSettings(3, 8))
+    core = window_core(tiny_mistral_w8, speculation=SpeculationSettings(3, 8, adaptive=False))
     for seq in seqs:
         core.add(seq)
     run_tracking_blocks(core)

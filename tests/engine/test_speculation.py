@@ -60,7 +60,8 @@ class ScriptedProposer:
 
 
 def spec_core(model, proposer=None, *, total_tokens=8192, prefill_tokens=256, block_size=16,
-              max_batch=64, grammars=None, num_tokens=SPECULATE) -> PagedCore:  # fmt: skip
+              max_batch=64, grammars=None, num_tokens=SPECULATE,
+              adaptive=False) -> PagedCore:  # fmt: skip
     return PagedCore(
         engine_copy(model),
         EngineConfig(
@@ -68,7 +69,8 @@ def spec_core(model, proposer=None, *, total_tokens=8192, prefill_tokens=256, bl
             max_batch_prefill_tokens=prefill_tokens,
             max_batch_size=32,
             block_size=block_size,
-            speculation=SpeculationSettings(num_tokens, max_batch),
+            # adaptive: which steps verify depends on their timing (test_speculation_gate.py)
+            speculation=SpeculationSettings(num_tokens, max_batch, adaptive=adaptive),
         ),
         grammars=grammars,
         proposer=proposer,
@@ -175,7 +177,7 @@ def test_ngram_speculation_equals_generate(tiny_llama):
         make_seq(random_prompt(7 + i, VOCAB_SIZE, g) * 3, request_id=f"n{i}", max_new_tokens=40)
         for i in range(6)
     ]
-    core = spec_core(tiny_llama)
+    core = spec_core(tiny_llama, adaptive=True)  # timed on the real clock: any proposals
     for seq in seqs:
         core.add(seq)
     run_to_completion(core)
@@ -410,7 +412,7 @@ def test_rejection_sampling_draws_from_the_target_distribution():
         return counts, core
 
     plain, _ = pair_counts(None)
-    spec, core = pair_counts(SpeculationSettings(2, 1024))
+    spec, core = pair_counts(SpeculationSettings(2, 1024, adaptive=False))
     stats = core.stats()
     assert 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens
     for observed in (plain, spec):
@@ -459,7 +461,7 @@ def strategy_core(model, proposer, strategy: str, batch_size: int = 4) -> PagedC
             max_batch_total_tokens=4096,
             max_batch_prefill_tokens=128,
             max_batch_size=batch_size,
-            speculation=SpeculationSettings(SPECULATE, 4),
+            speculation=SpeculationSettings(SPECULATE, 4, adaptive=False),
             **options,
         ),
         proposer=proposer,

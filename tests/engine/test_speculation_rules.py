@@ -62,7 +62,7 @@ def grammar_core(model, compiler, proposer=None, speculate: bool = True) -> Page
             max_batch_total_tokens=8192,
             max_batch_prefill_tokens=512,
             max_batch_size=32,
-            speculation=SpeculationSettings(4, 32) if speculate else None,
+            speculation=SpeculationSettings(4, 32, adaptive=False) if speculate else None,
         ),
         grammars=GrammarMasks(compiler.ll_tokenizer, compiler.vocab_size),
         proposer=proposer,
@@ -197,7 +197,7 @@ def test_a_stop_sequence_inside_an_accepted_run_ends_the_stream_there(tiny_llama
             max_batch_total_tokens=4096,
             max_batch_prefill_tokens=256,
             max_batch_size=8,
-            speculation=SpeculationSettings(5, 8),
+            speculation=SpeculationSettings(5, 8, adaptive=False),
         ),
         proposer=proposer,
     )

@@ -276,7 +276,8 @@ def test_bench_copy_load_reports_speculation(tiny_model_dir):
     from support.servers import ServerThread, tiny_settings
     from textgen.service.bench.command import load_prompts
 
-    server = ServerThread(tiny_settings(tiny_model_dir, speculate=3)).start()
+    settings = tiny_settings(tiny_model_dir, speculate=3, speculate_adaptive=False)
+    server = ServerThread(settings).start()
     try:
         parser = argparse.ArgumentParser()
         add_bench_arguments(parser)

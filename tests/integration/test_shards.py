@@ -77,10 +77,13 @@ def metric(target: str, name: str) -> float:
 @pytest.fixture(scope="module")
 def llama_pair(tiny_model_dir):
     """The tiny Llama unsharded (in process) and on 2 shards (`textgen serve`), these with
-    --speculate 3: greedy and seeded tokens are the same with it as without."""
+    --speculate 3 (every decode verifying: --no-speculate-adaptive): greedy and seeded tokens
+    are the same with it as without."""
     reference = unsharded(tiny_model_dir)
     try:
-        with sharded(tiny_model_dir, 2, *LIMITS, "--speculate", "3") as served:
+        with sharded(
+            tiny_model_dir, 2, *LIMITS, "--speculate", "3", "--no-speculate-adaptive"
+        ) as served:
             assert served.grpc_target, served.log[-3000:]
             served.drain_log()
             yield reference.target, served

@@ -31,8 +31,14 @@ PROMPTS = [
 
 @server_fixture(scope="module")
 def draft_server(tiny_model_dir):
-    """The model as its own draft (it is almost always right), behind Envoy."""
-    settings = tiny_settings(tiny_model_dir, speculate=3, speculate_model=str(tiny_model_dir))
+    """The model as its own draft (it is almost always right), behind Envoy; every decode
+    verifies (a draft as costly as the model never pays: adaptive speculation would stop)."""
+    settings = tiny_settings(
+        tiny_model_dir,
+        speculate=3,
+        speculate_model=str(tiny_model_dir),
+        speculate_adaptive=False,
+    )
     server = ServerThread(settings, http=True).start()
     yield server
     server.stop()
@@ -40,6 +46,7 @@ def draft_server(tiny_model_dir):
 
 @server_fixture(scope="module")
 def ngram_server(tiny_model_dir):
+    """Adaptive (the default): which steps verify is timed, the tokens are the same."""
     server = ServerThread(tiny_settings(tiny_model_dir, speculate=4)).start()
     yield server
     server.stop()
@@ -142,6 +149,9 @@ def test_info_and_metrics(draft_server):
     assert samples["textgen_speculative_mean_accepted_length{}"] == pytest.approx(
         stats.spec_accepted_tokens / stats.spec_verifications
     )
+    # not adaptive: nothing kept from proposing
+    assert samples["textgen_speculative_sequences_off{}"] == 0
+    assert samples["textgen_speculative_skipped_proposals{}"] == 0
 
 
 def test_plain_server_info_says_off(tiny_server):
