@@ -32,7 +32,9 @@ class OpenAIRpcs:
     async def ChatCompletions(self, request, context):
         async with self.request(context, "ChatCompletions") as record:
             try:
-                chat = parse_chat_request(request.data, self.validator.tokenizer)
+                chat = parse_chat_request(
+                    request.data, self.validator.tokenizer, self.reasoning_parser
+                )
                 valid = await self.validate(
                     chat.generate, stream=chat.stream, arrival=record.arrival, context=context
                 )
@@ -71,7 +73,8 @@ class OpenAIRpcs:
             await abort(context, exc.message, exc.error_type)
         record.finished(*finishes)
         if renderer.request.include_usage:
-            yield _body(renderer.usage_chunk(finishes))
+            reasoning = sum(s.reasoning_tokens for s in streams)
+            yield _body(renderer.usage_chunk(finishes, reasoning))
         yield _body(DONE)
 
     async def Completions(self, request, context):
@@ -140,7 +143,10 @@ class OpenAIRpcs:
         async with self.request(context, "Responses") as record:
             try:
                 req = parse_responses_request(
-                    request.data, self.validator.tokenizer, self.responses_store
+                    request.data,
+                    self.validator.tokenizer,
+                    self.responses_store,
+                    self.reasoning_parser,
                 )
                 valid = await self.validate(
                     req.generate, stream=req.stream, arrival=record.arrival, context=context

@@ -56,12 +56,15 @@ class TextGenerationServicer(
         validation_workers: Executor | None = None,
         responses_store: ResponseStore | None = None,
         lora: LoraServing | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         """validation_workers: where long prompts and grammars are validated (None:
         asyncio's default executor); responses_store: the conversations /v1/responses
         keeps for previous_response_id (None: the default bounds); lora: the LoRA
-        adapters served (None: none)."""
+        adapters served (None: none); reasoning_parser: how chat and responses tell
+        thinking from the answer (openai/reasoning.resolve_parser; None: they don't)."""
         self.lora = lora
+        self.reasoning_parser = reasoning_parser
         self.engine = engine
         self.responses_store = responses_store or ResponseStore()
         self.validator = validator

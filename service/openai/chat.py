@@ -8,7 +8,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..engine.types import FinishInfo, TokenEvent
-from ..intake.request import GenerateParameters, GenerateRequest
+from ..intake.request import GenerateParameters, GenerateRequest, Grammar
+from ..intake.validation import grammar_spec
 from .common import (
     OpenAIRequestError,
     StopHoldback,
@@ -22,6 +23,15 @@ from .common import (
 from .formats import lark_answer, response_format
 from .parse import parse_body
 from .protocol import MAX_TOP_LOGPROBS, ChatCompletionBody, ChatContent, ChatMessage
+from .reasoning import (
+    CONTENT,
+    ReasoningParser,
+    split_reasoning,
+    start_state,
+    tag_tokens,
+    thinks,
+    with_thought,
+)
 from .tools import (
     ToolCallParser,
     ToolPlan,
@@ -43,25 +53,68 @@ class ChatRequest:
     top_logprobs: int
     stop: tuple[str, ...]
     tools: ToolPlan | None = None  # tools the model may call
+    # where the output starts (reasoning.start_state): None without a reasoning parser
+    reasoning: str | None = None
 
 
-def parse_chat_request(body: bytes, tokenizer) -> ChatRequest:
+def template_kwargs(request: ChatCompletionBody) -> dict:
+    """chat_template_kwargs and reasoning_effort, as the chat template's extra kwargs."""
+    kwargs = dict(request.chat_template_kwargs or {})
+    if request.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = request.reasoning_effort
+    return kwargs
+
+
+def output_grammar(
+    plan: ToolPlan | None,
+    answer_format: Grammar | None,
+    param: str,
+    state: str | None,
+    tokenizer,
+) -> tuple[Grammar | None, str | None, str | None]:
+    """The output's grammar, as TGI's `grammar` or as a Lark one (tools), and where the
+    reasoning parser starts (`state`: reasoning.start_state). A thinking model thinks
+    freely first, then the grammar holds the answer (reasoning.with_thought); a regex
+    format applies from the first token, so its output is all answer."""
+    if plan is not None:
+        lark = plan.lark(lark_answer(answer_format, param))
+        if thinks(state):
+            lark = with_thought(lark, state, tag_tokens(tokenizer))
+        return None, lark, state
+    if answer_format is None or not thinks(state):
+        return answer_format, None, state
+    if grammar_spec(answer_format)[0] != "json":
+        return answer_format, None, CONTENT
+    answer = f"start: answer\nanswer: {lark_answer(answer_format, param)}\n"
+    return None, with_thought(answer, state, tag_tokens(tokenizer)), state
+
+
+def parse_chat_request(body: bytes, tokenizer, reasoning_parser: str | None = None) -> ChatRequest:
+    """`reasoning_parser`: the server's (reasoning.resolve_parser), None: none."""
     request = parse_body(ChatCompletionBody, body)
     plan = chat_tool_plan(request.tools, request.tool_choice, request.parallel_tool_calls)
     answer_format = response_format(request.response_format)
-    prompt = render_prompt(tokenizer, chat_messages(request.messages), plan, request.tool_prompt)
+    prompt = render_prompt(
+        tokenizer,
+        chat_messages(request.messages),
+        plan,
+        request.tool_prompt,
+        **template_kwargs(request),
+    )
+    grammar, lark, state = output_grammar(
+        plan, answer_format, "response_format", start_state(reasoning_parser, prompt), tokenizer
+    )
     params = sampling_parameters(request)
     if request.max_completion_tokens is not None:
         params["max_new_tokens"] = request.max_completion_tokens
-    if plan is None:
-        params["grammar"] = answer_format
+    params["grammar"] = grammar
     top_logprobs = request.top_logprobs or 0
     if top_logprobs:
         params["top_n_tokens"] = top_logprobs
     generate = GenerateRequest(
         inputs=prompt,
         parameters=GenerateParameters(**params),
-        lark=plan.lark(lark_answer(answer_format, "response_format")) if plan is not None else None,
+        lark=lark,
         names=_names(request, plan),
         max_top_n_tokens=MAX_TOP_LOGPROBS,
     )
@@ -73,6 +126,7 @@ def parse_chat_request(body: bytes, tokenizer) -> ChatRequest:
         top_logprobs=top_logprobs,
         stop=params["stop"],
         tools=plan,
+        reasoning=state,
     )
 
 
@@ -167,12 +221,26 @@ class ChatRenderer:
     def completion(self, runs: list[list[TokenEvent]]) -> bytes:
         """The answer: each choice's events, in choice order."""
         body = self._envelope("chat.completion", [self._choice(i, e) for i, e in enumerate(runs)])
-        body["usage"] = usage([events[-1].finish for events in runs])
+        body["usage"] = self.usage(
+            [events[-1].finish for events in runs],
+            sum(reasoning_tokens(self.request.reasoning, events) for events in runs),
+        )
         return json_bytes(body)
+
+    def usage(self, finishes: list[FinishInfo], reasoning: int) -> dict:
+        """OpenAI's usage; with a reasoning parser, the thinking's tokens among the
+        completion's (`completion_tokens_details.reasoning_tokens`)."""
+        out = usage(finishes)
+        if self.request.reasoning is not None:
+            out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return out
 
     def _choice(self, index: int, events: list[TokenEvent]) -> dict:
         finish = events[-1].finish
         text = trim_stop(finish.generated_text, self.request.stop)
+        thinking = None
+        if self.request.reasoning is not None:
+            thinking, text = split_reasoning(self.request.reasoning, text)
         message = {"role": "assistant", "content": text}
         reason = finish_reason(finish)
         parsed = parse_output(self.request.tools, text) if self.request.tools else None
@@ -183,6 +251,8 @@ class ChatRenderer:
                 "tool_calls": [_call_dict(c) for c in parsed.calls],
             }
             reason = tool_finish_reason(reason, parsed)
+        if self.request.reasoning is not None:  # vLLM's names, old and new
+            message["reasoning_content"] = message["reasoning"] = thinking
         return {
             "index": index,
             "message": message,
@@ -196,6 +266,11 @@ class ChatRenderer:
     def delta_chunk(self, index: int, delta: dict) -> bytes:
         return self._chunk(index, delta, None, None)
 
+    def reasoning_chunk(self, index: int, text: str, events: list[TokenEvent]) -> bytes:
+        """Thinking, with the logprobs of the tokens that produced it."""
+        delta = {"reasoning_content": text, "reasoning": text}
+        return self._chunk(index, delta, None, self._logprobs(events) if events else None)
+
     def content_chunk(self, index: int, text: str, event: TokenEvent | None) -> bytes:
         return self.content_chunk_of(index, text, [event] if event is not None else [])
 
@@ -207,10 +282,11 @@ class ChatRenderer:
     def final_chunk(self, index: int, finish: FinishInfo, reason: str | None = None) -> bytes:
         return self._chunk(index, {}, reason or finish_reason(finish), None)
 
-    def usage_chunk(self, finishes: list[FinishInfo]) -> bytes:
-        """The totals over the choices' finishes (stream_options.include_usage)."""
+    def usage_chunk(self, finishes: list[FinishInfo], reasoning: int = 0) -> bytes:
+        """The totals over the choices' finishes (stream_options.include_usage);
+        `reasoning`: the thinking's tokens over the choices."""
         body = self._envelope("chat.completion.chunk", [])
-        body["usage"] = usage(finishes)
+        body["usage"] = self.usage(finishes, reasoning)
         return sse_bytes(body)
 
     def _chunk(self, index: int, delta: dict, reason: str | None, logprobs) -> bytes:
@@ -234,6 +310,16 @@ class ChatRenderer:
         if not self.request.logprobs:
             return None
         return {"content": [logprob_entry(e) for e in events if not e.token.special]}
+
+
+def reasoning_tokens(state: str | None, events: list[TokenEvent]) -> int:
+    """How many of a choice's tokens were thinking (the closing tag's included)."""
+    if state is None or state == CONTENT:
+        return 0
+    parser = ReasoningParser(state)
+    for event in events:
+        parser.feed(event.text)
+    return parser.tokens
 
 
 def tool_finish_reason(reason: str, parsed: ToolCallParser) -> str:
@@ -262,26 +348,51 @@ class ChatStream:
     parser: ToolCallParser | None = field(init=False)
     started: bool = False
     held_events: list[TokenEvent] = field(default_factory=list)  # logprobs not yet sent
+    thinking: ReasoningParser | None = field(init=False)
+    counter: ReasoningParser | None = field(init=False)  # counts the thinking's tokens
 
     def __post_init__(self) -> None:
         self.holdback = StopHoldback(self.renderer.request.stop)
         tools = self.renderer.request.tools
         self.parser = ToolCallParser(tools) if tools is not None else None
+        state = self.renderer.request.reasoning
+        self.thinking = ReasoningParser(state) if state is not None else None
+        # on the engine's text, as the answer counts them (stop sequences held back aside)
+        self.counter = ReasoningParser(state) if state not in (None, CONTENT) else None
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.counter.tokens if self.counter is not None else 0
 
     def chunks(self, event: TokenEvent) -> list[bytes]:
         request = self.renderer.request
         final = event.finish is not None
         text = self.holdback.feed(event.text, final)
         out = []
+        if self.counter is not None:
+            self.counter.feed(event.text)
+        if request.logprobs and not event.token.special:
+            self.held_events.append(event)  # until the text they made is sent
+        if self.thinking is not None:
+            thinking = self.thinking.state != CONTENT
+            reasoning, text = self.thinking.feed(text, final)
+            if reasoning:  # the thinking's tokens carry their logprobs on its chunks
+                if not self.started:
+                    out.append(self.renderer.first_chunk(self.index))
+                    self.started = True
+                out.append(self.renderer.reasoning_chunk(self.index, reasoning, self.held_events))
+                self.held_events = []
+            if thinking and self.thinking.state != CONTENT and not final:
+                return out  # still thinking
         if self.parser is None:
             if not self.started:
                 out.append(self.renderer.first_chunk(self.index))
                 self.started = True
-            if text or (request.logprobs and not event.token.special):
-                logprobs_of = event if request.logprobs else None
-                out.append(self.renderer.content_chunk(self.index, text, logprobs_of))
+            if text or self.held_events:
+                out.append(self.renderer.content_chunk_of(self.index, text, self.held_events))
+                self.held_events = []
         else:
-            out.extend(self._tool_aware(text, final, event))
+            out.extend(self._tool_aware(text, final))
         if final:
             reason = finish_reason(event.finish)
             if self.parser is not None and self.parser.is_calls and self.parser.calls:
@@ -289,11 +400,9 @@ class ChatStream:
             out.append(self.renderer.final_chunk(self.index, event.finish, reason))
         return out
 
-    def _tool_aware(self, text: str, final: bool, event: TokenEvent) -> list[bytes]:
-        if self.renderer.request.logprobs and not event.token.special:
-            self.held_events.append(event)  # until the text they made is sent
+    def _tool_aware(self, text: str, final: bool) -> list[bytes]:
         deltas = self.parser.feed(text)
-        if final and not deltas and not self.started:
+        if final and not deltas:  # held as a possible call's start: content after all
             deltas = self.parser.flush()
         out = []
         for delta in deltas:

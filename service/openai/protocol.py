@@ -275,6 +275,32 @@ TOOL_CHOICE = (
     " function: one call to it; none: a text answer."
 )
 ChatTools = Annotated[list[Tool], Field(min_length=1)]
+ReasoningEffort = Literal["low", "medium", "high"]
+# what the chat template gets from the server itself (chat.render_prompt), and
+# apply_chat_template's own arguments: chat_template_kwargs may not set them
+RESERVED_TEMPLATE_KWARGS = (
+    "messages",
+    "conversation",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "tokenize",
+    "sanitize_control_tokens",
+    "return_dict",
+    "return_tensors",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+    "padding",
+    "truncation",
+    "max_length",
+    "add_special_tokens",
+    "bos_token",
+    "eos_token",
+    "raise_exception",
+    "strftime_now",
+)
 
 
 class ResponseFormatJsonSchema(OpenAIObject):
@@ -328,11 +354,41 @@ class ChatCompletionBody(SamplingFields, ChatToolFields):
         None,
         description="TGI's: with tools, the words before the tools in the system message.",
     )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's: extra keyword arguments of the chat template (e.g."
+        ' `{"enable_thinking": false}` for Qwen3). A name the server sets itself'
+        f" ({', '.join(f'`{n}`' for n in RESERVED_TEMPLATE_KWARGS)}) is refused (422); one"
+        " the template doesn't read changes nothing.",
+    )
+    reasoning_effort: ReasoningEffort | None = Field(
+        None,
+        description="OpenAI's: how hard a reasoning model thinks, given to the chat template"
+        " as `reasoning_effort` (gpt-oss's template reads it; a template that doesn't read it"
+        " is unchanged).",
+    )
 
     @model_validator(mode="after")
     def _logprobs_for_top_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise OpenAIRequestError("`top_logprobs` requires `logprobs: true`", "top_logprobs")
+        return self
+
+    @model_validator(mode="after")
+    def _template_kwargs_of_its_own(self):
+        reserved = [n for n in (self.chat_template_kwargs or {}) if n in RESERVED_TEMPLATE_KWARGS]
+        if reserved:
+            raise OpenAIRequestError(
+                f"`chat_template_kwargs` may not set `{reserved[0]}`: the server sets it",
+                "chat_template_kwargs",
+            )
+        kwargs = self.chat_template_kwargs or {}
+        effort = kwargs.get("reasoning_effort", self.reasoning_effort)
+        if self.reasoning_effort is not None and effort != self.reasoning_effort:
+            raise OpenAIRequestError(
+                "`reasoning_effort` and `chat_template_kwargs.reasoning_effort` disagree",
+                "reasoning_effort",
+            )
         return self
 
 

@@ -6,7 +6,9 @@ template, tool grammar (tools.py) and output formats (formats.py) as chat does.
 `previous_response_id` continues a conversation kept in this replica's ResponseStore
 (response_store.py), which also keeps the input items (with ids, as OpenAI lists them)
 and the response object. What it cannot honour (images, files, audio, built-in tools,
-reasoning, background runs, ...) is refused by name, never ignored.
+reasoning summaries, background runs, ...) is refused by name, never ignored. A
+reasoning model's thinking (reasoning.py) is a `reasoning` output item before the
+message; reasoning items given back as input are left out of the prompt.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from dataclasses import dataclass
 from pydantic import TypeAdapter
 
 from ..intake.request import GenerateParameters, GenerateRequest
-from .chat import render_prompt
+from .chat import output_grammar, render_prompt
 from .common import OpenAIRequestError, common_parameters
-from .formats import lark_answer, text_format
+from .formats import text_format
 from .parse import parse_body, parse_field
 from .protocol import MAX_TOP_LOGPROBS
+from .reasoning import start_state
 from .response_store import ResponseStore, StoredResponse, new_id
 from .responses_protocol import (
     LOGPROBS_INCLUDE,
@@ -30,6 +33,7 @@ from .responses_protocol import (
     ResponseInputFunctionCallOutput,
     ResponseInputItem,
     ResponseInputMessage,
+    ResponseInputReasoning,
     ResponseNamedToolChoice,
     ResponsesBody,
 )
@@ -52,6 +56,8 @@ class ResponsesRequest:
     tools: ToolPlan | None  # tools the model may call
     logprobs: bool  # include: ["message.output_text.logprobs"]
     echo: dict  # the request's settings as the response object reports them
+    # where the output starts (reasoning.start_state): None without a reasoning parser
+    reasoning: str | None = None
 
     def conversation_with(self, output: list[dict]) -> list[dict]:
         """The conversation this response ends: what it was given, then its output items."""
@@ -64,7 +70,10 @@ class ResponsesRequest:
         )
 
 
-def parse_responses_request(body: bytes, tokenizer, store: ResponseStore) -> ResponsesRequest:
+def parse_responses_request(
+    body: bytes, tokenizer, store: ResponseStore, reasoning_parser: str | None = None
+) -> ResponsesRequest:
+    """`reasoning_parser`: the server's (reasoning.resolve_parser), None: none."""
     request = parse_body(ResponsesBody, body)
     previous = _previous(request.previous_response_id, store)
     given = _as_items(request.input)
@@ -80,18 +89,22 @@ def parse_responses_request(body: bytes, tokenizer, store: ResponseStore) -> Res
     tools, plan = _tools(request)
     fmt = request.text.format if request.text is not None else None
     answer_format = text_format(fmt)
-    prompt = render_prompt(tokenizer, [*messages, *conversation], plan, param="input")
+    effort = request.reasoning.effort if request.reasoning is not None else None
+    extra = {"reasoning_effort": effort} if effort is not None else {}
+    prompt = render_prompt(tokenizer, [*messages, *conversation], plan, param="input", **extra)
+    grammar, lark, state = output_grammar(
+        plan, answer_format, "text", start_state(reasoning_parser, prompt), tokenizer
+    )
     params = common_parameters(request)
     params["max_new_tokens"] = request.max_output_tokens
     logprobs = LOGPROBS_INCLUDE in (request.include or ())
     top_logprobs = request.top_logprobs or 0
     params["top_n_tokens"] = top_logprobs or None
-    if plan is None:
-        params["grammar"] = answer_format
+    params["grammar"] = grammar
     generate = GenerateRequest(
         inputs=prompt,
         parameters=GenerateParameters(**params),
-        lark=plan.lark(lark_answer(answer_format, "text")) if plan is not None else None,
+        lark=lark,
         names={
             "inputs": "input",
             "max_new_tokens": "max_output_tokens",
@@ -109,6 +122,7 @@ def parse_responses_request(body: bytes, tokenizer, store: ResponseStore) -> Res
         tools=plan,
         logprobs=logprobs,
         echo=_echo(request, tools, top_logprobs),
+        reasoning=state,
     )
 
 
@@ -122,6 +136,10 @@ def _echo(request: ResponsesBody, tools: tuple[Tool, ...], top_logprobs: int) ->
         "metadata": request.metadata or {},
         "parallel_tool_calls": request.parallel_tool_calls is not False,
         "previous_response_id": request.previous_response_id,
+        "reasoning": {
+            "effort": request.reasoning.effort if request.reasoning is not None else None,
+            "summary": None,
+        },
         "temperature": _default(request.temperature, 1.0),
         "text": {
             "format": {"type": "text"}
@@ -200,6 +218,8 @@ def _messages(items: list) -> list[dict]:
                 last["tool_calls"] = [*last.get("tool_calls", []), call]
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif isinstance(item, ResponseInputReasoning):
+            continue  # earlier thinking: the templates leave it out
         elif isinstance(item, ResponseInputFunctionCallOutput):
             messages.append(
                 {"role": "tool", "content": _text(item.output), "tool_call_id": item.call_id}
@@ -239,6 +259,8 @@ def _listed(items: list) -> list[dict]:
 
 
 def _input_item(item) -> dict:
+    if isinstance(item, ResponseInputReasoning):
+        return {**item.model_dump(exclude_none=True), "id": item.id or new_id("rs")}
     if isinstance(item, ResponseInputFunctionCall):
         fields = {"call_id": item.call_id, "name": item.name, "arguments": item.arguments}
         return {"id": item.id or new_id("fc"), "type": item.type, **fields, "status": "completed"}

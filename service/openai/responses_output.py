@@ -4,6 +4,9 @@ its semantic events (`event: <type>` then `data: {...}`, every one with its
 
     response.created, response.in_progress,
     per output item: response.output_item.added,
+        a reasoning model's thinking (first): response.content_part.added,
+            response.reasoning_text.delta..., response.reasoning_text.done,
+            response.content_part.done
         a message: response.content_part.added, response.output_text.delta...,
             response.output_text.done, response.content_part.done
         a function call: response.function_call_arguments.delta...,
@@ -20,8 +23,9 @@ import time
 from dataclasses import dataclass, field
 
 from ..engine.types import FinishInfo, TokenEvent
-from .chat import logprob_entry
+from .chat import logprob_entry, reasoning_tokens
 from .common import finish_reason, json_bytes
+from .reasoning import CONTENT, ReasoningParser
 from .response_store import new_id, new_response_id
 from .responses import ResponsesRequest
 from .tools import ToolCallParser, parse_output
@@ -32,13 +36,14 @@ def is_cut(finish: FinishInfo) -> bool:
     return finish_reason(finish) == "length"
 
 
-def usage(finish: FinishInfo) -> dict:
-    """`cached_tokens`: prompt tokens served from the prefix cache."""
+def usage(finish: FinishInfo, reasoning: int = 0) -> dict:
+    """`cached_tokens`: prompt tokens served from the prefix cache; `reasoning`: the
+    thinking's tokens among the output's."""
     return {
         "input_tokens": finish.input_length,
         "input_tokens_details": {"cached_tokens": finish.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": finish.generated_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": finish.input_length + finish.generated_tokens,
     }
 
@@ -55,6 +60,16 @@ def message_item(item_id: str, status: str, content: list[dict]) -> dict:
         "role": "assistant",
         "content": content,
     }
+
+
+def reasoning_text(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
+def reasoning_item(item_id: str, status: str, text: str | None) -> dict:
+    """The thinking, as vLLM answers it: no summary, the text as its content."""
+    content = [reasoning_text(text)] if text is not None else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
 def call_item(item_id: str, status: str, call_id: str, name: str, arguments: str) -> dict:
@@ -89,9 +104,11 @@ class ResponseRenderer:
     created: int = field(default_factory=lambda: int(time.time()))
     output: list[dict] = field(default_factory=list)
     completed: dict | None = None  # the final response object, once generation ended
+    reasoning_tokens: int = 0  # the thinking's, once generation ended
 
     def response(self, events: list[TokenEvent]) -> bytes:
         """The whole answer (stream: false)."""
+        self.reasoning_tokens = reasoning_tokens(self.request.reasoning, events)
         self.output = self._output(events)
         return json_bytes(self.final(events[-1].finish))
 
@@ -119,7 +136,7 @@ class ResponseRenderer:
             "output": list(self.output) if finish is not None else [],
             "parallel_tool_calls": echo["parallel_tool_calls"],
             "previous_response_id": echo["previous_response_id"],
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": echo["reasoning"],
             "store": self.request.store,
             "temperature": echo["temperature"],
             "text": echo["text"],
@@ -128,7 +145,7 @@ class ResponseRenderer:
             "top_logprobs": echo["top_logprobs"],
             "top_p": echo["top_p"],
             "truncation": "disabled",
-            "usage": usage(finish) if finish is not None else None,
+            "usage": usage(finish, self.reasoning_tokens) if finish is not None else None,
             "user": None,
             "metadata": echo["metadata"],
         }
@@ -137,10 +154,18 @@ class ResponseRenderer:
         finish = events[-1].finish
         text = finish.generated_text
         status = "incomplete" if is_cut(finish) else "completed"
+        thought = []  # the reasoning item
+        if self.request.reasoning not in (None, CONTENT):
+            parser = ReasoningParser(self.request.reasoning)
+            thinking, text = parser.feed(text, final=True, count=False)
+            if thinking:
+                closed = "completed" if parser.state == CONTENT else status
+                thought = [reasoning_item(new_id("rs"), closed, thinking)]
+            events = events[self.reasoning_tokens :]  # the message's logprobs: the answer's
         plan = self.request.tools
         parsed = parse_output(plan, text) if plan is not None else None
         if parsed is not None and parsed.is_calls and parsed.calls:
-            return [
+            return thought + [
                 call_item(
                     new_id("fc"),
                     "completed" if call.complete else status,
@@ -155,7 +180,7 @@ class ResponseRenderer:
             if self.request.logprobs
             else []
         )
-        return [message_item(new_id("msg"), status, [output_text(text, logprobs)])]
+        return thought + [message_item(new_id("msg"), status, [output_text(text, logprobs)])]
 
 
 @dataclass
@@ -170,10 +195,15 @@ class ResponseStream:
     text: str = ""  # the open message's text so far
     tokens: list[TokenEvent] = field(default_factory=list)  # ... and its tokens (logprobs)
     held: list[TokenEvent] = field(default_factory=list)  # tokens whose text isn't sent yet
+    thinking: ReasoningParser | None = field(init=False)  # tells the thinking apart
+    thought: str = ""  # the open reasoning item's text so far
+    unsure: list[TokenEvent] = field(default_factory=list)  # before `<think>` may open
 
     def __post_init__(self) -> None:
         plan = self.renderer.request.tools
         self.parser = ToolCallParser(plan) if plan is not None else None
+        state = self.renderer.request.reasoning
+        self.thinking = ReasoningParser(state) if state not in (None, CONTENT) else None
 
     def start(self) -> list[bytes]:
         snapshot = self.renderer.snapshot("in_progress")
@@ -183,14 +213,26 @@ class ResponseStream:
         ]
 
     def events(self, event: TokenEvent) -> list[bytes]:
-        if self.renderer.request.logprobs and not event.token.special:
-            self.held.append(event)
         final = event.finish is not None
+        text, out = event.text, []
+        if self.thinking is not None and self.thinking.state != CONTENT:
+            if self.renderer.request.logprobs and not event.token.special:
+                self.unsure.append(event)
+            reasoning, text = self.thinking.feed(text, final)  # this token is thinking's
+            if reasoning:
+                out.extend(self._reasoning(reasoning))
+            if self.thinking.state == CONTENT:
+                if self.thinking.tokens == 0:  # no thinking after all: the answer's tokens
+                    self.held.extend(self.unsure)
+                self.unsure = []
+                out.extend(self._close("completed"))
+        elif self.renderer.request.logprobs and not event.token.special:
+            self.held.append(event)
         if self.parser is None:
-            deltas = [{"content": event.text}] if event.text else []
+            deltas = [{"content": text}] if text else []
         else:
-            deltas = self.parser.feed(event.text) + (self.parser.flush() if final else [])
-        out = [data for delta in deltas for data in self._delta(delta)]
+            deltas = self.parser.feed(text) + (self.parser.flush() if final else [])
+        out.extend(data for delta in deltas for data in self._delta(delta))
         if final:
             out.extend(self._finish(event.finish))
         return out
@@ -214,6 +256,22 @@ class ResponseStream:
                 piece = call["function"]["arguments"]
                 self.item["arguments"] += piece
                 out.append(self._item_event("response.function_call_arguments.delta", delta=piece))
+        return out
+
+    def _reasoning(self, text: str) -> list[bytes]:
+        out = []
+        if self.item is None:
+            self.item = reasoning_item(new_id("rs"), "in_progress", None)
+            out.append(
+                self._event("response.output_item.added", output_index=self._index, item=self.item)
+            )
+            out.append(
+                self._item_event(
+                    "response.content_part.added", content_index=0, part=reasoning_text("")
+                )
+            )
+        self.thought += text
+        out.append(self._item_event("response.reasoning_text.delta", content_index=0, delta=text))
         return out
 
     def _text(self, text: str) -> list[bytes]:
@@ -246,7 +304,16 @@ class ResponseStream:
         """The open item's closing events; it joins the response's output."""
         if self.item is None:
             return []
-        if self.item["type"] == "message":
+        if self.item["type"] == "reasoning":
+            part = reasoning_text(self.thought)
+            done = [
+                self._item_event(
+                    "response.reasoning_text.done", content_index=0, text=self.thought
+                ),
+                self._item_event("response.content_part.done", content_index=0, part=part),
+            ]
+            item = {**self.item, "status": status, "content": [part]}
+        elif self.item["type"] == "message":
             part = output_text(self.text, [logprob_entry(e) for e in self.tokens])
             done = [
                 self._item_event(
@@ -270,7 +337,11 @@ class ResponseStream:
     def _finish(self, finish: FinishInfo) -> list[bytes]:
         status = "incomplete" if is_cut(finish) else "completed"
         out = []
-        if self.item is None and not self.renderer.output:  # an empty answer is a message
+        if self.item is not None and self.item["type"] == "reasoning":  # cut while thinking
+            out.extend(self._close(status))
+        self.renderer.reasoning_tokens = self.thinking.tokens if self.thinking is not None else 0
+        answered = any(item["type"] != "reasoning" for item in self.renderer.output)
+        if self.item is None and not answered:  # an empty answer is a message
             out.extend(self._open_message())
         if self.item is not None and self.item["type"] == "message":
             self.tokens.extend(self.held)  # tokens that added no text of their own

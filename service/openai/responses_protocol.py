@@ -1,7 +1,8 @@
 """The Responses API's request body (/v1/responses), declared as protocol.py declares
 chat's: the subset textgen honours. Its input is text only (messages, function calls
-and their outputs); images, files, audio, built-in tools, reasoning and background runs
-are refused by name."""
+and their outputs, and reasoning items, which are read and left out of the prompt);
+images, files, audio, built-in tools, reasoning summaries and background runs are refused
+by name."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from .protocol import (
     CommonFields,
     OpenAIBody,
     OpenAIObject,
+    ReasoningEffort,
     Says,
 )
 
@@ -70,6 +72,22 @@ class ResponseInputFunctionCallOutput(OpenAIObject):
     output: ResponseContent
 
 
+class ResponseReasoningText(OpenAIObject):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ResponseInputReasoning(OpenAIObject):
+    """An earlier output's reasoning item (clients send `output` back as input): read,
+    and left out of the prompt, as the think-tag templates leave out earlier thinking."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ResponseReasoningText] = Field(default_factory=list)
+    content: list[ResponseReasoningText] | None = None
+    status: str | None = None
+
+
 def _item_type(item) -> str | None:
     """An input item's kind: its `type`, "message" when left out."""
     if isinstance(item, dict):
@@ -82,7 +100,8 @@ ResponseInputItem = TypeAliasType(
     Annotated[
         Annotated[ResponseInputMessage, Tag("message")]
         | Annotated[ResponseInputFunctionCall, Tag("function_call")]
-        | Annotated[ResponseInputFunctionCallOutput, Tag("function_call_output")],
+        | Annotated[ResponseInputFunctionCallOutput, Tag("function_call_output")]
+        | Annotated[ResponseInputReasoning, Tag("reasoning")],
         Discriminator(_item_type),
     ],
 )
@@ -152,6 +171,16 @@ class ResponseTextConfig(OpenAIBody):
     format: TextFormat | None = None
 
 
+class ResponseReasoningConfig(OpenAIBody):
+    """`effort` only: `summary` (and `generate_summary`) can't be honoured: refused."""
+
+    effort: ReasoningEffort | None = Field(
+        None,
+        description="Given to the chat template as `reasoning_effort` (gpt-oss's template reads"
+        " it; a template that doesn't read it is unchanged).",
+    )
+
+
 Metadata = Annotated[
     dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
     Field(max_length=16),
@@ -166,8 +195,9 @@ class ResponsesBody(CommonFields):
     input: ResponseInput | None = Field(
         None,
         description="A user message, or the conversation as items: messages (text only),"
-        " function_call and function_call_output. Images, files, audio and other item types"
-        " are refused (422, param `input`). May be left out with previous_response_id.",
+        " function_call and function_call_output, and reasoning items (left out of the"
+        " prompt). Images, files, audio and other item types are refused (422, param"
+        " `input`). May be left out with previous_response_id.",
     )
     instructions: str | None = Field(
         None,
@@ -210,6 +240,12 @@ class ResponsesBody(CommonFields):
         " expired, evicted, another replica): 422, param `previous_response_id`.",
     )
     metadata: Metadata | None = Field(None, description="Echoed in the response object.")
+    reasoning: ResponseReasoningConfig | None = Field(
+        None,
+        description="`effort` (low, medium, high): how hard a reasoning model thinks, given"
+        " to the chat template as `reasoning_effort`. A reasoning model's thinking comes back"
+        " as a `reasoning` output item (--reasoning-parser); summaries are refused.",
+    )
     include: list[Literal["message.output_text.logprobs"]] | None = Field(
         None, description="`message.output_text.logprobs`: the output text's token logprobs."
     )

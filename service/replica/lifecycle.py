@@ -27,6 +27,7 @@ from ..models.loader import ModelShard
 from ..observability.metrics import Metrics, MetricsListener
 from ..observability.requests import RequestRecorder
 from ..observability.tracing import otlp_tracer_provider, server_interceptors
+from ..openai.reasoning import resolve_parser
 from ..openai.response_store import ResponseStore
 from ..processes.cpus import default_torch_threads, in_own_thread
 from ..processes.envoy import Envoy, HttpOptions, start_envoy
@@ -251,6 +252,7 @@ async def _start_loaded(
         ThreadPoolExecutor(settings.validation_workers, thread_name_prefix="textgen-validation"),
         ResponseStore(int(settings.responses_store_mb * 2**20), settings.responses_store_ttl),
         lora,
+        resolve_parser(settings.reasoning_parser, loaded.tokenizer),
     )
     server, health, port = build_server(
         servicer,

@@ -242,6 +242,16 @@ def rope_scaling_kind(text: str) -> str | None:
     return value
 
 
+REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")
+
+
+def reasoning_parser_name(text: str) -> str:
+    value = text.strip().lower()
+    if value not in REASONING_PARSERS:
+        raise ValueError(f"use one of {', '.join(REASONING_PARSERS)}")
+    return value
+
+
 def optional_positive_float(text: str) -> float | None:
     return positive_float(text) if text.strip() else None
 
@@ -352,6 +362,15 @@ class Settings:
         "a tokenizer_config.json whose chat_template replaces the model's",
         optional_text,
         metavar="PATH",
+    )
+    reasoning_parser: str = option(
+        "auto",
+        "how chat completions and responses tell a reasoning model's thinking from its "
+        "answer: auto (the <think> tags when the chat template writes <think>, else none) | "
+        "none (all of it is content) | deepseek_r1 (the think tags; an output without the "
+        "opening tag starts inside the thinking) | qwen3 (the think tags; the prompt's end "
+        "says whether the output starts inside the thinking)",
+        reasoning_parser_name,
     )
     dtype: str = option("auto", "auto | float32 | bfloat16 | float16", dtype_name)
     device: str = option("auto", "auto | cpu | cuda | cuda:N", device_name)

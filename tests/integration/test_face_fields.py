@@ -468,6 +468,12 @@ PROBES = {
         "tool_prompt": differs(
             "/v1/chat/completions", chat(tools=[TOOL]), chat(tools=[TOOL], tool_prompt="Be brief.")
         ),
+        # the tiny model's template reads neither: a thinking template's do
+        # (tests/integration/test_reasoning.py)
+        "chat_template_kwargs": refused(
+            "/v1/chat/completions", chat(chat_template_kwargs={"add_generation_prompt": False})
+        ),
+        "reasoning_effort": refused("/v1/chat/completions", chat(reasoning_effort="max")),
         "tools": differs(
             "/v1/chat/completions", chat(), chat(max_tokens=8, tools=[TOOL], tool_choice="required")
         ),
@@ -540,6 +546,9 @@ PROBES = {
         ),
         "top_p": greedy_at_any_temperature("top_p", 1e-6),
         "truncation": refused(RESPONSES, response(truncation="auto")),
+        # the effort reaches the template (tests/integration/test_reasoning.py); summaries
+        # are refused
+        "reasoning": refused(RESPONSES, response(reasoning={"summary": "auto"})),
     },
     "CompletionRequest": {
         "model": base_model("/v1/completions", completion(model="gpt-4o")),
@@ -666,9 +675,9 @@ def test_field_is_honoured_or_refused(server, schema, name):
     ("path", "body"),
     [
         ("/v1/chat/completions", chat(functions=[{"name": "f"}])),
-        ("/v1/chat/completions", chat(reasoning_effort="high")),
+        ("/v1/chat/completions", chat(verbosity="high")),
         ("/v1/completions", completion(min_p=0.1)),
-        (RESPONSES, response(reasoning={"effort": "low"})),
+        (RESPONSES, response(service_tier="auto")),
         (RESPONSES, response(background=False)),
         (RESPONSES, response(stop=["."])),
     ],

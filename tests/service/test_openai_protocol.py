@@ -50,10 +50,10 @@ def refusal(model, body: bytes) -> OpenAIRequestError:
 
 
 def test_an_undeclared_field_is_refused_by_name_unless_null():
-    error = refusal(protocol.ChatCompletionBody, chat(reasoning_effort="high", n="2"))
-    assert error.param == "reasoning_effort"
-    assert error.message == "`reasoning_effort` is not supported"
-    assert parse_body(protocol.ChatCompletionBody, chat(reasoning_effort=None)).n is None
+    error = refusal(protocol.ChatCompletionBody, chat(verbosity="high", n="2"))
+    assert error.param == "verbosity"
+    assert error.message == "`verbosity` is not supported"
+    assert parse_body(protocol.ChatCompletionBody, chat(verbosity=None)).n is None
     error = refusal(ResponsesBody, b'{"input": "hi", "text": {"verbosity": "low"}}')
     assert (error.param, error.message) == ("text", "`text.verbosity` is not supported")
 
@@ -106,3 +106,23 @@ def test_a_decoded_body_follows_the_same_rules():
     assert info.value.param == "add_special_tokens"
     assert info.value.message == "`add_special_tokens` must be a boolean"
     assert parse_value(protocol.VllmTokenizeBody, {"prompt": "hi", "chat_template": None}).prompt
+
+
+def test_chat_template_kwargs_may_not_set_what_the_server_sets():
+    body = parse_body(
+        protocol.ChatCompletionBody,
+        chat(chat_template_kwargs={"enable_thinking": False}, reasoning_effort="low"),
+    )
+    assert body.chat_template_kwargs == {"enable_thinking": False}
+    for name in ("messages", "tools", "add_generation_prompt", "tokenize", "chat_template"):
+        error = refusal(protocol.ChatCompletionBody, chat(chat_template_kwargs={name: 1}))
+        assert error.param == "chat_template_kwargs" and f"`{name}`" in error.message
+    error = refusal(protocol.ChatCompletionBody, chat(reasoning_effort="extreme"))
+    assert error.param == "reasoning_effort"
+    error = refusal(
+        protocol.ChatCompletionBody,
+        chat(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}),
+    )
+    assert error.param == "reasoning_effort"
+    error = refusal(protocol.ChatCompletionBody, chat(chat_template_kwargs=["x"]))
+    assert error.param == "chat_template_kwargs"
