@@ -11,7 +11,23 @@ along `path` (e.g. {"parameters", "grammar"}: the keys of `s.parameters` and of
 lua.py refuses the keys of a TGI body that the transcoder would drop with it.
 """
 
-TOP_LEVEL_VALUE = r"""
+STRING_END = r"""
+-- The index of the closing quote of the string that opens at `i` (escapes skipped); nil
+-- if `s` is cut short. TOP_LEVEL_VALUE carries it; OBJECT_KEYS needs TOP_LEVEL_VALUE first.
+local function string_end(s, i)
+  local j = i + 1
+  while true do
+    j = s:find('["\\]', j)
+    if j == nil then return nil end
+    if s:sub(j, j) == '"' then return j end
+    j = j + 2  -- skip the escaped character
+  end
+end
+"""
+
+TOP_LEVEL_VALUE = (
+    STRING_END
+    + r"""
 -- The value of top-level `key` in the JSON object `s`: a string's raw text (escapes kept)
 -- and true, or a literal (true, false, null, a number) and false; nil if absent or nested.
 local function top_level_value(s, key)
@@ -21,13 +37,8 @@ local function top_level_value(s, key)
     if i == nil then return nil end
     local c = s:sub(i, i)
     if c == '"' then
-      local j = i + 1
-      while true do
-        j = s:find('["\\]', j)
-        if j == nil then return nil end
-        if s:sub(j, j) == '"' then break end
-        j = j + 2  -- skip the escaped character
-      end
+      local j = string_end(s, i)
+      if j == nil then return nil end
       local text = s:sub(i + 1, j - 1)
       if after_colon then
         if depth == 1 and last == key then return text, true end
@@ -54,7 +65,9 @@ local function top_level_value(s, key)
   end
 end
 """
+)
 
+# included after TOP_LEVEL_VALUE (lua.py), whose string_end it calls
 OBJECT_KEYS = r"""
 -- The keys of the JSON object `s` and of the objects along `path`, a list of key names:
 -- keys[1] lists the keys of s, keys[2] those of s[path[1]] (every occurrence, if it is an
@@ -73,13 +86,8 @@ local function object_keys(s, path)
     if i == nil then return nil end
     local c = s:sub(i, i)
     if c == '"' then
-      local j = i + 1
-      while true do
-        j = s:find('["\\]', j)
-        if j == nil then return nil end
-        if s:sub(j, j) == '"' then break end
-        j = j + 2  -- skip the escaped character
-      end
+      local j = string_end(s, i)
+      if j == nil then return nil end
       if after_colon then
         after_colon = false  -- a string value
       elseif depth == on_path + 1 then

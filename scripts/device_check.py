@@ -576,7 +576,9 @@ def random_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def make_core(model, total_tokens: int, prefill_tokens: int, batch_size: int, graphs=None):
+def make_core(
+    model, total_tokens: int, prefill_tokens: int, batch_size: int, graphs=None, block_size=16
+):
     from textgen.service.engine.config import EngineConfig
     from textgen.service.replica.assembly import build_core
 
@@ -586,6 +588,7 @@ def make_core(model, total_tokens: int, prefill_tokens: int, batch_size: int, gr
             max_batch_prefill_tokens=prefill_tokens,
             max_batch_size=batch_size,
             cuda_graphs=graphs,
+            block_size=block_size,
         ),
         model,
     )
@@ -1258,8 +1261,6 @@ def _hybrid_equality(model_type: str, options: dict, device) -> dict:
     prompts of 1 to 40 tokens, 16 prefill tokens a step, a 96-token pool of 8-token blocks,
     4 sequences at most."""
     import torch
-    from textgen.service.engine.config import EngineConfig
-    from textgen.service.engine.paged_core import PagedCore
     from textgen.service.models.state_layers import state_kernels
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -1271,15 +1272,7 @@ def _hybrid_equality(model_type: str, options: dict, device) -> dict:
     prompts = random_prompts(lengths, 300, seed=1)
     # before the core: it takes the model's attention and state layers
     refs = [reference_greedy(model, p, n, False) for p, n in zip(prompts, new_tokens)]
-    core = PagedCore(
-        model,
-        EngineConfig(
-            max_batch_total_tokens=96,
-            max_batch_prefill_tokens=16,
-            max_batch_size=4,
-            block_size=8,
-        ),
-    )
+    core = make_core(model, 96, 16, 4, block_size=8)
     seqs = [make_seq(p, f"h{i}", n) for i, (p, n) in enumerate(zip(prompts, new_tokens))]
     for seq in seqs:
         core.add(seq)
