@@ -48,9 +48,20 @@ GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_PREFIX = "SmolLM2-135M-Instruct"
 MARKER = ".textgen-complete"  # written last: its presence means the folder is whole
 FORMAT_VERSION = 1  # bump when the converter's output changes
-# the context length the GGUF states (llama.context_length), known before its conversion
-# (reading it from the GGUF takes seconds); tests check it against the converted config
-EMBEDDED_CONTEXT = 8192
+# what the settings checks read from the config (the context, the attention heads that
+# --num-shard splits), known before the GGUF's conversion (reading the GGUF takes seconds,
+# converting it a minute); tests check each value against the converted config.json
+EMBEDDED_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "max_position_embeddings": 8192,
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+}
+EMBEDDED_CONTEXT = EMBEDDED_CONFIG["max_position_embeddings"]
 LOCK_TIMEOUT_S = 30 * 60  # a conversion takes under a minute; this only bounds a wedged peer
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from .embedded import (
     DEFAULT_MODEL_ID,
     EMBEDDED_ALIASES,
-    EMBEDDED_CONTEXT,
+    EMBEDDED_CONFIG,
     converted_embedded,
     ensure_embedded,
 )
@@ -154,7 +154,7 @@ def config_json(
     if model_id is None or model_id in EMBEDDED_ALIASES:
         folder = converted_embedded()
         if folder is None:
-            return DEFAULT_MODEL_ID, {"max_position_embeddings": EMBEDDED_CONTEXT}
+            return DEFAULT_MODEL_ID, dict(EMBEDDED_CONFIG)
         return DEFAULT_MODEL_ID, _read_config(folder / "config.json")
     local = Path(model_id).expanduser()
     if local.is_dir():

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from textgen.service.models.embedded import EMBEDDED_CONTEXT, converted_embedded
+from textgen.service.models.embedded import EMBEDDED_CONFIG, EMBEDDED_CONTEXT, converted_embedded
 from textgen.service.settings.preflight import preflight
 from textgen.service.settings.table import SettingError, Settings, settings_table
 
@@ -233,15 +233,27 @@ def test_a_key_file_without_keys_is_refused(tmp_path):
 
 @pytest.mark.slow  # converts the embedded model when its cache is empty
 def test_the_embedded_context_is_its_config():
-    """The embedded model's context is known before its conversion; it must be the one
-    its converted config states."""
+    """The embedded model's context and heads are known before its conversion; they must
+    be the ones its converted config states."""
     from textgen.service.models import ensure_embedded
     from textgen.service.models.hub import config_json, context_length
 
     ensure_embedded()
     folder = converted_embedded()
     assert folder is not None
-    assert context_length(config_json(None)[1]) == EMBEDDED_CONTEXT
+    config = config_json(None)[1]
+    assert context_length(config) == EMBEDDED_CONTEXT
+    assert {key: config[key] for key in EMBEDDED_CONFIG} == EMBEDDED_CONFIG
+
+
+@pytest.mark.server
+def test_shards_are_checked_before_the_embedded_model_is_converted(tmp_path):
+    """A fresh machine (nothing converted yet) gets the same one-line refusal, not a
+    conversion and a load first."""
+    status, lines, took = serve("--num-shard", "2", env={"TEXTGEN_CACHE": str(tmp_path)})
+    assert status == 2 and refused(lines, "--num-shard 2", "9 attention heads"), lines
+    assert took < NO_LOAD_S
+    assert not list(tmp_path.glob("models/*")), "something was converted"
 
 
 def test_the_settings_doc_is_the_table():
