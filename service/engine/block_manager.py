@@ -154,8 +154,9 @@ class BlockManager:
             return []
         hits: list[int] = []
         parent = _chain_start(seq)
-        for tokens in self._full_blocks(seq.token_ids, (seq.num_tokens - 1) // self.block_size):
-            parent = _block_hash(parent, tokens)
+        num_blocks = (seq.num_tokens - 1) // self.block_size
+        for index, tokens in enumerate(self._full_blocks(seq.token_ids, num_blocks)):
+            parent = _block_hash(self._salted(seq, index, parent), tokens)
             block_id = self._cached.get(parent)
             if block_id is None:
                 break
@@ -283,7 +284,9 @@ class BlockManager:
         parent = hashes[-1] if hashes else _chain_start(seq)
         bs = self.block_size
         for index in range(len(hashes), num_full):
-            parent = _block_hash(parent, seq.token_ids[index * bs : (index + 1) * bs])
+            parent = _block_hash(
+                self._salted(seq, index, parent), seq.token_ids[index * bs : (index + 1) * bs]
+            )
             hashes.append(parent)
             if seq.block_table[index] == self.placeholder:  # released unhashed: nothing to
                 continue  # register (not expected: blocks are cached before release)
@@ -328,6 +331,16 @@ class BlockManager:
             block.block_hash = None
         block.ref_count = 1
         return block_id
+
+    def _salted(self, seq: Sequence, index: int, parent: bytes) -> bytes:
+        """The parent hash block `index` chains from, salted with the request's images'
+        content hashes at the block holding its first image token: the blocks before it
+        are shared with any request of the same text, that block and (through the chain)
+        every later one only with requests of the same images too."""
+        images = seq.request.images
+        if not images or index != images[0].offset // self.block_size:
+            return parent
+        return parent + b"".join(image.digest for image in images)
 
     def _full_blocks(self, token_ids: list[int], num_blocks: int):
         bs = self.block_size

@@ -47,6 +47,19 @@ class StoppingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageInput:
+    """One image of a prompt: its processed pixels (the processor's `pixel_values` row, a
+    numpy array), their content hash (prefix-cache salt, encoder-cache key), and the span
+    of placeholder tokens its features replace: prompt positions offset .. offset +
+    num_tokens - 1."""
+
+    digest: bytes
+    pixel_values: object
+    offset: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class EngineRequest:
     """A validated, tokenized request, ready for the scheduler."""
 
@@ -83,6 +96,8 @@ class EngineRequest:
     # model), which keys its slots and its prefix-cache blocks
     adapter_id: str | None = None
     adapter_uid: int = 0
+    # a vision-language model's images, in prompt order (intake/images.py)
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,9 @@ class GenerateRequest:
     # The face's own bound on top_n_tokens (OpenAI's top_logprobs: 20); None: the
     # server's --max-top-n-tokens (TGI's).
     max_top_n_tokens: int | None = None
+    # the prompt's images in order (intake/images.py ImagePart: decoded, named as the face
+    # calls the part); the prompt holds one placeholder per image
+    images: tuple = ()
 
     def name(self, field_name: str) -> str:
         """How the client calls `field_name` (a GenerateParameters field or "inputs")."""

@@ -12,6 +12,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..engine.adapters import AdapterRegistry
 from ..engine.block_manager import num_blocks_for_choices
@@ -20,6 +21,9 @@ from ..errors import ErrorType
 from ..models.lora import LoraAdapter
 from .grammar_compiler import GrammarCompiler, GrammarError
 from .request import GenerateParameters, GenerateRequest, Grammar
+
+if TYPE_CHECKING:
+    from .images import ImagePrompts
 
 # The parameters' bounds, declared once: validation enforces them, and the faces' request
 # schemas state them (service/openai/protocol.py; scripts/make_openapi.py for TGI's
@@ -103,10 +107,13 @@ class Validator:
         grammars: GrammarCompiler | None = None,
         adapters: AdapterRegistry | None = None,
         base_names: tuple[str, ...] = (),
+        images: ImagePrompts | None = None,
     ) -> None:
         """adapters: the served LoRA adapters (None: none); base_names: what names the
-        base model (its id first) in `adapter_id` and `model`."""
+        base model (its id first) in `adapter_id` and `model`; images: a vision-language
+        model's processor (None: the model takes no images)."""
         self.tokenizer = tokenizer
+        self.images = images
         self.limits = limits
         self.grammars = grammars  # None: requests with a grammar are refused
         self.adapters = adapters
@@ -141,7 +148,7 @@ class Validator:
         if not request.inputs:
             raise check.error("inputs", "cannot be empty")
         truncate = self._truncate(check, p.truncate)
-        prompt_ids = self._tokenize(check, request.inputs, truncate)
+        prompt_ids, images = self._tokenize(check, request, truncate)
         max_new_tokens = self._max_new_tokens(check, p.max_new_tokens, len(prompt_ids))
         self._choices_fit(check, p, n, len(prompt_ids), max_new_tokens)
         engine_request = EngineRequest(
@@ -161,6 +168,7 @@ class Validator:
             n=n,
             adapter_id=adapter.name if adapter is not None else None,
             adapter_uid=adapter.uid if adapter is not None else 0,
+            images=images,
         )
         return ValidRequest(
             engine_request=engine_request,
@@ -395,16 +403,34 @@ class Validator:
             )
         return truncate
 
-    def _tokenize(self, check: _Checker, inputs: str, truncate: int | None) -> list[int]:
+    def _tokenize(
+        self, check: _Checker, request: GenerateRequest, truncate: int | None
+    ) -> tuple[list[int], tuple]:
+        """The prompt's ids (a vision-language model's: through its processor, each image's
+        placeholder expanded, so image tokens count against max_input_tokens) and its
+        images (engine/types.py ImageInput)."""
+        if request.images and self.images is None:
+            name = request.images[0].name
+            raise ValidationError(f"`{name}`: this model is text-only; it takes no images", name)
+        images = ()
         try:
-            ids = self.tokenizer(inputs, add_special_tokens=True)["input_ids"]
+            if self.images is not None:
+                ids, images = self.images.tokenize(
+                    request.inputs, request.images, check.name("inputs")
+                )
+            else:
+                ids = self.tokenizer(request.inputs, add_special_tokens=True)["input_ids"]
+        except ValidationError:
+            raise
         except Exception as exc:
             raise ValidationError(f"tokenizer error {exc}", check.name("inputs")) from exc
-        if truncate is not None:
+        if truncate is not None and truncate < len(ids):
+            if images:  # cutting into or before an image would misplace its tokens
+                raise check.error("truncate", "can't cut a prompt with images")
             ids = ids[-truncate:]
         if not ids:
             raise check.error("inputs", "cannot be empty")
-        return ids
+        return ids, images
 
     def _max_new_tokens(self, check: _Checker, requested: int | None, input_length: int) -> int:
         """The request's max_new_tokens (already checked positive), or what fits in

@@ -57,9 +57,43 @@ _RECURRENT_STATE = re.compile(r"\b(conv_states?|ssm_states?|recurrent_states?|rn
 _SINKS = re.compile(r"self\.sinks\s*=\s*nn\.Parameter")
 
 
+# Vision-language families served with their images (the vision tower and projector at
+# prefill, engine/runners/image_encoder.py); other image-text-to-text families are refused
+# until they are (issue 47). Those transformers also loads as a causal LM (Gemma 3, Qwen3.5)
+# keep being served as text.
+IMAGE_FAMILIES = frozenset({"llava"})
+
+
+def is_image_family(config: dict) -> bool:
+    """Whether `config` (a config.json) is a vision-language model served with images."""
+    return config.get("model_type") in IMAGE_FAMILIES and not config.get("auto_map")
+
+
+def image_family_reason(model_type: str | None) -> str | None:
+    """Why an image-text-to-text family that is no causal LM isn't served, or None."""
+    if not model_type or model_type in IMAGE_FAMILIES:
+        return None
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None
+    if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return None
+    served = ", ".join(sorted(IMAGE_FAMILIES))
+    return (
+        f"{model_type} is a vision-language family textgen doesn't serve yet "
+        f"(images are served for: {served})"
+    )
+
+
 def unserved_reason(config: dict) -> str | None:
     """Why the paged engine can't serve the model `config` (a config.json) describes, or
     None when it can, or when only the model's own code would tell (auto_map)."""
+    if not config.get("auto_map") and (reason := image_family_reason(config.get("model_type"))):
+        return reason
     text = config.get("text_config") or config
     model_type = text.get("model_type") or config.get("model_type")
     if not model_type or config.get("auto_map"):

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .architectures import is_image_family
 from .attention_adapters import plain_linears
 from .checkpoint_quant import LibraryQuantization, finish_loading
 from .errors import ModelError
@@ -162,6 +163,9 @@ class LoadedModel:
     shard_layout: ShardLayout | None = None  # how its attention splits (sharded only)
     vocab: VocabSlice | None = None  # the vocabulary rows its lm_head projects (sharded)
     lora: LoraLayers | None = None  # its layers' LoRA slots (--max-loras > 0)
+    # a vision-language model's processor (its image processor and placeholder tokens);
+    # None: a text model
+    processor: object | None = None
 
 
 def load_model(
@@ -182,7 +186,7 @@ def load_model(
     (sharding.py); `options` says where the files come from and what changes as they load;
     `lora` wraps its decoder's linear layers in LoRA slots (lora_layers.py), inside the
     shards' all-reduces."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     dev = select_device(device)  # validate flags before any download or conversion
     # config.json alone: its quantization_config
@@ -190,6 +194,12 @@ def load_model(
         model_id, revision, hub_cache=options.hub_cache, folder=options.folder
     )
     dt, library = resolve_quantization(quantize, own_config, dev, dtype, select_dtype(dtype, dev))
+    images = is_image_family(own_config)
+    if images and (shard is not None or lora is not None):
+        raise ModelError(
+            f"{own_config.get('model_type')} (a vision-language model) is served on one shard "
+            "without LoRA adapters so far"
+        )
     if library is not None and shard is not None:
         raise QuantizationError(
             f"{library.method} weights can't be sharded: the tensor-parallel plan slices dense "
@@ -209,14 +219,18 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(
         resolved.path, local_files_only=True, trust_remote_code=options.trust_remote_code
     )
+    processor = _processor(resolved.path, options) if images else None
     if options.chat_template is not None:
         tokenizer.chat_template = options.chat_template
+    elif processor is not None and tokenizer.chat_template is None:
+        tokenizer.chat_template = getattr(processor, "chat_template", None)
     config = _config(resolved, options)
     layout = None
     linears = plain_linears(config.model_type, bool(library or quantize or lora))
     if shard is None:
         with linears:
-            model = AutoModelForCausalLM.from_pretrained(
+            model_class = AutoModelForImageTextToText if images else AutoModelForCausalLM
+            model = model_class.from_pretrained(
                 resolved.path,
                 config=config,
                 dtype=dt,
@@ -280,7 +294,20 @@ def load_model(
         shard_layout=layout,
         vocab=vocab,
         lora=lora_layers,
+        processor=processor,
     )
+
+
+def _processor(path: Path, options: LoadOptions):
+    """A vision-language model's processor, from the folder's own files."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(
+            path, local_files_only=True, trust_remote_code=options.trust_remote_code
+        )
+    except (OSError, ValueError, ImportError) as exc:
+        raise ModelError(f"cannot load the image processor of {path}: {exc}") from exc
 
 
 def served_context(config: dict, options: LoadOptions) -> int:

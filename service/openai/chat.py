@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..engine.types import FinishInfo, TokenEvent
+from ..intake.images import ImagePart, image_from_url
 from ..intake.request import GenerateParameters, GenerateRequest, Grammar
 from ..intake.validation import grammar_spec
 from .common import (
@@ -22,7 +23,13 @@ from .common import (
 )
 from .formats import lark_answer, response_format
 from .parse import parse_body
-from .protocol import MAX_TOP_LOGPROBS, ChatCompletionBody, ChatContent, ChatMessage
+from .protocol import (
+    MAX_TOP_LOGPROBS,
+    ChatCompletionBody,
+    ChatContent,
+    ChatImagePart,
+    ChatMessage,
+)
 from .reasoning import (
     CONTENT,
     ReasoningParser,
@@ -117,6 +124,7 @@ def parse_chat_request(body: bytes, tokenizer, reasoning_parser: str | None = No
         lark=lark,
         names=_names(request, plan),
         max_top_n_tokens=MAX_TOP_LOGPROBS,
+        images=chat_images(request.messages),
     )
     return ChatRequest(
         generate=generate,
@@ -184,12 +192,44 @@ def _message(m: ChatMessage) -> dict:
     return out
 
 
-def _text(content: ChatContent | None) -> str:
+def _text(content: ChatContent | None) -> str | list[dict]:
+    """A message's content as the template takes it: text, or, with images, the parts
+    ({"type": "image"} where each goes: the template writes its placeholder)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part.text for part in content)
+    if not any(isinstance(part, ChatImagePart) for part in content):
+        return "".join(part.text for part in content)
+    image = {"type": "image"}
+    return [
+        image if isinstance(part, ChatImagePart) else {"type": "text", "text": part.text}
+        for part in content
+    ]
+
+
+def chat_images(messages: list[ChatMessage]) -> tuple[ImagePart, ...]:
+    """The conversation's images in order, decoded; each error names its part."""
+    images = []
+    for name, (m, part) in image_parts(messages).items():
+        if m.role != "user":
+            raise OpenAIRequestError(f"`{name}`: images go in user messages only", name)
+        images.append(image_from_url(part.image_url.url, name))
+    return tuple(images)
+
+
+def image_part_names(messages: list[ChatMessage]) -> list[str]:
+    return list(image_parts(messages))
+
+
+def image_parts(messages: list[ChatMessage]) -> dict[str, tuple[ChatMessage, ChatImagePart]]:
+    """The image parts by their names (messages[i].content[j].image_url), in order."""
+    return {
+        f"messages[{i}].content[{j}].image_url": (m, part)
+        for i, m in enumerate(messages)
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ())
+        if isinstance(part, ChatImagePart)
+    }
 
 
 # responses ------------------------------------------------------------------------

@@ -201,10 +201,27 @@ class SamplingFields(CommonFields):
 
 
 class ChatContentPart(OpenAIObject):
-    """Only text parts are supported."""
-
     type: Literal["text"]
     text: str
+
+
+class ImageUrl(OpenAIObject):
+    url: str = Field(
+        description="The image as a base64 data: URI (data:image/png;base64,...; any format"
+        " Pillow reads); http(s) URLs are refused for now."
+    )
+    detail: Literal["auto", "low", "high"] | None = Field(
+        None,
+        description="Accepted; the model's processor sets the resolution (LLaVA has one), so"
+        " every value reads the image the same way.",
+    )
+
+
+class ChatImagePart(OpenAIObject):
+    """An image, for a vision-language model (docs/models.md); user messages only."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
 
 
 class MessageFunctionCall(OpenAIObject):
@@ -221,8 +238,11 @@ class MessageToolCall(OpenAIObject):
 
 
 ChatContent = Annotated[
-    str | list[ChatContentPart],
-    Says('must be a string or a list of text parts ({"type": "text", "text": ...})'),
+    str | list[Annotated[ChatContentPart | ChatImagePart, Field(discriminator="type")]],
+    Says(
+        'must be a string or a list of text parts ({"type": "text", "text": ...}) and image'
+        ' parts ({"type": "image_url", "image_url": {"url": "data:..."}})'
+    ),
 ]
 
 

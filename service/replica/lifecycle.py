@@ -21,6 +21,7 @@ from ..grpc.lora_rpcs import LoraServing
 from ..grpc.server import build_server, set_serving
 from ..grpc.servicer import TextGenerationServicer
 from ..intake.admission import Admission
+from ..intake.images import ImagePrompts
 from ..intake.validation import Limits, Validator
 from ..models import LoadedModel
 from ..models.loader import ModelShard
@@ -245,6 +246,7 @@ async def _start_loaded(
             None if settings.disable_grammar_support else grammars,
             adapters,
             (loaded.resolved.model_id, str(loaded.resolved.path)),
+            ImagePrompts(loaded.processor) if loaded.processor is not None else None,
         ),
         served_model(settings, loaded, limits, core, engine),
         admission,

@@ -48,6 +48,7 @@ from transformers import AttentionInterface
 
 from ...models import attention_adapters
 from ...models.architectures import (
+    IMAGE_FAMILIES,
     interface_reason,
     keeps_recurrent_state,
     layer_types_reason,
@@ -72,6 +73,7 @@ from ..scheduler import SchedulerOutput
 from ..sequence import Sequence
 from ..state_pool import StatePool, StateStep, bound_state_step
 from ..state_pool import install as install_state_layers
+from .image_encoder import ImageEncoder, ImageSlice, image_slices
 from .invariant_linear import (
     LINEAR_BLOCK_ROWS,
     fixed_rows_linears,
@@ -127,12 +129,18 @@ class StepInputs:
     state_slots: list[int] = field(default_factory=list)  # [B] each entry's state slot
     # (source, destination) state slots to copy before the forward: forks (state_slots.py)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # image features that replace placeholder tokens' embeddings (image_encoder.py)
+    images: list[ImageSlice] = field(default_factory=list)
 
     @property
     def is_pure_decode(self) -> bool:
         """Every entry computes one token and keeps its logits (its sequence's last token):
         the steps the runner strategies (cuda_graphs.py, compiled.py) take over."""
-        return len(self.keep) == len(self.query_lens) and all(n == 1 for n in self.query_lens)
+        return (
+            not self.images
+            and len(self.keep) == len(self.query_lens)
+            and all(n == 1 for n in self.query_lens)
+        )
 
     @classmethod
     def empty(cls) -> StepInputs:
@@ -216,8 +224,13 @@ class ModelRunner(StepRunner):
         state pool holds that many sequences (the engine's max_batch_size)."""
         check_model_supported(model)
         AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+        images = getattr(model.config, "model_type", None) in IMAGE_FAMILIES
         if model._can_set_attn_implementation():
-            model.set_attn_implementation(ATTENTION_NAME)
+            # a vision-language model: the language model's attention only (the vision
+            # tower attends over an image's patches, with its own)
+            model.set_attn_implementation(
+                {"text_config": ATTENTION_NAME} if images else ATTENTION_NAME
+            )
         # Falcon, Bloom, MPT, Llama 4: through an attention adapter of ours
         attention_adapters.install(model, paged_attention_forward, ATTENTION_NAME)
         attention_adapters.install_shared_attention(model)  # Zamba's, run by several layers
@@ -249,6 +262,7 @@ class ModelRunner(StepRunner):
         if lora is not None:
             register_layers(lora)
         self.states = self._state_pool(model, state_slots)
+        self.images = ImageEncoder(model) if images else None
 
     def _state_pool(self, model: torch.nn.Module, num_slots: int) -> StatePool | None:
         """A hybrid model's state pool, its state layers set to split each step; None
@@ -302,7 +316,14 @@ class ModelRunner(StepRunner):
             self._tensor(inputs.keep),
             self.prepare_lora(inputs),
             self.state_step(inputs.query_lens, inputs.context_lens, inputs.state_slots),
+            self.embeddings(inputs),
         )
+
+    def embeddings(self, inputs: StepInputs) -> torch.Tensor | None:
+        """`inputs_embeds` with the step's image features merged (None: no image)."""
+        if not inputs.images:
+            return None
+        return self.images.embeddings(self._tensor([inputs.token_ids]), inputs.images)
 
     def state_step(self, query_lens, context_lens, slots) -> StateStep | None:
         """How the step splits in the state layers (None: the model keeps no state)."""
@@ -336,9 +357,11 @@ class ModelRunner(StepRunner):
         keep: torch.Tensor,
         lora: LoraStep | None = None,
         state: StateStep | None = None,
+        embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """-> logits `[len(keep), vocab]`. Public for runner strategies that lay out
-        their own inputs (cuda_graphs.py)."""
+        their own inputs (cuda_graphs.py). embeds: the tokens' embeddings, image features
+        merged (they replace `ids`)."""
         if keep.numel() == 0:  # a step of prefill chunks only: nothing to project
             keep = keep.new_zeros(1)
         linears = fixed_rows_linears(self._linears, self._min_rows) if self._linears else None
@@ -348,8 +371,9 @@ class ModelRunner(StepRunner):
             bound_metadata(meta),
             bound_state_step(state),
         ):
+            tokens = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
             out = self.model(
-                input_ids=ids,
+                **tokens,
                 position_ids=positions,
                 use_cache=False,
                 logits_to_keep=keep,
@@ -379,6 +403,7 @@ class Layout:
     # (seq, first row in `keep`, first position, chunk length) for prompt logprobs
     prompt_spans: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
     slot_of: dict[int, int] = field(default_factory=dict)  # adapter uid -> its LoRA slot
+    images: list[ImageSlice] = field(default_factory=list)  # image features to merge
 
     @property
     def inputs(self) -> StepInputs:
@@ -391,6 +416,7 @@ class Layout:
             self.keep,
             lora_slots=self.lora_slots,
             state_slots=self.state_slots,
+            images=self.images,
         )
 
     def add(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> None:
@@ -410,6 +436,8 @@ class Layout:
         self.block_tables.append(seq.block_table)
         self.lora_slots.append(self.slot_of.get(seq.request.adapter_uid, -1))
         self.state_slots.append(seq.state_slot)
+        if seq.request.images and start < seq.num_prompt_tokens:
+            self.images.extend(image_slices(seq.request.images, start, num_new, offset))
         if drafts:
             self.sample_rows.extend(range(len(self.keep), len(self.keep) + num_new))
             self.keep.extend(range(offset, offset + num_new))

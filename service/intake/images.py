@@ -1,0 +1,116 @@
+"""Images in a request: the bytes a face received, decoded (Pillow) and checked where the
+face parses them, so an error names the part; then, at validation, the model's processor
+turns the prompt and its images into token ids (each image's placeholder expanded to its
+tokens) and the engine's ImageInputs (engine/types.py). No torch here: the processor
+hands numpy arrays."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import re
+from dataclasses import dataclass
+
+from ..engine.types import ImageInput
+from .validation import ValidationError
+
+# data:[<mime type>][;<parameter>]*;base64,<data> (RFC 2397)
+_DATA_URI = re.compile(r"data:([\w.+-]+/[\w.+-]+)?(;[^;,]*)*?;base64,", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePart:
+    """A decoded image of a request, and the face's name of the part it came in."""
+
+    image: object  # PIL.Image.Image, RGB
+    name: str  # e.g. messages[0].content[1].image_url
+
+
+def image_from_url(url: str, name: str) -> ImagePart:
+    """A `data:` URI's image (base64); http(s) URLs are refused for now, naming the part."""
+    if url[:8].lower().startswith(("http://", "https://")):
+        raise ValidationError(
+            f"`{name}`: image URLs are not fetched yet; send the image inline as a data: URI "
+            "(data:image/png;base64,...)",
+            name,
+        )
+    match = _DATA_URI.match(url)
+    if match is None:
+        raise ValidationError(
+            f"`{name}` must be a base64 data: URI (data:image/png;base64,...)", name
+        )
+    try:
+        data = base64.b64decode(url[match.end() :], validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValidationError(f"`{name}`: the base64 data doesn't decode ({exc})", name) from exc
+    return decode_image(data, name)
+
+
+def decode_image(data: bytes, name: str) -> ImagePart:
+    """The image in `data` (any format Pillow reads), RGB; a ValidationError naming the part
+    when it doesn't decode or has no pixels."""
+    from PIL import Image
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()  # decode now: a truncated file fails here, not in the processor
+    except Exception as exc:  # Pillow raises many kinds; each means "not an image"
+        raise ValidationError(f"`{name}` is not an image Pillow can decode: {exc}", name) from exc
+    if image.width == 0 or image.height == 0:
+        raise ValidationError(f"`{name}` has no pixels ({image.width}x{image.height})", name)
+    return ImagePart(image.convert("RGB"), name)
+
+
+class ImagePrompts:
+    """A vision-language model's processor, applied to a prompt and its images."""
+
+    def __init__(self, processor) -> None:
+        self.processor = processor
+        self.image_token = processor.image_token
+        self.image_token_id = processor.image_token_id
+
+    def tokenize(
+        self, prompt: str, parts: tuple[ImagePart, ...], inputs_name: str
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The prompt's token ids, each image's placeholder expanded, and the images as the
+        engine takes them. The prompt holds one placeholder per image, no more."""
+        placeholders = prompt.count(self.image_token)
+        if placeholders != len(parts):
+            raise ValidationError(
+                f"`{inputs_name}` holds {placeholders} image placeholders "
+                f"({self.image_token}) for {len(parts)} images",
+                inputs_name,
+            )
+        images = [p.image for p in parts] or None
+        try:
+            out = self.processor(images=images, text=prompt, return_tensors="np")
+        except Exception as exc:  # the processor's refusal, reported as such
+            name = parts[0].name if parts else inputs_name
+            raise ValidationError(f"the model's processor refused `{name}`: {exc}", name) from exc
+        ids = out["input_ids"][0].tolist()
+        if not parts:
+            return ids, ()
+        return ids, self._inputs(ids, out["pixel_values"], parts)
+
+    def _inputs(self, ids: list[int], pixels, parts) -> tuple[ImageInput, ...]:
+        """Each image's pixels, content hash and span of placeholder tokens: the images'
+        tokens in prompt order, split evenly (LLaVA gives every image as many)."""
+        positions = [i for i, token in enumerate(ids) if token == self.image_token_id]
+        per_image, rest = divmod(len(positions), len(parts))
+        if rest or per_image == 0 or len(pixels) != len(parts):
+            raise ValidationError(
+                f"the processor gave {len(positions)} image tokens for {len(parts)} images",
+                parts[0].name,
+            )
+        inputs = []
+        for index in range(len(parts)):
+            span = positions[index * per_image : (index + 1) * per_image]
+            if span[-1] - span[0] != per_image - 1:  # one image's tokens are contiguous
+                raise ValidationError("the image tokens are not contiguous", parts[index].name)
+            values = pixels[index]
+            digest = hashlib.blake2b(values.tobytes(), digest_size=16)
+            digest.update(repr((values.shape, str(values.dtype))).encode())
+            inputs.append(ImageInput(digest.digest(), values, span[0], per_image))
+        return tuple(inputs)

@@ -1,0 +1,134 @@
+"""A vision-language model (a tiny LLaVA) through the engine core: the images' features
+merged at prefill equal transformers' own merge token for token, through prefill chunks
+that cut an image, and the prefix cache never shares an image's blocks with a request of
+another image (block hashes salted with the images' content hashes)."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import replace
+
+import pytest
+import torch
+from support.tiny_vlm import build_tiny_llava, png
+from textgen.service.engine.sequence import Sequence
+from textgen.service.engine.types import EngineRequest, SamplingParams, StoppingParams
+from textgen.service.intake.images import ImagePrompts, decode_image
+
+from .factories import make_core, run_to_completion
+
+MAX_NEW = 8
+TEXT = "What is in the picture?"
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = build_tiny_llava(tmp_path_factory.mktemp("llava"))
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    return model, processor
+
+
+def prompt(processor, images: int = 1) -> str:
+    parts = [{"type": "image"}] * images + [{"type": "text", "text": TEXT}]
+    messages = [{"role": "user", "content": parts}]
+    return processor.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def picture(color, stripes=True):
+    from PIL import Image
+
+    return Image.open(io.BytesIO(png(color, stripes=stripes))).convert("RGB")
+
+
+@torch.inference_mode()
+def reference(model, processor, text: str, images) -> list[int]:
+    inputs = processor(images=images, text=text, return_tensors="pt")
+    out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=None)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def sequence(processor, text: str, images, request_id: str) -> Sequence:
+    parts = tuple(decode_image(png_bytes(i), f"image{k}") for k, i in enumerate(images))
+    ids, inputs = ImagePrompts(processor).tokenize(text, parts, "inputs")
+    request = EngineRequest(
+        request_id=request_id,
+        prompt_ids=tuple(ids),
+        sampling=SamplingParams(),
+        stopping=StoppingParams(max_new_tokens=MAX_NEW, ignore_eos=True),
+        images=inputs,
+    )
+    return Sequence(request, frozenset())
+
+
+def png_bytes(image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+RED, BLUE = (200, 30, 30), (30, 30, 200)
+
+
+@pytest.mark.parametrize("prefill_tokens", [512, 8, 5])
+def test_one_image_equals_generate(llava, prefill_tokens):
+    """Chunks of 8 and 5 tokens cut the image's 16 placeholders: each chunk merges its rows."""
+    model, processor = llava
+    text = prompt(processor)
+    core = make_core(model, prefill_tokens=prefill_tokens, block_size=4)
+    seqs = [sequence(processor, text, [picture(c)], c.__repr__()) for c in (RED, BLUE)]
+    for seq in seqs:
+        core.add(seq)
+    run_to_completion(core)
+    outputs = [seq.output_ids for seq in seqs]
+    assert outputs[0] == reference(model, processor, text, [picture(RED)])
+    assert outputs[1] == reference(model, processor, text, [picture(BLUE)])
+    assert outputs[0] != outputs[1]  # the image reaches the answer
+    runner = core.runner
+    assert runner.images.encoded == 2  # once per image, whatever the chunks
+
+
+def test_two_images_in_one_prompt(llava):
+    model, processor = llava
+    text = prompt(processor, images=2)
+    core = make_core(model, prefill_tokens=12, block_size=4)
+    seq = sequence(processor, text, [picture(RED), picture(BLUE, stripes=False)], "two")
+    core.add(seq)
+    run_to_completion(core)
+    assert seq.output_ids == reference(
+        model, processor, text, [picture(RED), picture(BLUE, stripes=False)]
+    )
+
+
+def test_prefix_cache_keeps_images_apart(llava):
+    """Same text, other image: only the blocks before the first image token are shared; a
+    repeat of the same image and text is served from the cache and still equals generate."""
+    model, processor = llava
+    text = prompt(processor)
+    core = make_core(model, block_size=4, enable_prefix_caching=True)
+    first = sequence(processor, text, [picture(RED)], "red")
+    core.add(first)
+    run_to_completion(core)
+    other = sequence(processor, text, [picture(BLUE)], "blue")
+    same = sequence(processor, text, [picture(RED)], "red-again")
+    core.add(other)
+    core.add(same)
+    run_to_completion(core)
+    image_start = first.request.images[0].offset
+    assert other.num_cached_prompt_tokens <= image_start  # only the text before the image
+    assert same.num_cached_prompt_tokens > image_start  # the image's blocks too
+    assert other.output_ids == reference(model, processor, text, [picture(BLUE)])
+    assert same.output_ids == first.output_ids == reference(model, processor, text, [picture(RED)])
+
+
+def test_salt_depends_on_the_image_only(llava):
+    """Equal pixels give equal digests (the encoder cache's key); other pixels don't."""
+    _, processor = llava
+    text = prompt(processor)
+    a = sequence(processor, text, [picture(RED)], "a").request.images[0]
+    b = sequence(processor, text, [picture(RED)], "b").request.images[0]
+    c = sequence(processor, text, [picture(BLUE)], "c").request.images[0]
+    assert a.digest == b.digest != c.digest
+    assert replace(a, offset=0).num_tokens == 16

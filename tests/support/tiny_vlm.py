@@ -1,0 +1,114 @@
+"""A tiny random LLaVA (CLIP vision tower, Llama language model) and its processor
+(CLIPImageProcessorPil: the PIL/numpy path, no torchvision), built at test time and saved
+as a normal Hugging Face folder; and small PNGs as data: URIs."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+from .tiny_model import build_tokenizer
+
+IMAGE_TOKEN = "<image>"
+IMAGE_SIZE = 16  # pixels a side after the processor
+PATCH = 4  # -> (16 / 4)^2 = 16 image tokens per image
+# the template writes an image part as <image>, as LLaVA's own templates do
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for part in m['content'] %}{% if part['type'] == 'image' %}<image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_llava(path: Path, *, seed: int = 0) -> Path:
+    """Save a tiny random LLaVA (float32) with its processor into `path`."""
+    import torch
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        GenerationConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+        projection_dim=32,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    with torch.no_grad():  # sharper logits, and image features that move them
+        model.lm_head.weight.mul_(8.0)
+        for p in model.model.multi_modal_projector.parameters():
+            p.mul_(4.0)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id
+    )
+    images = CLIPImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    )
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    processor.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def png(color: tuple[int, int, int], size: tuple[int, int] = (20, 24), *, stripes=False) -> bytes:
+    """A small PNG of one colour (or with stripes of another)."""
+    from PIL import Image
+
+    image = Image.new("RGB", size, color)
+    if stripes:
+        for x in range(0, size[0], 3):
+            for y in range(size[1]):
+                image.putpixel((x, y), (255 - color[0], 255 - color[1], 255 - color[2]))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_uri(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
