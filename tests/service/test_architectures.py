@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import save_file
-from textgen.service.models.architectures import unserved_reason
+from textgen.service.models.architectures import image_family_reason, unserved_reason
 from textgen.service.settings.preflight import preflight
 from textgen.service.settings.table import SettingError, Settings
 from transformers import AutoConfig
@@ -43,6 +43,13 @@ SERVED = [
     "bamba", "lfm2", "mamba", "mamba2", "falcon_mamba", "qwen3_5_moe_text", "qwen3_5",
     "qwen3_5_moe", "lara_mini", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "lfm2_moe",
     "lfm3", "zamba", "zamba2", "zaya",
+    # vision-language, served with images (tests/integration/test_images.py)
+    "llava",
+]  # fmt: skip
+# vision-language families not served yet (issue 47): refused by name, before loading
+IMAGE_FAMILIES_NOT_YET = [
+    "llava_next", "llava_onevision", "idefics3", "smolvlm", "paligemma", "mistral3",
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
 ]  # fmt: skip
 
 
@@ -69,6 +76,28 @@ def test_an_unserved_architecture_is_refused_from_its_config(model_type, words):
 @pytest.mark.parametrize("model_type", SERVED)
 def test_a_served_architecture_passes(model_type):
     assert unserved_reason(config_of(model_type)) is None
+
+
+@pytest.mark.parametrize("model_type", IMAGE_FAMILIES_NOT_YET)
+def test_a_vision_language_family_not_served_yet_is_refused_by_name(model_type):
+    reason = unserved_reason(config_of(model_type))
+    assert reason is not None and reason.startswith(f"{model_type} is a vision-language family")
+    assert "llava" in reason  # what is served instead
+
+
+def test_vision_checkpoints_served_as_text_stay_served():
+    """Families transformers also loads as a causal LM keep that path (no images)."""
+    for model_type in ("gemma3", "qwen3_5", "qwen3_5_moe", "llama4", "mllama"):
+        assert image_family_reason(model_type) is None
+
+
+def test_preflight_refuses_an_unserved_vision_family_in_one_line(tmp_path):
+    folder = write_model_folder(tmp_path / "qwen2_5_vl", "qwen2_5_vl")
+    with pytest.raises(SettingError) as refused:
+        preflight(Settings(model_id=str(folder), grpc_port=0, port=0, no_envoy=True))
+    message = str(refused.value)
+    assert message.startswith(f"--model-id {folder}: qwen2_5_vl is a vision-language family")
+    assert "\n" not in message
 
 
 def test_a_model_with_its_own_code_is_left_to_the_load():
