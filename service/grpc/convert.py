@@ -22,7 +22,9 @@ _OPTIONAL = (
 
 
 def generate_request(request: pb.GenerateRequest) -> GenerateRequest:
-    return GenerateRequest(inputs=request.inputs, parameters=parameters(request.parameters))
+    return GenerateRequest(
+        inputs=request.inputs, parameters=parameters(request.parameters), markdown_images=True
+    )
 
 
 def parameters(p: pb.GenerateParameters) -> GenerateParameters:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from ..engine.types import ImageInput
 from .validation import ValidationError
 
+# TGI's images in a prompt: markdown, ![alt](url)
+_MARKDOWN_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
 # data:[<mime type>][;<parameter>]*;base64,<data> (RFC 2397)
 _DATA_URI = re.compile(r"data:([\w.+-]+/[\w.+-]+)?(;[^;,]*)*?;base64,", re.IGNORECASE)
 
@@ -28,38 +30,41 @@ class ImagePart:
     name: str  # e.g. messages[0].content[1].image_url
 
 
-def image_from_url(url: str, name: str) -> ImagePart:
-    """A `data:` URI's image (base64); http(s) URLs are refused for now, naming the part."""
+def image_from_url(url: str, name: str, param: str | None = None) -> ImagePart:
+    """A `data:` URI's image (base64); http(s) URLs are refused for now, naming the part
+    (`param`: the field to blame, when it isn't the part's name)."""
+    param = param or name
     if url[:8].lower().startswith(("http://", "https://")):
         raise ValidationError(
             f"`{name}`: image URLs are not fetched yet; send the image inline as a data: URI "
             "(data:image/png;base64,...)",
-            name,
+            param,
         )
     match = _DATA_URI.match(url)
     if match is None:
         raise ValidationError(
-            f"`{name}` must be a base64 data: URI (data:image/png;base64,...)", name
+            f"`{name}` must be a base64 data: URI (data:image/png;base64,...)", param
         )
     try:
         data = base64.b64decode(url[match.end() :], validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise ValidationError(f"`{name}`: the base64 data doesn't decode ({exc})", name) from exc
-    return decode_image(data, name)
+        raise ValidationError(f"`{name}`: the base64 data doesn't decode ({exc})", param) from exc
+    return decode_image(data, name, param)
 
 
-def decode_image(data: bytes, name: str) -> ImagePart:
+def decode_image(data: bytes, name: str, param: str | None = None) -> ImagePart:
     """The image in `data` (any format Pillow reads), RGB; a ValidationError naming the part
     when it doesn't decode or has no pixels."""
     from PIL import Image
 
+    param = param or name
     try:
         image = Image.open(io.BytesIO(data))
         image.load()  # decode now: a truncated file fails here, not in the processor
     except Exception as exc:  # Pillow raises many kinds; each means "not an image"
-        raise ValidationError(f"`{name}` is not an image Pillow can decode: {exc}", name) from exc
+        raise ValidationError(f"`{name}` is not an image Pillow can decode: {exc}", param) from exc
     if image.width == 0 or image.height == 0:
-        raise ValidationError(f"`{name}` has no pixels ({image.width}x{image.height})", name)
+        raise ValidationError(f"`{name}` has no pixels ({image.width}x{image.height})", param)
     return ImagePart(image.convert("RGB"), name)
 
 
@@ -70,6 +75,18 @@ class ImagePrompts:
         self.processor = processor
         self.image_token = processor.image_token
         self.image_token_id = processor.image_token_id
+
+    def from_markdown(self, inputs: str, name: str) -> tuple[str, tuple[ImagePart, ...]]:
+        """TGI's images: each markdown image `![](data:...)` of the prompt becomes the
+        model's placeholder, its image decoded (named `inputs (image 1)`, ...)."""
+        parts: list[ImagePart] = []
+
+        def placeholder(match: re.Match) -> str:
+            part = f"{name} (image {len(parts) + 1})"
+            parts.append(image_from_url(match.group(1), part, name))
+            return self.image_token
+
+        return _MARKDOWN_IMAGE.sub(placeholder, inputs), tuple(parts)
 
     def tokenize(
         self, prompt: str, parts: tuple[ImagePart, ...], inputs_name: str

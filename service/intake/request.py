@@ -78,6 +78,9 @@ class GenerateRequest:
     # the prompt's images in order (intake/images.py ImagePart: decoded, named as the face
     # calls the part); the prompt holds one placeholder per image
     images: tuple = ()
+    # TGI's: a vision-language model reads the prompt's markdown images, ![](data:...), as
+    # images (a text model, as text)
+    markdown_images: bool = False
 
     def name(self, field_name: str) -> str:
         """How the client calls `field_name` (a GenerateParameters field or "inputs")."""

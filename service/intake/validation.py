@@ -415,9 +415,10 @@ class Validator:
         images = ()
         try:
             if self.images is not None:
-                ids, images = self.images.tokenize(
-                    request.inputs, request.images, check.name("inputs")
-                )
+                inputs, parts = request.inputs, request.images
+                if request.markdown_images:
+                    inputs, parts = self.images.from_markdown(inputs, check.name("inputs"))
+                ids, images = self.images.tokenize(inputs, parts, check.name("inputs"))
             else:
                 ids = self.tokenizer(request.inputs, add_special_tokens=True)["input_ids"]
         except ValidationError:

@@ -1,9 +1,10 @@
 """Images in, through a real server and Envoy (issue 47's first family, a tiny LLaVA):
-OpenAI chat with `image_url` data: URIs gives transformers' processor + `generate` on the
-same folder, greedy, in float32; another image changes the answer as it changes the
-reference; two requests with the same text and different images in one batch each get
-their own answer (the prefix cache keeps their blocks apart); a bad image is a 422 naming
-its part, and the server keeps serving; a text-only model refuses images by name."""
+OpenAI chat with `image_url` data: URIs, and TGI's /generate with markdown images, give
+transformers' processor + `generate` on the same folder, greedy, in float32; another
+image changes the answer as it changes the reference; two requests with the same text and
+different images in one batch each get their own answer (the prefix cache keeps their
+blocks apart); a bad image is a 422 naming its part, and the server keeps serving; a
+text-only model refuses images by name (and reads TGI's markdown as text, as TGI does)."""
 
 from __future__ import annotations
 
@@ -187,4 +188,41 @@ def test_text_prompt_to_the_vision_model(llava_server):
     request = body("")
     request["messages"][0]["content"] = TEXT
     resp = chat(llava_server, request)
+    assert resp.status_code == 200, resp.text
+
+
+def tgi_prompt(uri: str) -> str:
+    """The chat prompt (tiny_vlm's template) with the image as TGI writes one: markdown."""
+    return f"<|im_start|>user\n![]({uri}){TEXT}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tgi_generate_markdown_image_equals_generate(llava_server, reference):
+    image = png(BLUE, stripes=True)
+    resp = requests.post(
+        f"{llava_server.http_url}/generate",
+        json={"inputs": tgi_prompt(data_uri(image)), "parameters": {"max_new_tokens": MAX_NEW}},
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["generated_text"] == reference(image)[0]
+
+
+def test_tgi_generate_bad_markdown_image_is_a_422(llava_server):
+    resp = requests.post(
+        f"{llava_server.http_url}/generate",
+        json={"inputs": tgi_prompt("data:image/png;base64,AAAA"), "parameters": {}},
+        timeout=60,
+    )
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["error_type"] == "validation"
+    assert "`inputs (image 1)` is not an image" in resp.json()["error"]
+
+
+def test_tgi_markdown_to_a_text_model_is_text(http_server):
+    """As TGI does: only a vision-language model reads markdown images."""
+    resp = requests.post(
+        f"{http_server.http_url}/generate",
+        json={"inputs": f"![]({data_uri(png(RED))})", "parameters": {"max_new_tokens": 2}},
+        timeout=60,
+    )
     assert resp.status_code == 200, resp.text
