@@ -1,0 +1,64 @@
+"""Images as the faces receive them (intake/images.py), without a server: data: URIs
+decode or are refused naming the part; TGI's markdown images become the processor's
+placeholders; the processor's expansion gives each image its span and content hash."""
+
+from __future__ import annotations
+
+import pytest
+from support.tiny_vlm import build_tiny_llava, data_uri, png
+from textgen.service.intake.images import ImagePrompts, image_from_url
+from textgen.service.intake.validation import ValidationError
+
+NAME = "messages[0].content[0].image_url"
+
+
+def test_a_data_uri_decodes_to_rgb():
+    part = image_from_url(data_uri(png((1, 2, 3), (7, 5))), NAME)
+    assert (part.image.mode, part.image.size, part.name) == ("RGB", (7, 5), NAME)
+    # parameters before ;base64 and an upper-case scheme are RFC 2397's
+    uri = data_uri(png((1, 2, 3))).replace("data:image/png", "DATA:image/png;name=x.png")
+    assert image_from_url(uri, NAME).image.size == (20, 24)
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://example.com/a.png", "not fetched yet"),
+        ("HTTPS://example.com/a.png", "not fetched yet"),
+        ("data:image/png,abc", "base64 data: URI"),
+        ("file:///etc/passwd", "base64 data: URI"),
+        ("data:image/png;base64,a$b", "doesn't decode"),
+        (data_uri(b"GIF89a broken"), "is not an image"),
+    ],
+)
+def test_bad_urls_are_refused_naming_the_part(url, says):
+    with pytest.raises(ValidationError) as refused:
+        image_from_url(url, NAME)
+    assert refused.value.param == NAME
+    assert says in refused.value.message and NAME in refused.value.message
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    from transformers import AutoProcessor
+
+    folder = build_tiny_llava(tmp_path_factory.mktemp("llava"))
+    return ImagePrompts(AutoProcessor.from_pretrained(folder))
+
+
+def test_markdown_images_become_placeholders(prompts):
+    red, blue = data_uri(png((200, 0, 0))), data_uri(png((0, 0, 200)))
+    text, parts = prompts.from_markdown(f"a ![x]({red}) b ![]({blue}) c", "inputs")
+    assert text == "a <image> b <image> c"
+    assert [p.name for p in parts] == ["inputs (image 1)", "inputs (image 2)"]
+    ids, images = prompts.tokenize(text, parts, "inputs")
+    assert [i.num_tokens for i in images] == [16, 16]
+    for image in images:
+        span = ids[image.offset : image.offset + image.num_tokens]
+        assert span == [prompts.image_token_id] * 16
+    assert images[0].digest != images[1].digest
+
+
+def test_placeholders_must_match_the_images(prompts):
+    with pytest.raises(ValidationError, match="holds 1 image placeholders .* for 0 images"):
+        prompts.tokenize("look: <image>", (), "messages")
