@@ -4,7 +4,7 @@ what the engine hands back. Plain dataclasses; nothing here knows gRPC or torch.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..errors import ErrorType
 
@@ -54,7 +54,7 @@ class ImageInput:
     num_tokens - 1."""
 
     digest: bytes
-    pixel_values: object
+    pixel_values: object = field(repr=False)  # (a request's repr in a log stays short)
     offset: int
     num_tokens: int
 

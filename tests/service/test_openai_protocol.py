@@ -36,7 +36,10 @@ def test_the_document_declares_the_fields_the_model_reads(name):
     assert SCHEMAS[name]["additionalProperties"] == {"type": "null"}
 
 
-TEXT_PARTS = 'must be a string or a list of text parts ({"type": "text", "text": ...})'
+TEXT_PARTS = (
+    'must be a string or a list of text parts ({"type": "text", "text": ...}) and image'
+    ' parts ({"type": "image_url", "image_url": {"url": "data:..."}})'
+)
 
 
 def chat(**fields) -> bytes:
@@ -69,7 +72,7 @@ def test_an_undeclared_field_is_refused_by_name_unless_null():
         ({"stop": [1]}, "stop", "`stop` must be a string or a list of strings"),
         ({"messages": []}, "messages", "`messages` must not be empty"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},  # no URL
             "messages",
             f"`messages[0].content` {TEXT_PARTS}",
         ),
