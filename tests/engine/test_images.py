@@ -44,20 +44,20 @@ def picture(color, stripes=True):
 
 
 @torch.inference_mode()
-def reference(model, processor, text: str, images) -> list[int]:
+def reference(model, processor, text: str, images, max_new: int = MAX_NEW) -> list[int]:
     inputs = processor(images=images, text=text, return_tensors="pt")
-    out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=None)
+    out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new, eos_token_id=None)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
-def sequence(processor, text: str, images, request_id: str) -> Sequence:
+def sequence(processor, text: str, images, request_id: str, max_new: int = MAX_NEW) -> Sequence:
     parts = tuple(decode_image(png_bytes(i), f"image{k}") for k, i in enumerate(images))
     ids, inputs = ImagePrompts(processor).tokenize(text, parts, "inputs")
     request = EngineRequest(
         request_id=request_id,
         prompt_ids=tuple(ids),
         sampling=SamplingParams(),
-        stopping=StoppingParams(max_new_tokens=MAX_NEW, ignore_eos=True),
+        stopping=StoppingParams(max_new_tokens=max_new, ignore_eos=True),
         images=inputs,
     )
     return Sequence(request, frozenset())
@@ -69,7 +69,7 @@ def png_bytes(image) -> bytes:
     return out.getvalue()
 
 
-RED, BLUE = (200, 30, 30), (30, 30, 200)
+RED, BLUE, GREEN = (200, 30, 30), (30, 30, 200), (30, 200, 30)
 
 
 @pytest.mark.parametrize("prefill_tokens", [512, 8, 5])
@@ -121,6 +121,33 @@ def test_prefix_cache_keeps_images_apart(llava):
     assert same.num_cached_prompt_tokens > image_start  # the image's blocks too
     assert other.output_ids == reference(model, processor, text, [picture(BLUE)])
     assert same.output_ids == first.output_ids == reference(model, processor, text, [picture(RED)])
+
+
+@pytest.mark.parametrize(("encoder_cache", "prefix_caching"), [(32, True), (0, False)])
+def test_preempted_image_requests_recompute_their_images(llava, encoder_cache, prefix_caching):
+    """12 blocks of 8 tokens: each request (33 prompt tokens + 24) fits alone, three
+    together don't. A preempted request recomputes what the prefix cache lost of it, its
+    image's features from the encoder cache, or encoded again (a cache that keeps none)."""
+    model, processor = llava
+    text = prompt(processor)
+    core = make_core(
+        model,
+        total_tokens=96,
+        prefill_tokens=64,
+        block_size=8,
+        enable_prefix_caching=prefix_caching,
+    )
+    core.runner.images.capacity = encoder_cache
+    colors = (RED, BLUE, GREEN)
+    seqs = [sequence(processor, text, [picture(c)], str(c), max_new=24) for c in colors]
+    for seq in seqs:
+        core.add(seq)
+    run_to_completion(core)
+    assert core.stats().preemptions > 0
+    for seq, color in zip(seqs, colors, strict=True):
+        assert seq.output_ids == reference(model, processor, text, [picture(color)], 24)
+    if encoder_cache == 0:
+        assert core.runner.images.encoded > len(colors)
 
 
 def test_salt_depends_on_the_image_only(llava):

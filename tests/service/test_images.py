@@ -62,3 +62,26 @@ def test_markdown_images_become_placeholders(prompts):
 def test_placeholders_must_match_the_images(prompts):
     with pytest.raises(ValidationError, match="holds 1 image placeholders .* for 0 images"):
         prompts.tokenize("look: <image>", (), "messages")
+
+
+def test_image_tokens_count_against_max_input_tokens(prompts):
+    """The prompt is 2 text tokens and 16 image tokens: 18 > 17 is refused, as a text
+    prompt of 18 tokens would be."""
+    from textgen.service.intake.request import GenerateParameters, GenerateRequest
+    from textgen.service.intake.validation import Limits, Validator
+
+    tokenizer = prompts.processor.tokenizer
+    limits = Limits(17, 64, 1, 4, 5, len(tokenizer))
+    image = image_from_url(data_uri(png((9, 9, 9))), NAME)
+    request = GenerateRequest(
+        inputs="a<image>b", parameters=GenerateParameters(max_new_tokens=4), images=(image,)
+    )
+    ids, _ = prompts.tokenize("a<image>b", (image,), "inputs")
+    assert len(ids) == 18
+    with pytest.raises(ValidationError, match="must have less than 17 tokens. Given: 18"):
+        Validator(tokenizer, limits, images=prompts).validate(request, stream=False)
+    limits = Limits(18, 64, 1, 4, 5, len(tokenizer))
+    valid = Validator(tokenizer, limits, images=prompts).validate(request, stream=False)
+    assert valid.engine_request.images[0].num_tokens == 16
+    with pytest.raises(ValidationError, match="text-only"):
+        Validator(tokenizer, limits).validate(request, stream=False)
