@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from ..engine.types import ImageInput
 from .validation import ValidationError
 
+# Pixels an image may have (4096 x 4096): checked from its header before it decodes, so a
+# small file that would decode to gigabytes (a decompression bomb) is refused first
+MAX_IMAGE_PIXELS = 4096 * 4096
 # TGI's images in a prompt: markdown, ![alt](url)
 _MARKDOWN_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
 # data:[<mime type>][;<parameter>]*;base64,<data> (RFC 2397)
@@ -54,17 +57,25 @@ def image_from_url(url: str, name: str, param: str | None = None) -> ImagePart:
 
 def decode_image(data: bytes, name: str, param: str | None = None) -> ImagePart:
     """The image in `data` (any format Pillow reads), RGB; a ValidationError naming the part
-    when it doesn't decode or has no pixels."""
+    when it doesn't decode, has no pixels or more than MAX_IMAGE_PIXELS."""
     from PIL import Image
 
     param = param or name
     try:
-        image = Image.open(io.BytesIO(data))
-        image.load()  # decode now: a truncated file fails here, not in the processor
+        image = Image.open(io.BytesIO(data))  # reads the header only
+        size = image.width * image.height
+        if 0 < size <= MAX_IMAGE_PIXELS:
+            image.load()  # decode now: a truncated file fails here, not in the processor
     except Exception as exc:  # Pillow raises many kinds; each means "not an image"
         raise ValidationError(f"`{name}` is not an image Pillow can decode: {exc}", param) from exc
-    if image.width == 0 or image.height == 0:
+    if size == 0:
         raise ValidationError(f"`{name}` has no pixels ({image.width}x{image.height})", param)
+    if size > MAX_IMAGE_PIXELS:
+        raise ValidationError(
+            f"`{name}` has {image.width}x{image.height} pixels, more than the "
+            f"{MAX_IMAGE_PIXELS} an image may have",
+            param,
+        )
     return ImagePart(image.convert("RGB"), name)
 
 

@@ -85,3 +85,16 @@ def test_image_tokens_count_against_max_input_tokens(prompts):
     assert valid.engine_request.images[0].num_tokens == 16
     with pytest.raises(ValidationError, match="text-only"):
         Validator(tokenizer, limits).validate(request, stream=False)
+
+
+def test_a_decompression_bomb_is_refused_before_it_decodes():
+    """A 5000 x 5000 PNG of one colour is a few kilobytes; it is refused from its header."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("L", (5000, 5000)).save(out, format="PNG")
+    assert len(out.getvalue()) < 100_000
+    with pytest.raises(ValidationError, match="5000x5000 pixels, more than the 16777216"):
+        image_from_url(data_uri(out.getvalue()), NAME)
