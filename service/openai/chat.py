@@ -218,10 +218,6 @@ def chat_images(messages: list[ChatMessage]) -> tuple[ImagePart, ...]:
     return tuple(images)
 
 
-def image_part_names(messages: list[ChatMessage]) -> list[str]:
-    return list(image_parts(messages))
-
-
 def image_parts(messages: list[ChatMessage]) -> dict[str, tuple[ChatMessage, ChatImagePart]]:
     """The image parts by their names (messages[i].content[j].image_url), in order."""
     return {

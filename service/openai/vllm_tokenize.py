@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .chat import chat_messages, image_part_names, render_prompt
+from .chat import chat_messages, image_parts, render_prompt
 from .common import OpenAIRequestError, json_bytes
 from .parse import parse_value
 from .protocol import VllmTokenizeBody, VllmTokenizeChatBody
@@ -39,8 +39,8 @@ def parse_vllm_tokenize(data: dict, tokenizer) -> VllmTokenize:
     """A decoded vLLM body (is_vllm_tokenize): the prompt, or the conversation templated."""
     if "messages" in data:
         request = parse_value(VllmTokenizeChatBody, data)
-        for name in image_part_names(request.messages):  # its count would leave them out
-            raise OpenAIRequestError(f"`{name}`: /tokenize takes no images yet", name)
+        if names := list(image_parts(request.messages)):  # its count would leave them out
+            raise OpenAIRequestError(f"`{names[0]}`: /tokenize takes no images yet", names[0])
         text = render_prompt(
             tokenizer,
             chat_messages(request.messages),

@@ -226,3 +226,12 @@ def test_tgi_markdown_to_a_text_model_is_text(http_server):
         timeout=60,
     )
     assert resp.status_code == 200, resp.text
+
+
+def test_vllm_tokenize_with_an_image_is_refused_by_name(llava_server):
+    request = body(data_uri(png(RED)))
+    resp = requests.post(
+        f"{llava_server.http_url}/tokenize", json={"messages": request["messages"]}, timeout=60
+    )
+    assert resp.status_code == 422, resp.text
+    assert "/tokenize takes no images yet" in resp.text and NAME in resp.text
