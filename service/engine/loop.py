@@ -98,7 +98,7 @@ class EngineLoop:
         self.metrics = metrics  # observability.metrics.Metrics, or None
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self._special_ids = frozenset(tokenizer.all_special_ids)
+        self._special_ids = special_ids(tokenizer)
         self._inbox: deque[tuple[str, object]] = deque()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -421,6 +421,16 @@ class EngineLoop:
             groups[id(s.group)] = s.group
         for group in groups.values():
             _send(group, error)
+
+
+def special_ids(tokenizer) -> frozenset[int]:
+    """The tokens TGI's `special` flag marks and generated_text leaves out: the named
+    special tokens and every added token the tokenizer flags special (gpt-oss's harmony
+    markers, `<|channel|>` ..., are only the latter, as decode(skip_special_tokens=True)
+    counts them)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    flagged = {i for i, token in added.items() if getattr(token, "special", False)}
+    return frozenset(tokenizer.all_special_ids) | flagged
 
 
 def step_error(exc: Exception) -> EngineError:

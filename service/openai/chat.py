@@ -32,8 +32,12 @@ from .protocol import (
 )
 from .reasoning import (
     CONTENT,
+    HARMONY,
+    HarmonyParser,
     ReasoningParser,
-    split_reasoning,
+    event_piece,
+    parser_for,
+    read_output,
     start_state,
     tag_tokens,
     thinks,
@@ -276,7 +280,10 @@ class ChatRenderer:
         text = trim_stop(finish.generated_text, self.request.stop)
         thinking = None
         if self.request.reasoning is not None:
-            thinking, text = split_reasoning(self.request.reasoning, text)
+            _, thinking, text = read_output(self.request.reasoning, events, text)
+            thinking = thinking or None
+            if self.request.reasoning == HARMONY:  # read from the events: untrimmed
+                text = trim_stop(text, self.request.stop)
         message = {"role": "assistant", "content": text}
         reason = finish_reason(finish)
         parsed = parse_output(self.request.tools, text) if self.request.tools else None
@@ -352,9 +359,9 @@ def reasoning_tokens(state: str | None, events: list[TokenEvent]) -> int:
     """How many of a choice's tokens were thinking (the closing tag's included)."""
     if state is None or state == CONTENT:
         return 0
-    parser = ReasoningParser(state)
+    parser = parser_for(state)
     for event in events:
-        parser.feed(event.text)
+        parser.feed(event_piece(parser, event))
     return parser.tokens
 
 
@@ -384,17 +391,18 @@ class ChatStream:
     parser: ToolCallParser | None = field(init=False)
     started: bool = False
     held_events: list[TokenEvent] = field(default_factory=list)  # logprobs not yet sent
-    thinking: ReasoningParser | None = field(init=False)
-    counter: ReasoningParser | None = field(init=False)  # counts the thinking's tokens
+    thinking: ReasoningParser | HarmonyParser | None = field(init=False)
+    # counts the thinking's tokens
+    counter: ReasoningParser | HarmonyParser | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.holdback = StopHoldback(self.renderer.request.stop)
         tools = self.renderer.request.tools
         self.parser = ToolCallParser(tools) if tools is not None else None
         state = self.renderer.request.reasoning
-        self.thinking = ReasoningParser(state) if state is not None else None
+        self.thinking = parser_for(state) if state is not None else None
         # on the engine's text, as the answer counts them (stop sequences held back aside)
-        self.counter = ReasoningParser(state) if state not in (None, CONTENT) else None
+        self.counter = parser_for(state) if state not in (None, CONTENT) else None
 
     @property
     def reasoning_tokens(self) -> int:
@@ -403,10 +411,11 @@ class ChatStream:
     def chunks(self, event: TokenEvent) -> list[bytes]:
         request = self.renderer.request
         final = event.finish is not None
-        text = self.holdback.feed(event.text, final)
+        piece = event_piece(self.thinking, event) if self.thinking is not None else event.text
+        text = self.holdback.feed(piece, final)
         out = []
         if self.counter is not None:
-            self.counter.feed(event.text)
+            self.counter.feed(event_piece(self.counter, event))
         if request.logprobs and not event.token.special:
             self.held_events.append(event)  # until the text they made is sent
         if self.thinking is not None:

@@ -17,14 +17,25 @@ them); a tail that could still become a tag is held back until it can't. The whi
 around the thinking is in neither part.
 
 With a grammar (tools, a JSON format), with_thought lets the thinking come first and
-holds only the answer to the grammar."""
+holds only the answer to the grammar.
+
+gpt-oss writes OpenAI's harmony format instead: messages `<|channel|>analysis<|message|>
+...<|end|><|start|>assistant<|channel|>final<|message|>...<|return|>`, whose markers are
+special tokens. HarmonyParser reads them from the tokens (event_piece gives it a special
+token's own string, which the answer's text leaves out): the `analysis` channel is the
+reasoning, `final` (and `commentary` without a recipient, a preamble) the content, the
+headers and markers in neither. An output that does not open with a message header (one a
+grammar holds from its first token) is all content."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..engine.types import TokenEvent
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-PARSERS = ("auto", "none", "deepseek_r1", "qwen3")
+PARSERS = ("auto", "none", "deepseek_r1", "qwen3", "openai_gptoss")  # vLLM's names
+HARMONY = "harmony"  # the parser kind, and the state its output starts in
 
 
 def template_text(tokenizer) -> str:
@@ -36,15 +47,20 @@ def template_text(tokenizer) -> str:
 
 def resolve_parser(name: str, tokenizer) -> str | None:
     """--reasoning-parser for this model: "think" (the tags; R1's rule with
-    deepseek_r1: "think_r1") or None (no parsing)."""
+    deepseek_r1: "think_r1"), "harmony" (gpt-oss's channels) or None (no parsing)."""
     if name == "none":
         return None
     if name == "deepseek_r1":
         return "think_r1"
     if name == "qwen3":
         return "think"
+    if name == "openai_gptoss":
+        return HARMONY
     if name == "auto":
-        return "think" if THINK_OPEN in template_text(tokenizer) else None
+        template = template_text(tokenizer)
+        if HARMONY_CHANNEL in template:
+            return HARMONY
+        return "think" if THINK_OPEN in template else None
     raise ValueError(f"unknown reasoning parser {name!r}: use one of {', '.join(PARSERS)}")
 
 
@@ -58,6 +74,8 @@ def start_state(kind: str | None, prompt: str) -> str | None:
     """The state the output starts in, from the rendered prompt; None: no parsing."""
     if kind is None:
         return None
+    if kind == HARMONY:  # gpt-oss's generation prompt ends with `<|start|>assistant`
+        return HARMONY
     opened, closed = prompt.rfind(THINK_OPEN), prompt.rfind(THINK_CLOSE)
     if opened > closed and not prompt[opened + len(THINK_OPEN) :].strip():
         return OPENED
@@ -138,9 +156,139 @@ def _held_tail(text: str) -> int:
 
 def split_reasoning(state: str, text: str) -> tuple[str | None, str]:
     """A whole output -> (the reasoning, None if there was none; the content)."""
-    parser = ReasoningParser(state)
+    parser = parser_for(state)
     reasoning, content = parser.feed(text, final=True, count=False)
     return (reasoning or None), content
+
+
+def read_output(state: str, events: list[TokenEvent], text: str) -> tuple[object, str, str]:
+    """A whole output -> (its parser, at the end; the reasoning; the content): read from
+    its text, or for harmony, whose markers are tokens, from its events."""
+    parser = parser_for(state)
+    if state != HARMONY:
+        reasoning, content = parser.feed(text, final=True, count=False)
+        return parser, reasoning, content
+    pieces = [
+        parser.feed(event_piece(parser, e), e.finish is not None, count=False) for e in events
+    ]
+    return parser, "".join(r for r, _ in pieces), "".join(c for _, c in pieces)
+
+
+def parser_for(state: str):
+    """The parser for an output that starts in `state` (start_state)."""
+    return HarmonyParser() if state == HARMONY else ReasoningParser(state)
+
+
+def event_piece(parser, event: TokenEvent) -> str:
+    """What `parser` reads of a token: its text, and for harmony's, until the answer
+    starts, a special token's own string (the markers)."""
+    if event.token.special and isinstance(parser, HarmonyParser) and parser.state != CONTENT:
+        return event.token.text
+    return event.text
+
+
+# harmony (gpt-oss) -------------------------------------------------------------------
+
+HARMONY_CHANNEL = "<|channel|>"
+HARMONY_START, HARMONY_MESSAGE = "<|start|>", "<|message|>"
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+HARMONY_MARKERS = (HARMONY_START, HARMONY_CHANNEL, HARMONY_MESSAGE, "<|constrain|>", *HARMONY_ENDS)
+# where a harmony output is besides THINKING and CONTENT: in a message's header (role,
+# channel, recipient), or between messages
+HEADER, BETWEEN = "header", "between"
+
+
+@dataclass
+class HarmonyParser:
+    """One choice's harmony output -> (reasoning, content) pieces, as ReasoningParser:
+    `analysis` messages are the reasoning until a `final` or `commentary` message opens
+    the answer, which is the content from then on (parsed once, at the output's start, as
+    the think tags are). `tokens`: the pieces fed before the answer opened."""
+
+    state: str = HARMONY
+    buffer: str = ""
+    header: str = ""
+    tokens: int = 0
+
+    def feed(self, text: str, final: bool = False, *, count: bool = True) -> tuple[str, str]:
+        if count and self.state != CONTENT:
+            self.tokens += 1
+        self.buffer += text
+        reasoning = content = ""
+        while self.buffer and self.state != CONTENT:
+            at, marker = _first_marker(self.buffer)
+            if marker is None:
+                cut = len(self.buffer) - (0 if final else _held_marker(self.buffer))
+                text, self.buffer = self.buffer[:cut], self.buffer[cut:]
+                if not text:
+                    break
+                r, c = self._text(text)
+                reasoning, content = reasoning + r, content + c
+                continue
+            r, c = self._text(self.buffer[:at])
+            reasoning, content = reasoning + r, content + c
+            self.buffer = self.buffer[at + len(marker) :]
+            self._marker(marker)
+        if self.state == CONTENT:  # markers in the answer's text are left out
+            text = _unmarked(self.buffer)
+            cut = len(text) - (0 if final else _held_marker(text))
+            content, self.buffer = content + text[:cut], text[cut:]
+        return reasoning, content
+
+    def _text(self, text: str) -> tuple[str, str]:
+        """Text outside the markers: a header's, the reasoning's, or (an output that opens
+        with no header) the content's."""
+        if not text:
+            return "", ""
+        if self.state == HEADER:
+            self.header += text
+        elif self.state == THINKING:
+            return text, ""
+        elif self.state == HARMONY or text.strip():  # text with no header: the answer
+            self.state = CONTENT
+            if self.tokens <= 1:  # nothing before it: no thinking after all
+                self.tokens = 0
+            return "", text
+        return "", ""
+
+    def _marker(self, marker: str) -> None:
+        if marker in (HARMONY_START, HARMONY_CHANNEL) and self.state != HEADER:
+            self.state, self.header = HEADER, ""
+        if marker in (HARMONY_CHANNEL, "<|constrain|>"):
+            self.header += f" {marker} "
+        elif marker == HARMONY_MESSAGE:
+            # a message to a recipient (` to=browser.search`) calls one of gpt-oss's
+            # built-in tools, which no request declared: not the answer
+            answer = _channel(self.header) in ("final", "commentary")
+            self.state = CONTENT if answer and " to=" not in self.header else THINKING
+        elif marker in HARMONY_ENDS:
+            self.state = BETWEEN
+
+
+def _unmarked(text: str) -> str:
+    """The answer's text without markers (a whole output's text holds its `<|return|>`;
+    a stream's answer tokens come without their special strings)."""
+    for marker in HARMONY_MARKERS:
+        text = text.replace(marker, "")
+    return text
+
+
+def _channel(header: str) -> str:
+    """The channel a header names (`assistant <|channel|> analysis`), "" if none."""
+    _, _, rest = header.partition(HARMONY_CHANNEL)
+    words = rest.split()
+    return words[0] if words else ""
+
+
+def _first_marker(text: str) -> tuple[int, str | None]:
+    found = [(text.find(m), m) for m in HARMONY_MARKERS]
+    found = [(at, m) for at, m in found if at >= 0]
+    return min(found) if found else (-1, None)
+
+
+def _held_marker(text: str) -> int:
+    """How many characters at the end of `text` could begin a marker."""
+    return max(_held_prefix(text, marker) for marker in HARMONY_MARKERS)
 
 
 # a grammar's answer after the thinking ------------------------------------------------

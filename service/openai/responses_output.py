@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from ..engine.types import FinishInfo, TokenEvent
 from .chat import logprob_entry, reasoning_tokens
 from .common import finish_reason, json_bytes
-from .reasoning import CONTENT, ReasoningParser
+from .reasoning import CONTENT, HarmonyParser, ReasoningParser, event_piece, parser_for, read_output
 from .response_store import new_id, new_response_id
 from .responses import ResponsesRequest
 from .tools import ToolCallParser, parse_output
@@ -156,8 +156,7 @@ class ResponseRenderer:
         status = "incomplete" if is_cut(finish) else "completed"
         thought = []  # the reasoning item
         if self.request.reasoning not in (None, CONTENT):
-            parser = ReasoningParser(self.request.reasoning)
-            thinking, text = parser.feed(text, final=True, count=False)
+            parser, thinking, text = read_output(self.request.reasoning, events, text)
             if thinking:
                 closed = "completed" if parser.state == CONTENT else status
                 thought = [reasoning_item(new_id("rs"), closed, thinking)]
@@ -195,7 +194,7 @@ class ResponseStream:
     text: str = ""  # the open message's text so far
     tokens: list[TokenEvent] = field(default_factory=list)  # ... and its tokens (logprobs)
     held: list[TokenEvent] = field(default_factory=list)  # tokens whose text isn't sent yet
-    thinking: ReasoningParser | None = field(init=False)  # tells the thinking apart
+    thinking: ReasoningParser | HarmonyParser | None = field(init=False)  # the thinking
     thought: str = ""  # the open reasoning item's text so far
     unsure: list[TokenEvent] = field(default_factory=list)  # before `<think>` may open
 
@@ -203,7 +202,7 @@ class ResponseStream:
         plan = self.renderer.request.tools
         self.parser = ToolCallParser(plan) if plan is not None else None
         state = self.renderer.request.reasoning
-        self.thinking = ReasoningParser(state) if state not in (None, CONTENT) else None
+        self.thinking = parser_for(state) if state not in (None, CONTENT) else None
 
     def start(self) -> list[bytes]:
         snapshot = self.renderer.snapshot("in_progress")
@@ -218,7 +217,8 @@ class ResponseStream:
         if self.thinking is not None and self.thinking.state != CONTENT:
             if self.renderer.request.logprobs and not event.token.special:
                 self.unsure.append(event)
-            reasoning, text = self.thinking.feed(text, final)  # this token is thinking's
+            # this token is thinking's (harmony's markers are tokens: their own strings)
+            reasoning, text = self.thinking.feed(event_piece(self.thinking, event), final)
             if reasoning:
                 out.extend(self._reasoning(reasoning))
             if self.thinking.state == CONTENT:

@@ -242,7 +242,7 @@ def rope_scaling_kind(text: str) -> str | None:
     return value
 
 
-REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")
+REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3", "openai_gptoss")
 
 
 def reasoning_parser_name(text: str) -> str:
@@ -366,10 +366,12 @@ class Settings:
     reasoning_parser: str = option(
         "auto",
         "how chat completions and responses tell a reasoning model's thinking from its "
-        "answer: auto (the <think> tags when the chat template writes <think>, else none) | "
+        "answer: auto (harmony's channels when the chat template writes <|channel|>, the "
+        "<think> tags when it writes <think>, else none) | "
         "none (all of it is content) | deepseek_r1 (the think tags; an output without the "
         "opening tag starts inside the thinking) | qwen3 (the think tags; the prompt's end "
-        "says whether the output starts inside the thinking)",
+        "says whether the output starts inside the thinking) | openai_gptoss (gpt-oss's "
+        "harmony channels: analysis is the reasoning, final the content)",
         reasoning_parser_name,
     )
     dtype: str = option("auto", "auto | float32 | bfloat16 | float16", dtype_name)
