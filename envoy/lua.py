@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .affinity import replica_of_source
 from .contract import TGI_BODY_PATH, TGI_HTTP_PATHS, BodyFields
 from .lua_json import OBJECT_KEYS, TOP_LEVEL_VALUE
 from .pools import (
@@ -37,6 +38,7 @@ from .pools import (
     POOL_HEADER,
     Pool,
     pool_by_model,
+    pool_by_replica,
 )
 
 LUA_TEMPLATE = r"""
@@ -184,6 +186,11 @@ local POOL_BY_MODEL = {__POOL_BY_MODEL__}
 local MODEL_HEADER, POOL_HEADER = "__MODEL_HEADER__", "__POOL_HEADER__"
 local MODEL_BODY_PATHS = {__MODEL_BODY_PATHS__}
 local SERVED_MODELS = "__SERVED_MODELS__"  -- for the 404's message
+-- A stored response lives on the replica that made it, whose address its id carries.
+local POOL_BY_REPLICA = {__POOL_BY_REPLICA__}  -- `ip:port` -> pool (--pool's replicas)
+local STORED = "^/v1/responses/([^/]+)"
+
+__REPLICA_OF__
 local MODEL_ERROR_HEADER, MODEL_NOT_FOUND = "__MODEL_ERROR_HEADER__", "__MODEL_NOT_FOUND__"
 
 local function percent_encode(s)
@@ -207,6 +214,12 @@ local function route_by_model(request_handle, bare)
   model = model or headers:get(MODEL_HEADER)
   headers:remove(POOL_HEADER)  -- only this filter names a pool
   local pool = nil
+  local stored = bare ~= nil and bare:match(STORED) or nil
+  if model == nil and stored ~= nil then  -- its replica's pool, when known
+    local replica = replica_of(stored)
+    pool = replica ~= nil and POOL_BY_REPLICA[replica] or nil
+    if pool ~= nil then headers:replace(POOL_HEADER, tostring(pool)) end
+  end
   if model ~= nil and model ~= "" then
     pool = POOL_BY_MODEL[model]
     if pool == nil then
@@ -381,4 +394,6 @@ def with_pools(source: str, pools: Sequence[Pool] = ()) -> str:
         .replace("__SERVED_MODELS__", _lua_value(served)[1:-1])
         .replace("__MODEL_ERROR_HEADER__", MODEL_ERROR_HEADER)
         .replace("__MODEL_NOT_FOUND__", MODEL_NOT_FOUND)
+        .replace("__POOL_BY_REPLICA__", _lua_table(pool_by_replica(pools)))
+        .replace("__REPLICA_OF__", replica_of_source())
     )

@@ -7,9 +7,11 @@ gRPC metadata). It looks the name up in the table rendered here (every id the po
 replicas report: the base model and its LoRA adapters) and writes the pool's index into
 POOL_HEADER, which the routes match (routes.py: one copy of each route per pool after the
 first, before the route of the first pool, which also takes requests that name no model).
-A name no pool serves is answered 404 `model_not_found` there. `GET /v1/models` is a
-direct response: the union of the pools' model cards, as their replicas reported them
-when the proxy started.
+A name no pool serves is answered 404 `model_not_found` there. A stored response (the
+Responses API's retrieval, deletion, input items) naming no model goes to the pool of the
+replica its id names (pool_by_replica), so the ring of that pool can find the replica.
+`GET /v1/models` is a direct response: the union of the pools' model cards, as their
+replicas reported them when the proxy started.
 """
 
 from __future__ import annotations
@@ -76,6 +78,18 @@ def pool_by_model(pools: Sequence[Pool]) -> dict[str, int]:
             if name in table:
                 raise ValueError(f"model {name!r} is served by pools {table[name]} and {index}")
             table[name] = index
+    return table
+
+
+def pool_by_replica(pools: Sequence[Pool]) -> dict[str, int]:
+    """The address (`ip:port`, as Envoy names an upstream host) of every replica given by
+    IP to its pool's index: a stored response's id names its replica (affinity.py). DNS
+    names are resolved by Envoy alone: their replicas aren't here."""
+    table = {}
+    for index, pool in enumerate(pools):
+        for u in pool.upstreams:
+            if u.is_ip:
+                table[f"[{u.host}]:{u.port}" if ":" in u.host else f"{u.host}:{u.port}"] = index
     return table
 
 

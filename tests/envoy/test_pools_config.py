@@ -98,6 +98,8 @@ def test_lua_names_every_model_of_every_pool():
     lua = manager["typed_config"]["http_filters"][0]["typed_config"]["default_source_code"]
     source = lua["inline_string"]
     assert '["qwen-sql"] = 1' in source and "__" not in source.replace("__index", "")
+    # a stored response's replica (by IP) picks its pool; DNS names aren't known here
+    assert '["127.0.0.1:50052"] = 0' in source and "qwen-replicas" not in source
     # one replica's Envoy and the one-pool proxy route nothing by model
     single = config.render(POOLS[0].upstreams)
     manager = single["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]

@@ -145,3 +145,15 @@ def test_a_pool_named_for_a_model_its_replicas_dont_serve_is_refused(pools):
     assert started.returncode == 1, started.stdout + started.stderr
     assert f"--pool gpt-4o: the replica at 127.0.0.1:{replicas[1].port} serves " in started.stderr
     assert repr(names[1]) in started.stderr
+
+
+def test_a_stored_response_is_found_in_its_models_pool(pools):
+    """A retrieval names no model: its id names the replica that stored it, whose pool
+    the proxy picks (not the first pool's)."""
+    _, names, proxy = pools
+    client = openai_client(proxy)
+    made = client.responses.create(
+        model=names[1], input=PROMPT, max_output_tokens=TOKENS, temperature=0
+    )
+    found = client.responses.retrieve(made.id)
+    assert (found.id, found.model, found.output_text) == (made.id, names[1], made.output_text)
