@@ -1,8 +1,9 @@
 """Several models behind one `textgen proxy` (README "Several models"): two replicas of two
 different tiny models (`serve --no-envoy`), one proxy with a pool for each. Through the
 proxy, each model answers as its own replica does asked directly (and the two differ):
-OpenAI's routes by the body's `model` (the `openai` SDK), TGI's by the x-model-id header,
-native gRPC by that metadata; /v1/models lists both; an unknown model is a 404 naming it."""
+OpenAI's routes by the body's `model` (the `openai` SDK; a LoRA adapter's name too), TGI's
+by the x-model-id header, native gRPC by that metadata; /v1/models lists both; an unknown
+model is a 404 naming it; a stored response is found in its model's pool."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.timeout(300)
 PROMPT = "The quick brown fox"
 TOKENS = 12
 LIST = svc_pb.ListModelsRequest()
+ADAPTER = "beta-sql"  # a LoRA adapter of beta's replica: it routes to beta's pool
 
 
 @server_fixture(scope="module")
@@ -34,7 +36,11 @@ def pools(tmp_path_factory):
     """The replicas (alpha's, beta's), their model ids, and the proxy of both pools."""
     root = tmp_path_factory.mktemp("pools")
     models = [build_tiny_model(root / "alpha", seed=1), build_tiny_model(root / "beta", seed=2)]
-    replicas = [Replica(m, free_port(), root / f"{m.name}.log") for m in models]
+    adapter = f"{ADAPTER}={build_adapter(models[1], root / ADAPTER)}"
+    replicas = [
+        Replica(models[0], free_port(), root / "alpha.log"),
+        Replica(models[1], free_port(), root / "beta.log", "--lora-adapters", adapter),
+    ]
     try:
         for replica in replicas:
             replica.wait_serving()
@@ -48,6 +54,16 @@ def pools(tmp_path_factory):
     finally:
         for replica in replicas:
             replica.stop()
+
+
+def build_adapter(model_dir, folder) -> str:
+    """A random LoRA adapter of the model in `model_dir` (it changes the answers)."""
+    import torch
+    from support.lora_adapters import make_adapter
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return make_adapter(base, folder, 4, ["q_proj", "v_proj", "down_proj"], seed=3, std=0.3)
 
 
 def direct_completion(replica: Replica, model: str) -> str:
@@ -85,11 +101,34 @@ def test_each_model_answers_as_its_own_replica(pools):
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
 
 
+def test_chat_goes_by_the_body_model(pools):
+    replicas, names, proxy = pools
+    client = openai_client(proxy)
+    messages = [{"role": "user", "content": PROMPT}]
+    body = {"messages": messages, "max_tokens": TOKENS, "temperature": 0}
+    for replica, name in zip(replicas, names):
+        with Client(replica.target, timeout=60) as direct:
+            expected = direct.chat_completions({**body, "model": name})
+        answer = client.chat.completions.create(model=name, **body)
+        assert answer.choices[0].message.content == expected["choices"][0]["message"]["content"]
+
+
 def test_models_lists_every_pool(pools):
     _, names, proxy = pools
     listed = openai_client(proxy).models.list().data
-    assert [m.id for m in listed] == names
+    assert [m.id for m in listed] == [*names, ADAPTER]
     assert {m.owned_by for m in listed} == {"textgen"}
+    assert listed[2].model_extra["parent"] == names[1]
+
+
+def test_a_lora_adapter_routes_to_its_base_models_pool(pools):
+    replicas, names, proxy = pools
+    expected = direct_completion(replicas[1], ADAPTER)
+    assert expected != direct_completion(replicas[1], names[1])
+    answer = openai_client(proxy).completions.create(
+        model=ADAPTER, prompt=PROMPT, max_tokens=TOKENS, temperature=0
+    )
+    assert answer.choices[0].text == expected
 
 
 def test_an_unknown_model_is_a_404_naming_it(pools):
