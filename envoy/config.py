@@ -127,9 +127,9 @@ def render(
             no /docs). /api-doc/openapi.json is always served.
         http: the payload limit and the CORS origins.
         pools: several models (front only, pools.py): one cluster per pool, chosen by
-            the request's model, in place of `upstreams` (pass the first pool's).
+            the request's model, in place of `upstreams` (then ignored).
     """
-    if not upstreams:
+    if not upstreams and not pools:
         raise ValueError("at least one upstream is needed")
     if pools and not front:
         raise ValueError("pools of several models are the front proxy's")

@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         # the replicas aren't asked: each pool routes its own name only
         bootstrap = envoy_config.render(
-            pools[0].upstreams if pools else upstreams,
+            upstreams,
             listen_host=ip_literal(args.hostname),
             listen_port=args.port,
             admin_port=args.admin_port,
@@ -174,7 +174,6 @@ async def serve_proxy(
     `upstreams`."""
     if pools:
         pools = await discover(pools, pool_timeout)
-        upstreams = list(pools[0].upstreams)
     envoy = await start_front_proxy(
         upstreams,
         listen_host=hostname,
