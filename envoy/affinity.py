@@ -26,6 +26,9 @@ listing (GetResponse, DeleteResponse, ListResponseInputItems: the id is field 1)
 the conversation and its prefix cache are there. A replica that has left the cluster or
 is unhealthy can't be chosen: the ring picks another, which answers `not_found` naming
 the replica that stored it.
+
+With several models (pools.py), the same filter routes native gRPC whose metadata names no
+model: OpenAI's methods by their JSON's `model`, a stored response by its replica's pool.
 """
 
 from __future__ import annotations
@@ -123,6 +126,36 @@ __TOP_LEVEL_VALUE__
 
 __REPLICA_OF__
 
+__POOL_LUA__
+local FACE_HEADER = "__FACE_HEADER__"  -- lua.py's mark of an HTTP request
+
+-- Several models: native gRPC whose metadata names no model (lua.py routed the ones that
+-- do, and every HTTP request) goes by its OpenAI JSON's `model`, or a stored response by
+-- the replica in its id, as HTTP does. TRAP: only native gRPC may be routed again here: a
+-- transcoded request would match the gRPC route on its rewritten path. False: answered.
+local function route_native(handle, headers, method, message, stored)
+  if next(POOL_BY_MODEL) == nil then return true end
+  if headers:get(FACE_HEADER) ~= nil or headers:get(MODEL_HEADER) ~= nil then return true end
+  local pool = nil
+  if JSON_METHODS[method] and message ~= nil then
+    local model, quoted = top_level_value(message, "model")
+    if quoted and model ~= "" then
+      pool = POOL_BY_MODEL[model]
+      if pool == nil then
+        grpc_not_served(handle, model)
+        return false
+      end
+      headers:replace(MODEL_HEADER, model)
+    end
+  end
+  if pool == nil and stored ~= nil then pool = POOL_BY_REPLICA[stored] end
+  if pool ~= nil then
+    headers:replace(POOL_HEADER, tostring(pool))
+    handle:clearRouteCache()
+  end
+  return true
+end
+
 local function routing_key(handle, method, message, headers)
   if JSON_METHODS[method] and message ~= nil then
     local cache_key, quoted = top_level_value(message, "prompt_cache_key")
@@ -157,10 +190,11 @@ function envoy_on_request(handle)
     local previous, quoted = top_level_value(message, "previous_response_id")
     if quoted then stored = replica_of(previous) end
   end
-  if stored ~= nil then handle:setUpstreamOverrideHost(stored, false) end
-  if ID_METHODS[method] then return end
   -- TRAP: wrappers taken before body() are dead once it has yielded: get them again.
   local headers = handle:headers()
+  if not route_native(handle, headers, method, message, stored) then return end
+  if stored ~= nil then handle:setUpstreamOverrideHost(stored, false) end
+  if ID_METHODS[method] then return end
   local key = routing_key(handle, method, message, headers)
   if key ~= nil then
     headers:replace(HEADER, key)
@@ -180,7 +214,9 @@ def replica_of_source() -> str:
     )
 
 
-def lua_source() -> str:
+def lua_source(pool_lua: str, face_header: str) -> str:
+    """The filter's source; `pool_lua`: pools.pool_lua() (several models); `face_header`:
+    errors.FACE_HEADER, the mark of an HTTP request."""
     fields = {**dict.fromkeys(TGI_METHODS, 1), **dict.fromkeys(OPENAI_METHODS, 2)}
     return (
         LUA_TEMPLATE.replace("__AFFINITY_HEADER__", AFFINITY_HEADER)
@@ -190,17 +226,20 @@ def lua_source() -> str:
         .replace("__JSON_METHODS__", ", ".join(f"{m} = true" for m in OPENAI_METHODS))
         .replace("__ID_METHODS__", ", ".join(f"{m} = 1" for m in STORED_RESPONSE_METHODS))
         .replace("__REPLICA_OF__", replica_of_source())
+        .replace("__POOL_LUA__", pool_lua)
+        .replace("__FACE_HEADER__", face_header)
         .replace("__TOP_LEVEL_VALUE__", TOP_LEVEL_VALUE.strip())
     )
 
 
-def affinity_filter() -> dict:
-    """The Lua filter that sets the routing key (after the transcoder, before the router)."""
+def affinity_filter(pool_lua: str, face_header: str) -> dict:
+    """The Lua filter that sets the routing key (after the transcoder, before the router);
+    `pool_lua`: pools.pool_lua() (several models); `face_header`: errors.FACE_HEADER."""
     return {
         "name": "textgen.affinity",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
-            "default_source_code": {"inline_string": lua_source()},
+            "default_source_code": {"inline_string": lua_source(pool_lua, face_header)},
         },
     }
 

@@ -56,7 +56,7 @@ from .errors import (
 )
 from .limits import MAX_CONNECTIONS, REQUEST_BODY_LIMIT, RESPONSE_BODY_LIMIT, STREAM_BUFFER_LIMIT
 from .lua import lua_source, with_body_fields, with_pools
-from .pools import ModelCard, Pool, cluster_name
+from .pools import ModelCard, Pool, cluster_name, pool_lua
 from .routes import QUICK_ROUTE_TIMEOUT, ROUTES, route_config
 
 # What other code imports from here (service/, deploy/, tests/); most are defined in
@@ -242,7 +242,7 @@ def _http_connection_manager(
                 _body_limit(http.payload_limit),
                 _transcoder(api, http.payload_limit),
                 # the front's routing key, read from the transcoded (gRPC) request
-                *([affinity_filter()] if front else []),
+                *([affinity_filter(pool_lua(pools), FACE_HEADER)] if front else []),
                 _router(),
             ],
         },

@@ -93,6 +93,61 @@ def pool_by_replica(pools: Sequence[Pool]) -> dict[str, int]:
     return table
 
 
+# The served models a 404 names at most.
+MAX_NAMED = 10
+
+# The tables and helpers both Lua filters share: lua.py's (before the transcoder: HTTP by the
+# body's `model` or the header, native gRPC by its metadata) and affinity.py's (after it:
+# native gRPC's OpenAI methods by their JSON's `model`, stored responses by their replica;
+# both filters also carry affinity.REPLICA_OF).
+POOL_LUA = r"""
+-- Several models (textgen.envoy.pools): a request goes to the pool of the model it names
+-- through POOL_HEADER, which the routes match. Empty tables: one pool, nothing to do.
+local POOL_BY_MODEL = {__POOL_BY_MODEL__}
+-- A stored response lives on the replica that made it, whose address its id carries.
+local POOL_BY_REPLICA = {__POOL_BY_REPLICA__}  -- `ip:port` -> pool (--pool's replicas)
+local MODEL_HEADER, POOL_HEADER = "__MODEL_HEADER__", "__POOL_HEADER__"
+local SERVED_MODELS = "__SERVED_MODELS__"  -- for the 404's message
+
+local function not_served(model)
+  return "The model `" .. model .. "` does not exist (served: " .. SERVED_MODELS .. ")"
+end
+
+-- Native gRPC's answer to a model no pool serves: NOT_FOUND, trailers-only.
+local function grpc_not_served(handle, model)
+  local message = not_served(model):gsub('[^%w%-_%.~ ]', function(c)
+    return string.format('%%%02X', c:byte())  -- grpc-message is percent-encoded
+  end)
+  handle:respond({[":status"] = "200", ["content-type"] = "application/grpc",
+    ["grpc-status"] = "5", ["grpc-message"] = message})
+end
+"""
+
+
+def pool_lua(pools: Sequence[Pool] = ()) -> str:
+    """POOL_LUA with the pools' tables (no pools: empty ones)."""
+    table = pool_by_model(pools)
+    names = list(table)
+    served = ", ".join(names[:MAX_NAMED]) + (", ..." if len(names) > MAX_NAMED else "")
+    return (
+        POOL_LUA.replace("__POOL_BY_MODEL__", _lua_table(table))
+        .replace("__POOL_BY_REPLICA__", _lua_table(pool_by_replica(pools)))
+        .replace("__MODEL_HEADER__", MODEL_HEADER)
+        .replace("__POOL_HEADER__", POOL_HEADER)
+        .replace("__SERVED_MODELS__", _lua_quoted(served))
+        .strip()
+    )
+
+
+def _lua_quoted(text: str) -> str:
+    """`text` for inside a Lua string literal's double quotes."""
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _lua_table(entries: dict[str, int]) -> str:
+    return ", ".join(f'["{_lua_quoted(k)}"] = {v}' for k, v in entries.items())
+
+
 def models_body(pools: Sequence[Pool]) -> str:
     """OpenAI's model list: every pool's cards (a pool without any: its name)."""
     cards = [card for pool in pools for card in (pool.models or (ModelCard(pool.name),))]

@@ -19,6 +19,7 @@ from support.replica_processes import Proxy, Replica, free_port
 from support.tiers import server_fixture
 from support.tiny_model import build_tiny_model
 from textgen.sdk import Client
+from textgen.sdk.errors import NotFoundError
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2 as svc_pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
@@ -184,6 +185,20 @@ def test_a_pool_named_for_a_model_its_replicas_dont_serve_is_refused(pools):
     assert started.returncode == 1, started.stdout + started.stderr
     assert f"--pool gpt-4o: the replica at 127.0.0.1:{replicas[1].port} serves " in started.stderr
     assert repr(names[1]) in started.stderr
+
+
+def test_native_grpc_openai_methods_go_by_their_json_model(pools):
+    """The SDK's OpenAI methods over gRPC carry the body's `model` as HTTP does: no
+    metadata needed."""
+    replicas, names, proxy = pools
+    body = {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}
+    with Client(f"127.0.0.1:{proxy.http_port}", timeout=60) as client:
+        for replica, name in zip(replicas, names):
+            answer = client.completions({**body, "model": name})["choices"][0]["text"]
+            assert answer == direct_completion(replica, name)
+        with pytest.raises(NotFoundError) as raised:
+            client.completions({**body, "model": "no-such-model"})
+    assert "no-such-model" in str(raised.value)
 
 
 def test_a_stored_response_is_found_in_its_models_pool(pools):
