@@ -6,11 +6,10 @@ another image (block hashes salted with the images' content hashes)."""
 from __future__ import annotations
 
 import io
-from dataclasses import replace
 
 import pytest
 import torch
-from support.tiny_vlm import build_tiny_llava, png
+from support.tiny_vlm import BUILDERS, build_tiny_llava, png
 from textgen.service.engine.sequence import Sequence
 from textgen.service.engine.types import EngineRequest, SamplingParams, StoppingParams
 from textgen.service.intake.images import ImagePrompts, decode_image
@@ -21,14 +20,33 @@ MAX_NEW = 8
 TEXT = "What is in the picture?"
 
 
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory):
+def load(path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    path = build_tiny_llava(tmp_path_factory.mktemp("llava"))
     processor = AutoProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     return model, processor
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    return load(build_tiny_llava(tmp_path_factory.mktemp("llava")))
+
+
+# the families past LLaVA, each with its own way of laying an image out in tokens
+# and the image tokens each gives the three sizes of test_family_images_... (the third
+# prompt's second image the first's size, other pixels)
+TOKENS = {"llava_next": [[72], [52], [56, 72]]}
+
+
+@pytest.fixture(scope="module", params=sorted(TOKENS))
+def family_name(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def family(family_name, tmp_path_factory):
+    return load(BUILDERS[family_name](tmp_path_factory.mktemp(family_name)))
 
 
 def prompt(processor, images: int = 1) -> str:
@@ -37,10 +55,10 @@ def prompt(processor, images: int = 1) -> str:
     return processor.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def picture(color, stripes=True):
+def picture(color, stripes=True, size=(20, 24)):
     from PIL import Image
 
-    return Image.open(io.BytesIO(png(color, stripes=stripes))).convert("RGB")
+    return Image.open(io.BytesIO(png(color, size, stripes=stripes))).convert("RGB")
 
 
 @torch.inference_mode()
@@ -158,4 +176,26 @@ def test_salt_depends_on_the_image_only(llava):
     b = sequence(processor, text, [picture(RED)], "b").request.images[0]
     c = sequence(processor, text, [picture(BLUE)], "c").request.images[0]
     assert a.digest == b.digest != c.digest
-    assert replace(a, offset=0).num_tokens == 16
+    assert a.num_tokens == len(a.positions) == 16
+
+
+@pytest.mark.parametrize("prefill_tokens", [512, 7])
+def test_family_images_of_other_sizes_equal_generate(family, family_name, prefill_tokens):
+    """Images of three sizes (LLaVA-Next: 72, 52 and 56 tokens; Idefics 3: tiles between
+    row markers), alone and two in one prompt, through chunks of 7 that cut them."""
+    model, processor = family
+    one, two = prompt(processor), prompt(processor, images=2)
+    cases = [
+        (one, [picture(RED)]),
+        (one, [picture(BLUE, size=(40, 16))]),
+        (two, [picture(GREEN, size=(16, 40)), picture(RED, stripes=False)]),
+    ]
+    core = make_core(model, prefill_tokens=prefill_tokens, block_size=4)
+    seqs = [sequence(processor, text, images, str(k)) for k, (text, images) in enumerate(cases)]
+    for seq in seqs:
+        core.add(seq)
+    run_to_completion(core)
+    for seq, (text, images) in zip(seqs, cases, strict=True):
+        assert seq.output_ids == reference(model, processor, text, images)
+    assert [[i.num_tokens for i in s.request.images] for s in seqs] == TOKENS[family_name]
+    assert seqs[0].output_ids != seqs[1].output_ids  # the image reaches the answer

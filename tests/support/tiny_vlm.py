@@ -24,23 +24,17 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_llava(path: Path, *, seed: int = 0) -> Path:
-    """Save a tiny random LLaVA (float32) with its processor into `path`."""
-    import torch
-    from transformers import (
-        CLIPImageProcessorPil,
-        CLIPVisionConfig,
-        GenerationConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
-
+def _tokenizer(*tokens: str):
     tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
     tokenizer.chat_template = CHAT_TEMPLATE
-    text = LlamaConfig(
+    return tokenizer
+
+
+def _llama(tokenizer):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -53,7 +47,12 @@ def build_tiny_llava(path: Path, *, seed: int = 0) -> Path:
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    vision = CLIPVisionConfig(
+
+
+def _clip():
+    from transformers import CLIPVisionConfig
+
+    return CLIPVisionConfig(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -62,22 +61,47 @@ def build_tiny_llava(path: Path, *, seed: int = 0) -> Path:
         patch_size=PATCH,
         projection_dim=32,
     )
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        vision_feature_layer=-1,
-        vision_feature_select_strategy="default",
-    )
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config)
-    with torch.no_grad():  # sharper logits, and image features that move them
+
+
+def _save(path: Path, model, processor, tokenizer, *, seed_scale=True) -> Path:
+    """Sharper logits and image features that move them; then the folder."""
+    import torch
+    from transformers import GenerationConfig
+
+    with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
         for p in model.model.multi_modal_projector.parameters():
             p.mul_(4.0)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id
     )
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    processor.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def build_tiny_llava(path: Path, *, seed: int = 0) -> Path:
+    """Save a tiny random LLaVA (float32) with its processor into `path`."""
+    import torch
+    from transformers import (
+        CLIPImageProcessorPil,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer = _tokenizer(IMAGE_TOKEN)
+    config = LlavaConfig(
+        vision_config=_clip(),
+        text_config=_llama(tokenizer),
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
     images = CLIPImageProcessorPil(
         size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     )
@@ -89,11 +113,52 @@ def build_tiny_llava(path: Path, *, seed: int = 0) -> Path:
         num_additional_image_tokens=1,
         chat_template=CHAT_TEMPLATE,
     )
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    processor.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return _save(path, model, processor, tokenizer)
+
+
+# LLaVA-Next's tiles: an image is resized to the pinpoint nearest its aspect, cut into
+# tiles of IMAGE_SIZE, plus the whole image at IMAGE_SIZE: its tokens depend on its size
+PINPOINTS = [[16, 32], [32, 16], [32, 32]]
+
+
+def build_tiny_llava_next(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random LLaVA-Next ("anyres" tiles, `image_sizes`) with its processor."""
+    import torch
+    from transformers import (
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessorPil,
+        LlavaNextProcessor,
+    )
+
+    tokenizer = _tokenizer(IMAGE_TOKEN)
+    config = LlavaNextConfig(
+        vision_config=_clip(),
+        text_config=_llama(tokenizer),
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        image_grid_pinpoints=PINPOINTS,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config)
+    images = LlavaNextImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE},
+        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        image_grid_pinpoints=PINPOINTS,
+    )
+    processor = LlavaNextProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+    )
+    return _save(path, model, processor, tokenizer)
+
+
+BUILDERS = {"llava": build_tiny_llava, "llava_next": build_tiny_llava_next}
 
 
 def png(color: tuple[int, int, int], size: tuple[int, int] = (20, 24), *, stripes=False) -> bytes:
