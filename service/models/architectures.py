@@ -61,7 +61,7 @@ _SINKS = re.compile(r"self\.sinks\s*=\s*nn\.Parameter")
 # prefill, engine/runners/image_encoder.py); other image-text-to-text families are refused
 # until they are (issue 47). Those transformers also loads as a causal LM (Gemma 3, Qwen3.5)
 # keep being served as text.
-IMAGE_FAMILIES = frozenset({"llava", "llava_next"})
+IMAGE_FAMILIES = frozenset({"llava", "llava_next", "idefics3"})
 
 
 def is_image_family(config: dict) -> bool:

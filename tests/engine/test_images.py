@@ -1,4 +1,4 @@
-"""A vision-language model (a tiny LLaVA) through the engine core: the images' features
+"""Vision-language models (a tiny LLaVA; LLaVA-Next and Idefics 3 too) through the engine core: the images' features
 merged at prefill equal transformers' own merge token for token, through prefill chunks
 that cut an image, and the prefix cache never shares an image's blocks with a request of
 another image (block hashes salted with the images' content hashes)."""
@@ -36,7 +36,7 @@ def llava(tmp_path_factory):
 # the families past LLaVA, each with its own way of laying an image out in tokens
 # and the image tokens each gives the three sizes of test_family_images_... (the third
 # prompt's second image the first's size, other pixels)
-TOKENS = {"llava_next": [[72], [52], [56, 72]]}
+TOKENS = {"llava_next": [[72], [52], [56, 72]], "idefics3": [[20], [12], [12, 20]]}
 
 
 @pytest.fixture(scope="module", params=sorted(TOKENS))

@@ -239,7 +239,7 @@ def test_vllm_tokenize_with_an_image_is_refused_by_name(llava_server):
 
 # Past LLaVA (issue 47, step 2): each family's tiny model through a real server, OpenAI
 # chat with images of other sizes (other token counts), chunks of 12 cutting them
-FAMILIES = ["llava_next"]
+FAMILIES = ["llava_next", "idefics3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -1,6 +1,7 @@
-"""A tiny random LLaVA (CLIP vision tower, Llama language model) and its processor
-(CLIPImageProcessorPil: the PIL/numpy path, no torchvision), built at test time and saved
-as a normal Hugging Face folder; and small PNGs as data: URIs."""
+"""Tiny random vision-language models, one per served family (LLaVA, LLaVA-Next, Idefics 3:
+a vision tower, a projector, a Llama language model) with their processors (each image
+processor's PIL/numpy class, no torchvision), built at test time and saved as normal
+Hugging Face folders; and small PNGs as data: URIs."""
 
 from __future__ import annotations
 
@@ -63,14 +64,15 @@ def _clip():
     )
 
 
-def _save(path: Path, model, processor, tokenizer, *, seed_scale=True) -> Path:
-    """Sharper logits and image features that move them; then the folder."""
+def _save(path: Path, model, processor, tokenizer, projector: str = "multi_modal_projector"):
+    """Sharper logits and image features that move them (the model's `projector`); then
+    the folder."""
     import torch
     from transformers import GenerationConfig
 
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
-        for p in model.model.multi_modal_projector.parameters():
+        for p in getattr(model.model, projector).parameters():
             p.mul_(4.0)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id
@@ -158,7 +160,65 @@ def build_tiny_llava_next(path: Path, *, seed: int = 0) -> Path:
     return _save(path, model, processor, tokenizer)
 
 
-BUILDERS = {"llava": build_tiny_llava, "llava_next": build_tiny_llava_next}
+# Idefics 3's tiles: an image's longest edge is resized to at most TILES_EDGE, cut into
+# tiles of IMAGE_SIZE (up to 2 x 2) plus a global view, each tile's 16 patches merged 2 x 2
+# into 4 tokens, between <fake_token_around_image> and a <row_r_col_c> marker
+TILES_EDGE = 32
+SCALE = 2
+IDEFICS3_TOKENS = [
+    "<fake_token_around_image>",
+    "<global-img>",
+    "<end_of_utterance>",
+    *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)),
+]
+
+
+def build_tiny_idefics3(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random Idefics 3 (SigLIP-like tower, pixel-shuffle connector, Llama)."""
+    import torch
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+        Idefics3VisionConfig,
+    )
+
+    tokenizer = _tokenizer(IMAGE_TOKEN, *IDEFICS3_TOKENS)
+    vision = Idefics3VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+    )
+    config = Idefics3Config(
+        vision_config=vision,
+        text_config=_llama(tokenizer),
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        scale_factor=SCALE,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config)
+    images = Idefics3ImageProcessorPil(
+        size={"longest_edge": TILES_EDGE}, max_image_size={"longest_edge": IMAGE_SIZE}
+    )
+    processor = Idefics3Processor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        image_seq_len=(IMAGE_SIZE // PATCH) ** 2 // SCALE**2,
+        chat_template=CHAT_TEMPLATE,
+    )
+    return _save(path, model, processor, tokenizer, projector="connector")
+
+
+BUILDERS = {
+    "llava": build_tiny_llava,
+    "llava_next": build_tiny_llava_next,
+    "idefics3": build_tiny_idefics3,
+}
 
 
 def png(color: tuple[int, int, int], size: tuple[int, int] = (20, 24), *, stripes=False) -> bytes:
