@@ -64,6 +64,24 @@ _SINKS = re.compile(r"self\.sinks\s*=\s*nn\.Parameter")
 IMAGE_FAMILIES = frozenset({"llava", "llava_next", "idefics3"})
 
 
+# Vision-language families served as text, their images refused: why, where there is more
+# to say than "not yet" (docs/models.md, Images)
+_IMAGES_REFUSED = {
+    "gemma3": (
+        "its image tokens attend to each other both ways, and textgen's paged attention is causal"
+    ),
+}
+
+
+def images_refused_reason(model_type: str | None, vision: bool) -> str | None:
+    """Why a model served as text takes no images: None for a text model (no vision
+    config) and for a family served with images."""
+    if not vision or model_type in IMAGE_FAMILIES:
+        return None
+    why = _IMAGES_REFUSED.get(model_type, "not served yet")
+    return f"{model_type}'s images are not served ({why}); its text is"
+
+
 def is_image_family(config: dict) -> bool:
     """Whether `config` (a config.json) is a vision-language model served with images."""
     return config.get("model_type") in IMAGE_FAMILIES and not config.get("auto_map")

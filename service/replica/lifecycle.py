@@ -24,6 +24,7 @@ from ..intake.admission import Admission
 from ..intake.images import ImagePrompts
 from ..intake.validation import Limits, Validator
 from ..models import LoadedModel
+from ..models.architectures import images_refused_reason
 from ..models.loader import ModelShard
 from ..observability.metrics import Metrics, MetricsListener
 from ..observability.requests import RequestRecorder
@@ -247,6 +248,7 @@ async def _start_loaded(
             adapters,
             (loaded.resolved.model_id, str(loaded.resolved.path)),
             ImagePrompts(loaded.processor) if loaded.processor is not None else None,
+            no_images=no_images_reason(loaded),
         ),
         served_model(settings, loaded, limits, core, engine),
         admission,
@@ -381,3 +383,14 @@ def http_options(settings: Settings) -> HttpOptions:
 def curl_example(http_url: str) -> str:
     body = '{"inputs":"What is the capital of France?","parameters":{"max_new_tokens":20}}'
     return f"curl -N {http_url}/generate_stream -H 'Content-Type: application/json' -d '{body}'"
+
+
+def no_images_reason(loaded: LoadedModel) -> str | None:
+    """Why the loaded model takes no images where its config has a vision tower (Gemma 3
+    served as text), for Validator's `no_images`; None: a text-only model, or one served
+    with images."""
+    if loaded.processor is not None:
+        return None
+    config = loaded.model.config
+    vision = getattr(config, "vision_config", None) is not None
+    return images_refused_reason(getattr(config, "model_type", None), vision)

@@ -1,7 +1,8 @@
-"""Vision-language models (a tiny LLaVA; LLaVA-Next and Idefics 3 too) through the engine core: the images' features
-merged at prefill equal transformers' own merge token for token, through prefill chunks
-that cut an image, and the prefix cache never shares an image's blocks with a request of
-another image (block hashes salted with the images' content hashes)."""
+"""Vision-language models (a tiny LLaVA; LLaVA-Next and Idefics 3 too) through the
+engine core: the images' features merged at prefill equal transformers' own merge token
+for token, through prefill chunks that cut an image, and the prefix cache never shares an
+image's blocks with a request of another image (block hashes salted with the images'
+content hashes)."""
 
 from __future__ import annotations
 

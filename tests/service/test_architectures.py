@@ -15,7 +15,11 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import save_file
-from textgen.service.models.architectures import image_family_reason, unserved_reason
+from textgen.service.models.architectures import (
+    image_family_reason,
+    images_refused_reason,
+    unserved_reason,
+)
 from textgen.service.settings.preflight import preflight
 from textgen.service.settings.table import SettingError, Settings
 from transformers import AutoConfig
@@ -89,6 +93,15 @@ def test_vision_checkpoints_served_as_text_stay_served():
     """Families transformers also loads as a causal LM keep that path (no images)."""
     for model_type in ("gemma3", "qwen3_5", "qwen3_5_moe", "llama4", "mllama"):
         assert image_family_reason(model_type) is None
+
+
+def test_images_to_a_vision_checkpoint_served_as_text_say_why():
+    """An image sent to Gemma 3 (served as text) names the reason; text models and the
+    families served with images have none."""
+    assert "both ways" in images_refused_reason("gemma3", vision=True)
+    assert images_refused_reason("mllama", vision=True).endswith("(not served yet); its text is")
+    assert images_refused_reason("gemma3_text", vision=False) is None
+    assert images_refused_reason("llava", vision=True) is None
 
 
 def test_preflight_refuses_an_unserved_vision_family_in_one_line(tmp_path):

@@ -26,9 +26,10 @@ CHAT_TEMPLATE = (
 
 
 def _tokenizer(*tokens: str):
+    """The tiny tokenizer with `tokens`, the first the image placeholder its template writes."""
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = CHAT_TEMPLATE.replace(IMAGE_TOKEN, tokens[0])
     return tokenizer
 
 
@@ -113,7 +114,7 @@ def build_tiny_llava(path: Path, *, seed: int = 0) -> Path:
         patch_size=PATCH,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=tokenizer.chat_template,
     )
     return _save(path, model, processor, tokenizer)
 
@@ -155,7 +156,7 @@ def build_tiny_llava_next(path: Path, *, seed: int = 0) -> Path:
         patch_size=PATCH,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=tokenizer.chat_template,
     )
     return _save(path, model, processor, tokenizer)
 
@@ -209,9 +210,46 @@ def build_tiny_idefics3(path: Path, *, seed: int = 0) -> Path:
         image_processor=images,
         tokenizer=tokenizer,
         image_seq_len=(IMAGE_SIZE // PATCH) ** 2 // SCALE**2,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=tokenizer.chat_template,
     )
     return _save(path, model, processor, tokenizer, projector="connector")
+
+
+def build_tiny_gemma3(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random Gemma 3 with a SigLIP tower (Gemma3ForConditionalGeneration), with no
+    processor: textgen serves it as text (its images need attention both ways among an
+    image's tokens), so only its tokenizer is read."""
+    import torch
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        GenerationConfig,
+        SiglipVisionConfig,
+    )
+
+    from .families import family_config
+
+    tokenizer = _tokenizer(IMAGE_TOKEN)
+    text = Gemma3TextConfig(**family_config("gemma3_text", tokenizer).to_dict())
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+    )
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 BUILDERS = {
