@@ -59,6 +59,9 @@ class ImageInput:
     pixel_values: object = field(repr=False)  # (a request's repr in a log stays short)
     positions: tuple[int, ...] = field(repr=False)
     extra: dict = field(default_factory=dict, repr=False)  # name -> numpy row
+    # its tokens attend to each other both ways (Gemma 3): a prefill chunk holds them all,
+    # from the first it computes to the last (scheduler.py), and they see the last
+    both_ways: bool = False
 
     @property
     def offset(self) -> int:

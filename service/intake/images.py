@@ -84,10 +84,22 @@ def decode_image(data: bytes, name: str, param: str | None = None) -> ImagePart:
 class ImagePrompts:
     """A vision-language model's processor, applied to a prompt and its images."""
 
-    def __init__(self, processor) -> None:
+    def __init__(
+        self,
+        processor,
+        image_token_id: int | None = None,
+        both_ways: bool = False,
+        max_chunk: int | None = None,
+    ) -> None:
+        """image_token_id: the token the image's features replace (the model config's), where
+        the processor's placeholder is another (Gemma 3's <start_of_image>); both_ways: the
+        family's image tokens attend to each other both ways (Gemma 3), so one prefill
+        chunk of at most `max_chunk` tokens (--max-batch-prefill-tokens) must hold them."""
         self.processor = processor
         self.image_token = processor.image_token
-        self.image_token_id = processor.image_token_id
+        self.image_token_id = processor.image_token_id if image_token_id is None else image_token_id
+        self.both_ways = both_ways
+        self.max_chunk = max_chunk
 
     def from_markdown(self, inputs: str, name: str) -> tuple[str, tuple[ImagePart, ...]]:
         """TGI's images: each markdown image `![](data:...)` of the prompt becomes the
@@ -142,7 +154,14 @@ class ImagePrompts:
                 parts[0].name,
             )
         inputs, start = [], 0
-        for out, count in zip(alone, counts, strict=True):
+        for part, out, count in zip(parts, alone, counts, strict=True):
+            self._check_chunk(part, count)
+            if len(out["pixel_values"]) != 1:  # Gemma 3's pan and scan: crops as images
+                raise ValidationError(
+                    f"`{part.name}`: the processor made {len(out['pixel_values'])} images of "
+                    "it (crops), which textgen doesn't serve",
+                    part.name,
+                )
             rows = {k: v[0] for k, v in out.items() if k not in _TEXT_INPUTS}
             digest = hashlib.blake2b(digest_size=16)
             for name, row in sorted(rows.items()):
@@ -150,6 +169,16 @@ class ImagePrompts:
                 digest.update(row.tobytes())
             pixels = rows.pop("pixel_values")
             span = tuple(positions[start : start + count])
-            inputs.append(ImageInput(digest.digest(), pixels, span, rows))
+            inputs.append(ImageInput(digest.digest(), pixels, span, rows, self.both_ways))
             start += count
         return tuple(inputs)
+
+    def _check_chunk(self, part: ImagePart, count: int) -> None:
+        """An image attended both ways is computed in one prefill chunk: it must fit one."""
+        if self.both_ways and self.max_chunk is not None and count > self.max_chunk:
+            raise ValidationError(
+                f"`{part.name}`: its {count} image tokens attend to each other, so one prefill "
+                f"chunk computes them, and that is more than --max-batch-prefill-tokens "
+                f"({self.max_chunk})",
+                part.name,
+            )

@@ -113,7 +113,7 @@ class Validator:
         """adapters: the served LoRA adapters (None: none); base_names: what names the
         base model (its id first) in `adapter_id` and `model`; images: a vision-language
         model's processor (None: the model takes no images); no_images: why, for a model served
-        as text that has a vision tower (Gemma 3; None: a text-only model)."""
+        as text that has a vision tower (Mllama; None: a text-only model)."""
         self.tokenizer = tokenizer
         self.images = images
         self.no_images = no_images or "this model is text-only; it takes no images"

@@ -14,6 +14,7 @@ from support.tiny_vlm import BUILDERS, build_tiny_llava, png
 from textgen.service.engine.sequence import Sequence
 from textgen.service.engine.types import EngineRequest, SamplingParams, StoppingParams
 from textgen.service.intake.images import ImagePrompts, decode_image
+from textgen.service.replica.lifecycle import image_prompts
 
 from .factories import make_core, run_to_completion
 
@@ -37,7 +38,14 @@ def llava(tmp_path_factory):
 # the families past LLaVA, each with its own way of laying an image out in tokens
 # and the image tokens each gives the three sizes of test_family_images_... (the third
 # prompt's second image the first's size, other pixels)
-TOKENS = {"llava_next": [[72], [52], [56, 72]], "idefics3": [[20], [12], [12, 20]]}
+TOKENS = {
+    "llava_next": [[72], [52], [56, 72]],
+    "idefics3": [[20], [12], [12, 20]],
+    "gemma3": [[16], [16], [16, 16]],
+}
+# the small prefill budget: 7 cuts every image; Gemma 3's 16 tokens attend to each other
+# both ways and take one chunk, so 20 cuts the prompt around them
+SMALL_CHUNK = {"gemma3": 20}
 
 
 @pytest.fixture(scope="module", params=sorted(TOKENS))
@@ -69,9 +77,13 @@ def reference(model, processor, text: str, images, max_new: int = MAX_NEW) -> li
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
-def sequence(processor, text: str, images, request_id: str, max_new: int = MAX_NEW) -> Sequence:
+def sequence(
+    processor, text: str, images, request_id: str, max_new: int = MAX_NEW, config=None
+) -> Sequence:
     parts = tuple(decode_image(png_bytes(i), f"image{k}") for k, i in enumerate(images))
-    ids, inputs = ImagePrompts(processor).tokenize(text, parts, "inputs")
+    # as the server's validation applies the processor (replica/lifecycle.py)
+    prompts = image_prompts(processor, config) if config else ImagePrompts(processor)
+    ids, inputs = prompts.tokenize(text, parts, "inputs")
     request = EngineRequest(
         request_id=request_id,
         prompt_ids=tuple(ids),
@@ -180,8 +192,8 @@ def test_salt_depends_on_the_image_only(llava):
     assert a.num_tokens == len(a.positions) == 16
 
 
-@pytest.mark.parametrize("prefill_tokens", [512, 7])
-def test_family_images_of_other_sizes_equal_generate(family, family_name, prefill_tokens):
+@pytest.mark.parametrize("small", [False, True])
+def test_family_images_of_other_sizes_equal_generate(family, family_name, small):
     """Images of three sizes (LLaVA-Next: 72, 52 and 56 tokens; Idefics 3: tiles between
     row markers), alone and two in one prompt, through chunks of 7 that cut them."""
     model, processor = family
@@ -191,8 +203,12 @@ def test_family_images_of_other_sizes_equal_generate(family, family_name, prefil
         (one, [picture(BLUE, size=(40, 16))]),
         (two, [picture(GREEN, size=(16, 40)), picture(RED, stripes=False)]),
     ]
+    prefill_tokens = SMALL_CHUNK.get(family_name, 7) if small else 512
     core = make_core(model, prefill_tokens=prefill_tokens, block_size=4)
-    seqs = [sequence(processor, text, images, str(k)) for k, (text, images) in enumerate(cases)]
+    seqs = [
+        sequence(processor, text, images, str(k), config=model.config)
+        for k, (text, images) in enumerate(cases)
+    ]
     for seq in seqs:
         core.add(seq)
     run_to_completion(core)
@@ -200,3 +216,45 @@ def test_family_images_of_other_sizes_equal_generate(family, family_name, prefil
         assert seq.output_ids == reference(model, processor, text, images)
     assert [[i.num_tokens for i in s.request.images] for s in seqs] == TOKENS[family_name]
     assert seqs[0].output_ids != seqs[1].output_ids  # the image reaches the answer
+
+
+def test_image_attended_both_ways_must_fit_one_chunk(tmp_path):
+    """Gemma 3's 16 image tokens take one prefill chunk: a budget of 15 refuses the image,
+    naming the part; 16 takes it."""
+    from textgen.service.intake.validation import ValidationError
+
+    model, processor = load(BUILDERS["gemma3"](tmp_path / "gemma3"))
+    text = prompt(processor)
+    part = decode_image(png(RED), "messages[0].content[0].image_url")
+    with pytest.raises(ValidationError, match="16 image tokens attend to each other") as refused:
+        image_prompts(processor, model.config, max_chunk=15).tokenize(text, (part,), "inputs")
+    assert refused.value.param == "messages[0].content[0].image_url"
+    _, images = image_prompts(processor, model.config, max_chunk=16).tokenize(
+        text, (part,), "inputs"
+    )
+    assert images[0].both_ways and images[0].num_tokens == 16
+
+
+def test_chunks_end_outside_images_attended_both_ways():
+    """The scheduler's cut: a chunk that would end inside such an image ends before it, or
+    takes nothing where it starts inside it; other images are cut anywhere."""
+    from textgen.service.engine.scheduler import whole_images
+    from textgen.service.engine.types import ImageInput
+
+    def seq(both_ways: bool) -> Sequence:
+        image = ImageInput(b"d", None, tuple(range(8, 24)), {}, both_ways)
+        request = EngineRequest(
+            request_id="r",
+            prompt_ids=tuple(range(40)),
+            sampling=SamplingParams(),
+            stopping=StoppingParams(max_new_tokens=1),
+            images=(image,),
+        )
+        return Sequence(request, frozenset())
+
+    assert whole_images(seq(True), 20, start=0) == 8  # ends before the image
+    assert whole_images(seq(True), 24, start=0) == 24  # takes all of it
+    assert whole_images(seq(True), 10, start=8) == 0  # starts in it: waits for room
+    assert whole_images(seq(True), 16, start=8) == 16
+    assert whole_images(seq(True), 5, start=24) == 5  # after it
+    assert whole_images(seq(False), 20, start=0) == 20

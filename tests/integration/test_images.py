@@ -19,7 +19,7 @@ import requests
 import torch
 from support.servers import ServerThread, tiny_settings
 from support.tiers import server_fixture
-from support.tiny_vlm import BUILDERS, build_tiny_gemma3, build_tiny_llava, data_uri, png
+from support.tiny_vlm import BUILDERS, build_tiny_llava, data_uri, png
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -239,17 +239,25 @@ def test_vllm_tokenize_with_an_image_is_refused_by_name(llava_server):
 
 # Past LLaVA (issue 47, step 2): each family's tiny model through a real server, OpenAI
 # chat with images of other sizes (other token counts), chunks of 12 cutting them
-FAMILIES = ["llava_next", "idefics3"]
+FAMILIES = ["llava_next", "idefics3", "gemma3"]
+# Gemma 3's 16 image tokens attend to each other both ways: one chunk holds them
+PREFILL_TOKENS = {"gemma3": 20}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family_dir(request, tmp_path_factory):
-    return BUILDERS[request.param](tmp_path_factory.mktemp(request.param) / "model")
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def family_dir(family, tmp_path_factory):
+    return BUILDERS[family](tmp_path_factory.mktemp(family) / "model")
 
 
 @server_fixture(scope="module")
-def family_server(family_dir):
-    server = ServerThread(tiny_settings(family_dir, max_batch_prefill_tokens=12), http=True)
+def family_server(family, family_dir):
+    budget = PREFILL_TOKENS.get(family, 12)
+    server = ServerThread(tiny_settings(family_dir, max_batch_prefill_tokens=budget), http=True)
     server.start()
     yield server
     server.stop()
@@ -289,41 +297,3 @@ def test_family_chat_images_equal_generate(family_server, family_dir, images):
     resp = chat(family_server, request)
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["message"]["content"] == family_reference(family_dir, images)
-
-
-@pytest.fixture(scope="module")
-def gemma3_dir(tmp_path_factory):
-    return build_tiny_gemma3(tmp_path_factory.mktemp("gemma3") / "model")
-
-
-@server_fixture(scope="module")
-def gemma3_server(gemma3_dir):
-    server = ServerThread(tiny_settings(gemma3_dir), http=True).start()
-    yield server
-    server.stop()
-
-
-def test_gemma3_is_served_as_text_and_refuses_images_saying_why(gemma3_server, gemma3_dir):
-    """Gemma 3's image tokens attend to each other both ways (transformers' token_type_ids
-    mask at prefill), which the paged attention doesn't: its text is served (equal to
-    generate), an image is a 422 naming the part and the reason."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gemma3_dir)
-    model = AutoModelForCausalLM.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        ids = tokenizer(TEXT, return_tensors="pt")["input_ids"]
-        out = model.generate(ids, do_sample=False, max_new_tokens=MAX_NEW)
-    expected = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    resp = requests.post(
-        f"{gemma3_server.http_url}/generate",
-        json={"inputs": TEXT, "parameters": {"max_new_tokens": MAX_NEW}},
-        timeout=60,
-    )
-    assert resp.status_code == 200, resp.text
-    assert resp.json()["generated_text"] == expected
-    resp = chat(gemma3_server, body(data_uri(png(RED))))
-    assert resp.status_code == 422, resp.text
-    error = resp.json()["error"]
-    assert error["param"] == NAME and "gemma3's images are not served" in error["message"]
-    assert "both ways" in error["message"]

@@ -215,22 +215,37 @@ def build_tiny_idefics3(path: Path, *, seed: int = 0) -> Path:
     return _save(path, model, processor, tokenizer, projector="connector")
 
 
+# Gemma 3: the prompt's <start_of_image> becomes "\n\n<start_of_image>" + the image's
+# soft tokens + "<end_of_image>\n\n"; 16 soft tokens (no pooling), more than the text
+# model's sliding window (8), and they attend to each other both ways
+GEMMA3_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
+GEMMA3_IMAGE_TOKENS = (IMAGE_SIZE // PATCH) ** 2
+
+
 def build_tiny_gemma3(path: Path, *, seed: int = 0) -> Path:
-    """A tiny random Gemma 3 with a SigLIP tower (Gemma3ForConditionalGeneration), with no
-    processor: textgen serves it as text (its images need attention both ways among an
-    image's tokens), so only its tokenizer is read."""
+    """A tiny random Gemma 3 (SigLIP tower, Gemma 3 text with sliding and global layers)
+    with its processor (Gemma3ImageProcessorPil)."""
     import torch
     from transformers import (
+        AutoTokenizer,
         Gemma3Config,
         Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessorPil,
+        Gemma3Processor,
         Gemma3TextConfig,
-        GenerationConfig,
         SiglipVisionConfig,
     )
 
     from .families import family_config
 
-    tokenizer = _tokenizer(IMAGE_TOKEN)
+    named = _tokenizer(*GEMMA3_TOKENS.values())
+    path.mkdir(parents=True, exist_ok=True)
+    named.save_pretrained(path)  # reloaded with its named tokens, as Gemma 3's processor reads
+    tokenizer = AutoTokenizer.from_pretrained(path, extra_special_tokens=GEMMA3_TOKENS)
     text = Gemma3TextConfig(**family_config("gemma3_text", tokenizer).to_dict())
     vision = SiglipVisionConfig(
         hidden_size=32,
@@ -240,22 +255,35 @@ def build_tiny_gemma3(path: Path, *, seed: int = 0) -> Path:
         image_size=IMAGE_SIZE,
         patch_size=PATCH,
     )
-    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
-    torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(config).eval()
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id
+    ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in GEMMA3_TOKENS.items()}
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+        boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"],
+        image_token_index=ids["image_token"],
+        tie_word_embeddings=False,
     )
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return path
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():  # transformers starts the projection at zero: images would be blank
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 1.0)
+    images = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = Gemma3Processor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        image_seq_length=GEMMA3_IMAGE_TOKENS,
+        chat_template=tokenizer.chat_template,
+    )
+    return _save(path, model, processor, tokenizer)
 
 
 BUILDERS = {
     "llava": build_tiny_llava,
     "llava_next": build_tiny_llava_next,
     "idefics3": build_tiny_idefics3,
+    "gemma3": build_tiny_gemma3,
 }
 
 
