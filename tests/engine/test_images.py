@@ -258,3 +258,22 @@ def test_chunks_end_outside_images_attended_both_ways():
     assert whole_images(seq(True), 16, start=8) == 16
     assert whole_images(seq(True), 5, start=24) == 5  # after it
     assert whole_images(seq(False), 20, start=0) == 20
+
+
+def test_prefix_hit_inside_an_image_attended_both_ways(tmp_path):
+    """Same text and image, other text after it: the prefix cache's hit ends inside the
+    Gemma 3 image (blocks of 16), whose cached tokens saw all of it when first computed;
+    the rest of it is computed in one chunk, seeing the whole image, and equals generate."""
+    model, processor = load(BUILDERS["gemma3"](tmp_path / "gemma3"))
+    first, second = prompt(processor), prompt(processor).replace(TEXT, "Describe it, please.")
+    core = make_core(model, block_size=16, prefill_tokens=40, enable_prefix_caching=True)
+    a = sequence(processor, first, [picture(RED)], "a", config=model.config)
+    core.add(a)
+    run_to_completion(core)
+    b = sequence(processor, second, [picture(RED)], "b", config=model.config)
+    core.add(b)
+    run_to_completion(core)
+    image = b.request.images[0]
+    assert image.offset < b.num_cached_prompt_tokens <= image.positions[-1]  # inside it
+    assert a.output_ids == reference(model, processor, first, [picture(RED)])
+    assert b.output_ids == reference(model, processor, second, [picture(RED)])
