@@ -23,6 +23,8 @@ MAX_IMAGE_PIXELS = 4096 * 4096
 _MARKDOWN_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
 # data:[<mime type>][;<parameter>]*;base64,<data> (RFC 2397)
 _DATA_URI = re.compile(r"data:([\w.+-]+/[\w.+-]+)?(;[^;,]*)*?;base64,", re.IGNORECASE)
+# a processor's outputs about the text, not the image (the rest go to get_image_features)
+_TEXT_INPUTS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +84,22 @@ def decode_image(data: bytes, name: str, param: str | None = None) -> ImagePart:
 class ImagePrompts:
     """A vision-language model's processor, applied to a prompt and its images."""
 
-    def __init__(self, processor) -> None:
+    def __init__(
+        self,
+        processor,
+        image_token_id: int | None = None,
+        both_ways: bool = False,
+        max_chunk: int | None = None,
+    ) -> None:
+        """image_token_id: the token the image's features replace (the model config's), where
+        the processor's placeholder is another (Gemma 3's <start_of_image>); both_ways: the
+        family's image tokens attend to each other both ways (Gemma 3), so one prefill
+        chunk of at most `max_chunk` tokens (--max-batch-prefill-tokens) must hold them."""
         self.processor = processor
         self.image_token = processor.image_token
-        self.image_token_id = processor.image_token_id
+        self.image_token_id = processor.image_token_id if image_token_id is None else image_token_id
+        self.both_ways = both_ways
+        self.max_chunk = max_chunk
 
     def from_markdown(self, inputs: str, name: str) -> tuple[str, tuple[ImagePart, ...]]:
         """TGI's images: each markdown image `![](data:...)` of the prompt becomes the
@@ -111,34 +125,60 @@ class ImagePrompts:
                 f"({self.image_token}) for {len(parts)} images",
                 inputs_name,
             )
-        images = [p.image for p in parts] or None
         try:
-            out = self.processor(images=images, text=prompt, return_tensors="np")
+            # the prompt's ids with every placeholder expanded; then each image alone: its
+            # pixels and other inputs unpadded by the others' (LLaVA-Next pads every image
+            # to the most tiles), so its digest is its own, and its count of tokens
+            out = self._process(prompt, [p.image for p in parts])
+            if len(parts) > 1:
+                alone = [self._process(self.image_token, [p.image]) for p in parts]
+            else:
+                alone = [out] * len(parts)
         except Exception as exc:  # the processor's refusal, reported as such
             name = parts[0].name if parts else inputs_name
             raise ValidationError(f"the model's processor refused `{name}`: {exc}", name) from exc
         ids = out["input_ids"][0].tolist()
-        if not parts:
-            return ids, ()
-        return ids, self._inputs(ids, out["pixel_values"], parts)
+        return ids, self._inputs(ids, alone, parts) if parts else ()
 
-    def _inputs(self, ids: list[int], pixels, parts) -> tuple[ImageInput, ...]:
-        """Each image's pixels, content hash and span of placeholder tokens: the images'
-        tokens in prompt order, split evenly (LLaVA gives every image as many)."""
+    def _process(self, text: str, images: list) -> dict:
+        return self.processor(images=images or None, text=text, return_tensors="np")
+
+    def _inputs(self, ids: list[int], alone: list[dict], parts) -> tuple[ImageInput, ...]:
+        """Each image's pixels, other inputs, content hash and prompt positions: the
+        prompt's image tokens in order, as many to each image as it has alone."""
         positions = [i for i, token in enumerate(ids) if token == self.image_token_id]
-        per_image, rest = divmod(len(positions), len(parts))
-        if rest or per_image == 0 or len(pixels) != len(parts):
+        counts = [int((out["input_ids"][0] == self.image_token_id).sum()) for out in alone]
+        if sum(counts) != len(positions) or 0 in counts:
             raise ValidationError(
                 f"the processor gave {len(positions)} image tokens for {len(parts)} images",
                 parts[0].name,
             )
-        inputs = []
-        for index in range(len(parts)):
-            span = positions[index * per_image : (index + 1) * per_image]
-            if span[-1] - span[0] != per_image - 1:  # one image's tokens are contiguous
-                raise ValidationError("the image tokens are not contiguous", parts[index].name)
-            values = pixels[index]
-            digest = hashlib.blake2b(values.tobytes(), digest_size=16)
-            digest.update(repr((values.shape, str(values.dtype))).encode())
-            inputs.append(ImageInput(digest.digest(), values, span[0], per_image))
+        inputs, start = [], 0
+        for part, out, count in zip(parts, alone, counts, strict=True):
+            self._check_chunk(part, count)
+            if len(out["pixel_values"]) != 1:  # Gemma 3's pan and scan: crops as images
+                raise ValidationError(
+                    f"`{part.name}`: the processor made {len(out['pixel_values'])} images of "
+                    "it (crops), which textgen doesn't serve",
+                    part.name,
+                )
+            rows = {k: v[0] for k, v in out.items() if k not in _TEXT_INPUTS}
+            digest = hashlib.blake2b(digest_size=16)
+            for name, row in sorted(rows.items()):
+                digest.update(repr((name, row.shape, str(row.dtype))).encode())
+                digest.update(row.tobytes())
+            pixels = rows.pop("pixel_values")
+            span = tuple(positions[start : start + count])
+            inputs.append(ImageInput(digest.digest(), pixels, span, rows, self.both_ways))
+            start += count
         return tuple(inputs)
+
+    def _check_chunk(self, part: ImagePart, count: int) -> None:
+        """An image attended both ways is computed in one prefill chunk: it must fit one."""
+        if self.both_ways and self.max_chunk is not None and count > self.max_chunk:
+            raise ValidationError(
+                f"`{part.name}`: its {count} image tokens attend to each other, so one prefill "
+                f"chunk computes them, and that is more than --max-batch-prefill-tokens "
+                f"({self.max_chunk})",
+                part.name,
+            )

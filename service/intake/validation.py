@@ -108,12 +108,15 @@ class Validator:
         adapters: AdapterRegistry | None = None,
         base_names: tuple[str, ...] = (),
         images: ImagePrompts | None = None,
+        no_images: str | None = None,
     ) -> None:
         """adapters: the served LoRA adapters (None: none); base_names: what names the
         base model (its id first) in `adapter_id` and `model`; images: a vision-language
-        model's processor (None: the model takes no images)."""
+        model's processor (None: the model takes no images); no_images: why, for a model served
+        as text that has a vision tower (Mllama; None: a text-only model)."""
         self.tokenizer = tokenizer
         self.images = images
+        self.no_images = no_images or "this model is text-only; it takes no images"
         self.limits = limits
         self.grammars = grammars  # None: requests with a grammar are refused
         self.adapters = adapters
@@ -411,7 +414,7 @@ class Validator:
         images (engine/types.py ImageInput)."""
         if request.images and self.images is None:
             name = request.images[0].name
-            raise ValidationError(f"`{name}`: this model is text-only; it takes no images", name)
+            raise ValidationError(f"`{name}`: {self.no_images}", name)
         images = ()
         try:
             if self.images is not None:

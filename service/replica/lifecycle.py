@@ -24,6 +24,7 @@ from ..intake.admission import Admission
 from ..intake.images import ImagePrompts
 from ..intake.validation import Limits, Validator
 from ..models import LoadedModel
+from ..models.architectures import IMAGES_BOTH_WAYS, images_refused_reason
 from ..models.loader import ModelShard
 from ..observability.metrics import Metrics, MetricsListener
 from ..observability.requests import RequestRecorder
@@ -246,7 +247,8 @@ async def _start_loaded(
             None if settings.disable_grammar_support else grammars,
             adapters,
             (loaded.resolved.model_id, str(loaded.resolved.path)),
-            ImagePrompts(loaded.processor) if loaded.processor is not None else None,
+            image_prompts(loaded.processor, loaded.model.config, settings.max_batch_prefill_tokens),
+            no_images=no_images_reason(loaded),
         ),
         served_model(settings, loaded, limits, core, engine),
         admission,
@@ -381,3 +383,27 @@ def http_options(settings: Settings) -> HttpOptions:
 def curl_example(http_url: str) -> str:
     body = '{"inputs":"What is the capital of France?","parameters":{"max_new_tokens":20}}'
     return f"curl -N {http_url}/generate_stream -H 'Content-Type: application/json' -d '{body}'"
+
+
+def image_prompts(processor, config, max_chunk: int | None = None) -> ImagePrompts | None:
+    """A vision-language model's processor as validation applies it, for the model's
+    `config`; None: no processor, no images."""
+    if processor is None:
+        return None
+    return ImagePrompts(
+        processor,
+        getattr(config, "image_token_id", None),
+        config.model_type in IMAGES_BOTH_WAYS,
+        max_chunk,
+    )
+
+
+def no_images_reason(loaded: LoadedModel) -> str | None:
+    """Why the loaded model takes no images where its config has a vision tower (Mllama,
+    Llama 4: served as text), for Validator's `no_images`; None: a text-only model, or one
+    served with images."""
+    if loaded.processor is not None:
+        return None
+    config = loaded.model.config
+    vision = getattr(config, "vision_config", None) is not None
+    return images_refused_reason(getattr(config, "model_type", None), vision)

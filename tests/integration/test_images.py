@@ -19,7 +19,7 @@ import requests
 import torch
 from support.servers import ServerThread, tiny_settings
 from support.tiers import server_fixture
-from support.tiny_vlm import build_tiny_llava, data_uri, png
+from support.tiny_vlm import BUILDERS, build_tiny_llava, data_uri, png
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -235,3 +235,65 @@ def test_vllm_tokenize_with_an_image_is_refused_by_name(llava_server):
     )
     assert resp.status_code == 422, resp.text
     assert "/tokenize takes no images yet" in resp.text and NAME in resp.text
+
+
+# Past LLaVA (issue 47, step 2): each family's tiny model through a real server, OpenAI
+# chat with images of other sizes (other token counts), chunks of 12 cutting them
+FAMILIES = ["llava_next", "idefics3", "gemma3"]
+# Gemma 3's 16 image tokens attend to each other both ways: one chunk holds them
+PREFILL_TOKENS = {"gemma3": 20}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def family_dir(family, tmp_path_factory):
+    return BUILDERS[family](tmp_path_factory.mktemp(family) / "model")
+
+
+@server_fixture(scope="module")
+def family_server(family, family_dir):
+    budget = PREFILL_TOKENS.get(family, 12)
+    server = ServerThread(tiny_settings(family_dir, max_batch_prefill_tokens=budget), http=True)
+    server.start()
+    yield server
+    server.stop()
+
+
+@torch.inference_mode()
+def family_reference(family_dir, images: list[bytes]) -> str:
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(family_dir)
+    model = AutoModelForImageTextToText.from_pretrained(family_dir, dtype=torch.float32).eval()
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": TEXT}]
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True
+    )
+    pictures = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
+    inputs = processor(images=pictures, text=prompt, return_tensors="pt")
+    out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW)
+    ids = out[0, inputs["input_ids"].shape[1] :].tolist()
+    return processor.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize(
+    "images",
+    [
+        [png(RED, stripes=True)],
+        [png(BLUE, (40, 16), stripes=True)],
+        [png(GREEN, (16, 40)), png(RED, stripes=True)],
+    ],
+    ids=["20x24", "40x16", "two"],
+)
+def test_family_chat_images_equal_generate(family_server, family_dir, images):
+    request = body(data_uri(images[0]))
+    parts = [{"type": "image_url", "image_url": {"url": data_uri(i)}} for i in images]
+    request["messages"][0]["content"] = [*parts, {"type": "text", "text": TEXT}]
+    resp = chat(family_server, request)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == family_reference(family_dir, images)

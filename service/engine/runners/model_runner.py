@@ -73,7 +73,7 @@ from ..scheduler import SchedulerOutput
 from ..sequence import Sequence
 from ..state_pool import StatePool, StateStep, bound_state_step
 from ..state_pool import install as install_state_layers
-from .image_encoder import ImageEncoder, ImageSlice, image_slices
+from .image_encoder import ImageEncoder, ImageSlice, image_slices, key_limits
 from .invariant_linear import (
     LINEAR_BLOCK_ROWS,
     fixed_rows_linears,
@@ -308,6 +308,7 @@ class ModelRunner(StepRunner):
             self.device,
             batch_invariant=self.batch_invariant,
             custom_kernels=self.custom_kernels,
+            key_limits=key_limits(inputs.images, inputs.positions),
         )
         return self.forward(
             self._tensor([inputs.token_ids]),
