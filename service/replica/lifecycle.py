@@ -21,7 +21,8 @@ from ..grpc.lora_rpcs import LoraServing
 from ..grpc.server import build_server, set_serving
 from ..grpc.servicer import TextGenerationServicer
 from ..intake.admission import Admission
-from ..intake.images import ImagePrompts
+from ..intake.image_urls import FetchLimits
+from ..intake.images import ImageLimits, ImagePrompts
 from ..intake.validation import Limits, Validator
 from ..models import LoadedModel
 from ..models.loader import ModelShard
@@ -247,6 +248,7 @@ async def _start_loaded(
             adapters,
             (loaded.resolved.model_id, str(loaded.resolved.path)),
             ImagePrompts(loaded.processor) if loaded.processor is not None else None,
+            image_limits(settings),
         ),
         served_model(settings, loaded, limits, core, engine),
         admission,
@@ -272,6 +274,15 @@ async def _start_loaded(
         log.info("metrics on their own listener: %s", listener.url)
     await set_serving(health, True)
     return Replica(settings, loaded, engine, servicer, server, health, port, shards, listener)
+
+
+def image_limits(settings: Settings) -> ImageLimits:
+    fetch = FetchLimits(
+        max_bytes=settings.max_image_bytes,
+        timeout_s=settings.image_fetch_timeout,
+        allow_private=settings.allow_private_image_urls,
+    )
+    return ImageLimits(settings.max_image_pixels, settings.max_images_per_request, fetch)
 
 
 async def serve(settings: Settings) -> None:

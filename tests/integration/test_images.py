@@ -4,14 +4,19 @@ transformers' processor + `generate` on the same folder, greedy, in float32; ano
 image changes the answer as it changes the reference; two requests with the same text and
 different images in one batch each get their own answer (the prefix cache keeps their
 blocks apart); a bad image is a 422 naming its part, and the server keeps serving; a
-text-only model refuses images by name (and reads TGI's markdown as text, as TGI does)."""
+text-only model refuses images by name (and reads TGI's markdown as text, as TGI does).
+http(s) image URLs, served by a local http.server, give the same answers as data: URIs;
+a private address the server isn't allowed, a 404 and too many images are 422s."""
 
 from __future__ import annotations
 
 import io
+import ipaddress
 import struct
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
@@ -35,8 +40,14 @@ def llava_dir(tmp_path_factory):
 
 @server_fixture(scope="module")
 def llava_server(llava_dir):
-    # a small prefill budget: a prompt's 16 image tokens are cut across steps
-    settings = tiny_settings(llava_dir, max_batch_prefill_tokens=12)
+    # a small prefill budget: a prompt's 16 image tokens are cut across steps; image URLs
+    # at 127.0.0.1 only (the test's image server), not the rest of loopback
+    settings = tiny_settings(
+        llava_dir,
+        max_batch_prefill_tokens=12,
+        allow_private_image_urls=(ipaddress.ip_network("127.0.0.1/32"),),
+        max_images_per_request=3,
+    )
     server = ServerThread(settings, http=True).start()
     yield server
     server.stop()
@@ -144,7 +155,7 @@ NAME = "messages[0].content[0].image_url"
         (data_uri(png_of_size(0, 0)), NAME),
         ("data:image/png;base64,@@@not-base64@@@", "doesn't decode"),
         ("data:image/png,rawbytes", "base64 data: URI"),
-        ("https://example.com/cat.png", "not fetched yet"),
+        ("https://10.0.0.1/cat.png", "private"),
     ],
 )
 def test_bad_images_are_typed_422s(llava_server, reference, uri, says):
@@ -235,3 +246,129 @@ def test_vllm_tokenize_with_an_image_is_refused_by_name(llava_server):
     )
     assert resp.status_code == 422, resp.text
     assert "/tokenize takes no images yet" in resp.text and NAME in resp.text
+
+
+# image URLs -----------------------------------------------------------------------------
+
+IMAGES = {"/red.png": png(RED, stripes=True), "/blue.png": png(BLUE)}
+
+
+class ImageHandler(BaseHTTPRequestHandler):
+    def do_GET(self):  # http.server calls it by this name
+        self.server.paths.append(self.path)
+        data = IMAGES.get(self.path)
+        self.send_response(200 if data else 404)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(data or b"")))
+        self.end_headers()
+        self.wfile.write(data or b"")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    """An http.server on every loopback address: (port, the paths it was asked for)."""
+    server = ThreadingHTTPServer(("0.0.0.0", 0), ImageHandler)
+    server.daemon_threads = True
+    server.paths = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1], server.paths
+    server.shutdown()
+    server.server_close()
+
+
+def openai_client(server) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=60
+    )
+
+
+def test_an_image_url_equals_the_same_image_inline(llava_server, reference, image_host):
+    port, _ = image_host
+    client = openai_client(llava_server)
+    url = f"http://127.0.0.1:{port}/red.png"
+    by_url = client.chat.completions.create(**body(url))
+    inline = client.chat.completions.create(**body(data_uri(IMAGES["/red.png"])))
+    assert by_url.choices[0].message.content == inline.choices[0].message.content
+    assert by_url.choices[0].message.content == reference(IMAGES["/red.png"])[0]
+    assert by_url.usage == inline.usage
+
+
+def test_two_image_urls_in_one_request(llava_server, image_host):
+    """Fetched side by side; each named by its part, in order."""
+    port, _ = image_host
+    request = body(f"http://127.0.0.1:{port}/red.png")
+    request["messages"][0]["content"].insert(
+        0, {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{port}/blue.png"}}
+    )
+    assert chat(llava_server, request).status_code == 200
+    missing = f"http://127.0.0.1:{port}/missing.png"
+    request["messages"][0]["content"][1]["image_url"]["url"] = missing
+    resp = chat(llava_server, request)
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["error"]["param"] == "messages[0].content[1].image_url"
+
+
+@pytest.mark.parametrize(
+    ("host", "path", "says"),
+    [
+        ("127.0.0.2", "/red.png", "private"),  # loopback, but not the network allowed
+        ("127.0.0.1", "/missing.png", "HTTP 404"),
+    ],
+)
+def test_a_url_that_is_not_fetched_is_a_422(llava_server, reference, image_host, host, path, says):
+    port, _ = image_host
+    url = f"http://{host}:{port}{path}"
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        openai_client(llava_server).chat.completions.create(**body(url))
+    error = refused.value.body
+    assert error["type"] == "validation" and error["param"] == NAME
+    assert NAME in error["message"] and url in error["message"] and says in error["message"]
+    image = png(GREEN, stripes=True)  # and the server keeps serving
+    assert answer(llava_server, image) == reference(image)
+
+
+def test_tgi_generate_markdown_url_equals_generate(llava_server, reference, image_host):
+    port, _ = image_host
+    resp = requests.post(
+        f"{llava_server.http_url}/generate",
+        json={
+            "inputs": tgi_prompt(f"http://127.0.0.1:{port}/blue.png"),
+            "parameters": {"max_new_tokens": MAX_NEW},
+        },
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["generated_text"] == reference(IMAGES["/blue.png"])[0]
+
+
+def test_more_images_than_the_limit_are_refused_by_name(llava_server, image_host):
+    """--max-images-per-request 3: the fourth part is named, and nothing is fetched."""
+    port, paths = image_host
+    request = body(data_uri(png(RED)))
+    url = {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{port}/red.png?n"}}
+    request["messages"][0]["content"][1:1] = [url] * 3
+    resp = chat(llava_server, request)
+    assert resp.status_code == 422, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "messages[0].content[3].image_url"
+    assert "at most 3 images" in error["message"]
+    assert "/red.png?n" not in paths
+    resp = requests.post(
+        f"{llava_server.http_url}/generate",
+        json={"inputs": "![](data:,) " * 4, "parameters": {"max_new_tokens": 2}},
+        timeout=60,
+    )
+    assert resp.status_code == 422, resp.text
+    assert "`inputs (image 4)`: a request holds at most 3 images" in resp.json()["error"]
+
+
+def test_a_text_only_model_fetches_no_url(http_server, image_host):
+    port, paths = image_host
+    resp = chat(http_server, body(f"http://127.0.0.1:{port}/red.png?text-only"))
+    assert resp.status_code == 422
+    assert "text-only" in resp.json()["error"]["message"]
+    assert "/red.png?text-only" not in paths

@@ -23,8 +23,9 @@ def test_a_data_uri_decodes_to_rgb():
 @pytest.mark.parametrize(
     ("url", "says"),
     [
-        ("http://example.com/a.png", "not fetched yet"),
-        ("HTTPS://example.com/a.png", "not fetched yet"),
+        ("http://127.0.0.1:1/a.png", "private, loopback"),
+        ("HTTPS://10.1.2.3/a.png", "private, loopback"),
+        ("http://no.such.host.invalid/a.png", "does not resolve"),
         ("data:image/png,abc", "base64 data: URI"),
         ("file:///etc/passwd", "base64 data: URI"),
         ("data:image/png;base64,a$b", "doesn't decode"),
@@ -98,3 +99,39 @@ def test_a_decompression_bomb_is_refused_before_it_decodes():
     assert len(out.getvalue()) < 100_000
     with pytest.raises(ValidationError, match="5000x5000 pixels, more than the 16777216"):
         image_from_url(data_uri(out.getvalue()), NAME)
+
+
+def test_the_image_count_is_checked_before_any_image_is_read():
+    """The ninth part is named; the unreachable URL before it is never fetched."""
+    from textgen.service.intake.images import ImageLimits, read_images
+
+    sources = [("http://10.255.255.1/a.png", f"part {i}") for i in range(9)]
+    with pytest.raises(ValidationError, match="`part 8`: a request holds at most 8 images"):
+        read_images(sources, ImageLimits())
+    with pytest.raises(ValidationError, match="`part 0`: this model is text-only"):
+        read_images(sources[:1], None)
+
+
+def test_the_pixel_limit_is_the_setting():
+    from textgen.service.intake.images import ImageLimits
+
+    uri = data_uri(png((1, 2, 3), (7, 5)))
+    assert image_from_url(uri, NAME, limits=ImageLimits(max_pixels=35)).image.size == (7, 5)
+    with pytest.raises(ValidationError, match="7x5 pixels, more than the 34 .*--max-image-pix"):
+        image_from_url(uri, NAME, limits=ImageLimits(max_pixels=34))
+
+
+def test_markdown_images_name_each_part(prompts):
+    from textgen.service.intake.images import ImageLimits, markdown_images
+
+    red = data_uri(png((200, 0, 0)))
+    text, parts = markdown_images(f"a ![]({red}) b", "inputs", "<image>", ImageLimits())
+    assert (text, [p.name for p in parts]) == ("a <image> b", ["inputs (image 1)"])
+    with pytest.raises(ValidationError) as refused:
+        markdown_images(f"![]({red}) ![](http://127.0.0.1:1/x.png)", "inputs", "<image>", None)
+    assert refused.value.param == "inputs" and "text-only" in refused.value.message
+    with pytest.raises(ValidationError) as refused:
+        limits = ImageLimits()
+        markdown_images(f"![]({red}) ![](http://127.0.0.1:1/x.png)", "inputs", "<i>", limits)
+    assert refused.value.param == "inputs"
+    assert "`inputs (image 2)`" in refused.value.message and "private" in refused.value.message
