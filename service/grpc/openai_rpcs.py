@@ -5,12 +5,14 @@ stored responses (retrieve, delete, input items)."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from google.api import httpbody_pb2
 from textgen.envoy.affinity import REPLICA_HEADER
 
 from ..engine.types import EngineError
 from ..errors import ErrorType, incomplete
+from ..intake.images import read_images
 from ..intake.validation import ValidationError
 from ..openai import stored_responses
 from ..openai.chat import ChatRenderer, ChatStream, parse_chat_request
@@ -66,6 +68,13 @@ class OpenAIRpcs:
         if self.validator.image_limits is None:
             return parse(*args)
         return await asyncio.to_thread(parse, *args)
+
+    async def with_images(self, generate, sources):
+        """`generate` with its images read (on a worker thread: they may be fetched)."""
+        if not sources:
+            return generate
+        images = await asyncio.to_thread(read_images, sources, self.validator.image_limits)
+        return replace(generate, images=images)
 
     async def _chat_stream(self, renderer: ChatRenderer, valid, context, record):
         streams = [ChatStream(renderer, i) for i in range(valid.engine_request.n)]
@@ -159,8 +168,9 @@ class OpenAIRpcs:
                     self.responses_store,
                     self.reasoning_parser,
                 )
+                generate = await self.with_images(req.generate, req.image_sources)
                 valid = await self.validate(
-                    req.generate, stream=req.stream, arrival=record.arrival, context=context
+                    generate, stream=req.stream, arrival=record.arrival, context=context
                 )
             except ValidationError as exc:  # OpenAIRequestError included
                 await abort(context, exc.message, ErrorType.VALIDATION, exc.param)

@@ -14,6 +14,7 @@ import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..engine.types import ImageInput
 from .image_urls import FetchLimits, ImageFetchError, fetch_image
@@ -44,6 +45,14 @@ class ImageLimits:
     fetch: FetchLimits = field(default_factory=FetchLimits)
 
 
+class ImageSource(NamedTuple):
+    """An image as a face received it: its URL (data: or http(s)) and the part's name."""
+
+    url: str
+    name: str
+    param: str | None = None  # the field to blame, when it isn't the part's name
+
+
 @dataclass(frozen=True, slots=True)
 class ImagePart:
     """A decoded image of a request, and the face's name of the part it came in."""
@@ -53,30 +62,36 @@ class ImagePart:
 
 
 def read_images(
-    sources: Sequence[tuple[str, str]], limits: ImageLimits | None, param: str | None = None
+    sources: Sequence[tuple], limits: ImageLimits | None, param: str | None = None
 ) -> tuple[ImagePart, ...]:
-    """Each (url, part name)'s image, in order, or a ValidationError naming the first bad
-    part. limits None: the model takes no images. The count is checked before any image is
-    read; http(s) URLs are fetched side by side. Blocking: call it off the event loop."""
+    """Each source's image (ImageSource, or (url, name)), in order, or a ValidationError
+    naming the first bad part (blaming its param, else `param`, else its name). limits
+    None: the model takes no images. The count is checked before any image is read;
+    http(s) URLs are fetched side by side. Blocking: call it off the event loop."""
+    sources = [ImageSource(*source) for source in sources]
     if not sources:
         return ()
+
+    def blame(source: ImageSource) -> str:
+        return source.param or param or source.name
+
     if limits is None:
-        name = sources[0][1]
+        first = sources[0]
         raise ValidationError(
-            f"`{name}`: this model is text-only; it takes no images", param or name
+            f"`{first.name}`: this model is text-only; it takes no images", blame(first)
         )
     if len(sources) > limits.max_images:
-        name = sources[limits.max_images][1]
+        over = sources[limits.max_images]
         raise ValidationError(
-            f"`{name}`: a request holds at most {limits.max_images} images "
+            f"`{over.name}`: a request holds at most {limits.max_images} images "
             "(--max-images-per-request)",
-            param or name,
+            blame(over),
         )
 
-    def read(source: tuple[str, str]) -> ImagePart:
-        return image_from_url(source[0], source[1], param, limits)
+    def read(source: ImageSource) -> ImagePart:
+        return image_from_url(source.url, source.name, blame(source), limits)
 
-    fetches = sum(_is_http(url) for url, _ in sources)
+    fetches = sum(_is_http(source.url) for source in sources)
     if fetches < 2:
         return tuple(map(read, sources))
     with ThreadPoolExecutor(min(fetches, _FETCHES), thread_name_prefix="textgen-fetch") as pool:

@@ -54,25 +54,32 @@ def llava_server(llava_dir):
 
 
 @pytest.fixture(scope="module")
-def reference(llava_dir):
-    """Greedy text of transformers' processor + generate for an image, in float32."""
+def reference_of(llava_dir):
+    """Greedy text and token count of transformers' processor + generate for a
+    conversation (chat template messages) and its images (PNG bytes), in float32."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(llava_dir)
     model = AutoModelForImageTextToText.from_pretrained(llava_dir, dtype=torch.float32).eval()
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXT}]}]
-    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
 
     @torch.inference_mode()
-    def answer(image_png: bytes) -> tuple[str, int]:
-        image = Image.open(io.BytesIO(image_png)).convert("RGB")
-        inputs = processor(images=[image], text=prompt, return_tensors="pt")
+    def answer(messages: list[dict], images_png: list[bytes]) -> tuple[str, int]:
+        prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+        images = [Image.open(io.BytesIO(i)).convert("RGB") for i in images_png]
+        inputs = processor(images=images, text=prompt, return_tensors="pt")
         out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW)
         ids = out[0, inputs["input_ids"].shape[1] :].tolist()
         return processor.tokenizer.decode(ids, skip_special_tokens=True), len(ids)
 
     return answer
+
+
+@pytest.fixture(scope="module")
+def reference(reference_of):
+    """The answer to one user message: an image, then TEXT."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXT}]}]
+    return lambda image_png: reference_of(messages, [image_png])
 
 
 def body(uri: str, **extra) -> dict:
@@ -372,3 +379,75 @@ def test_a_text_only_model_fetches_no_url(http_server, image_host):
     assert resp.status_code == 422
     assert "text-only" in resp.json()["error"]["message"]
     assert "/red.png?text-only" not in paths
+
+
+# the Responses API ------------------------------------------------------------------------
+
+
+def image_input(url: str) -> list[dict]:
+    image = {"type": "input_image", "image_url": url, "detail": "auto"}
+    return [{"role": "user", "content": [image, {"type": "input_text", "text": TEXT}]}]
+
+
+def test_responses_input_image_equals_generate(llava_server, reference, image_host):
+    """As a data: URI and as a URL, through the openai SDK's client.responses.create."""
+    port, _ = image_host
+    client = openai_client(llava_server)
+    image = IMAGES["/blue.png"]
+    for url in (data_uri(image), f"http://127.0.0.1:{port}/blue.png"):
+        out = client.responses.create(
+            model="tgi", input=image_input(url), max_output_tokens=MAX_NEW, temperature=0
+        )
+        assert (out.output_text, out.usage.output_tokens) == reference(image)
+    items = client.responses.input_items.list(out.id).data
+    assert items[0].content[0].type == "input_image"
+    assert items[0].content[0].image_url == url
+
+
+def test_a_continuation_keeps_the_images(llava_server, reference_of):
+    """previous_response_id: the stored conversation's image is read again and the
+    answer is the reference's for the whole conversation; a new image may join it."""
+    client = openai_client(llava_server)
+    red, blue = png(RED, stripes=True), png(BLUE)
+    first = client.responses.create(
+        model="tgi", input=image_input(data_uri(red)), max_output_tokens=MAX_NEW, temperature=0
+    )
+    turn = [{"type": "input_image", "image_url": data_uri(blue)}]
+    turn.append({"type": "input_text", "text": "And this one?"})
+    second = client.responses.create(
+        model="tgi",
+        previous_response_id=first.id,
+        input=[{"role": "user", "content": turn}],
+        max_output_tokens=MAX_NEW,
+        temperature=0,
+    )
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXT}]},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this one?"}]},
+    ]
+    assert (second.output_text, second.usage.output_tokens) == reference_of(messages, [red, blue])
+
+
+@pytest.mark.parametrize(
+    ("part", "param", "says"),
+    [
+        ({"type": "input_image", "image_url": "data:image/png;base64,AAAA"}, "image_url", "not an"),
+        ({"type": "input_image", "file_id": "file_1"}, "file_id", "files are not served"),
+        ({"type": "input_image", "image_url": "https://10.0.0.1/a.png"}, "image_url", "private"),
+    ],
+)
+def test_responses_bad_images_are_typed_422s(llava_server, part, param, says):
+    client = openai_client(llava_server)
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        client.responses.create(
+            model="tgi", input=[{"role": "user", "content": [part]}], max_output_tokens=2
+        )
+    error = refused.value.body
+    assert error["type"] == "validation" and error["param"] == f"input[0].content[0].{param}"
+    assert says in error["message"]
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        client.responses.create(
+            model="tgi", input=[{"role": "assistant", "content": [part]}], max_output_tokens=2
+        )
+    assert "user messages only" in refused.value.body["message"]
