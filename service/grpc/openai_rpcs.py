@@ -5,14 +5,12 @@ stored responses (retrieve, delete, input items)."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 from google.api import httpbody_pb2
 from textgen.envoy.affinity import REPLICA_HEADER
 
 from ..engine.types import EngineError
 from ..errors import ErrorType, incomplete
-from ..intake.images import read_images
 from ..intake.validation import ValidationError
 from ..openai import stored_responses
 from ..openai.chat import ChatRenderer, ChatStream, parse_chat_request
@@ -68,13 +66,6 @@ class OpenAIRpcs:
         if self.validator.image_limits is None:
             return parse(*args)
         return await asyncio.to_thread(parse, *args)
-
-    async def with_images(self, generate, sources):
-        """`generate` with its images read (on a worker thread: they may be fetched)."""
-        if not sources:
-            return generate
-        images = await asyncio.to_thread(read_images, sources, self.validator.image_limits)
-        return replace(generate, images=images)
 
     async def _chat_stream(self, renderer: ChatRenderer, valid, context, record):
         streams = [ChatStream(renderer, i) for i in range(valid.engine_request.n)]

@@ -15,6 +15,7 @@ from ..engine.loop import EngineLoop
 from ..engine.types import EngineError, TokenEvent
 from ..errors import ErrorType, incomplete
 from ..intake.admission import Admission, Overloaded
+from ..intake.images import read_images
 from ..intake.request import GenerateRequest
 from ..intake.validation import ValidationError, Validator, ValidRequest
 from ..observability.requests import RequestRecorder
@@ -147,11 +148,19 @@ class TextGenerationServicer(
     async def _validate(self, request, context, *, stream: bool, arrival: float) -> ValidRequest:
         """A TGI RPC's protobuf request, validated, or the RPC ends with the error."""
         try:
-            return await self.validate(
-                convert.generate_request(request), stream=stream, arrival=arrival, context=context
-            )
+            generate = convert.generate_request(request)
+            generate = await self.with_images(generate, convert.image_sources(request))
+            return await self.validate(generate, stream=stream, arrival=arrival, context=context)
         except ValidationError as exc:
             await abort(context, exc.message, exc.error_type, exc.param)
+
+    async def with_images(self, generate: GenerateRequest, sources) -> GenerateRequest:
+        """`generate` with its images (intake/images.ImageSource) read, on a worker
+        thread: they may be fetched (seconds, idle) and decode."""
+        if not sources:
+            return generate
+        images = await asyncio.to_thread(read_images, sources, self.validator.image_limits)
+        return replace(generate, images=images)
 
     async def validate(
         self, request: GenerateRequest, *, stream: bool, arrival: float, context=None

@@ -46,9 +46,10 @@ class ImageLimits:
 
 
 class ImageSource(NamedTuple):
-    """An image as a face received it: its URL (data: or http(s)) and the part's name."""
+    """An image as a face received it: its URL (data: or http(s)), or the file's bytes
+    (gRPC's typed image), and the part's name."""
 
-    url: str
+    url: str | bytes
     name: str
     param: str | None = None  # the field to blame, when it isn't the part's name
 
@@ -89,9 +90,11 @@ def read_images(
         )
 
     def read(source: ImageSource) -> ImagePart:
+        if isinstance(source.url, bytes):
+            return decode_image(source.url, source.name, blame(source), limits.max_pixels)
         return image_from_url(source.url, source.name, blame(source), limits)
 
-    fetches = sum(_is_http(source.url) for source in sources)
+    fetches = sum(isinstance(s.url, str) and _is_http(s.url) for s in sources)
     if fetches < 2:
         return tuple(map(read, sources))
     with ThreadPoolExecutor(min(fetches, _FETCHES), thread_name_prefix="textgen-fetch") as pool:
@@ -107,6 +110,10 @@ def markdown_images(
     sources = [(url, f"{name} (image {i})") for i, url in enumerate(urls, 1)]
     parts = read_images(sources, limits, name)
     return _MARKDOWN_IMAGE.sub(placeholder, inputs), parts
+
+
+def has_markdown_images(text: str) -> bool:
+    return _MARKDOWN_IMAGE.search(text) is not None
 
 
 def _is_http(url: str) -> bool:

@@ -418,13 +418,19 @@ class Validator:
         if request.images and self.images is None:
             name = request.images[0].name
             raise ValidationError(f"`{name}`: this model is text-only; it takes no images", name)
-        from .images import markdown_images
+        from .images import has_markdown_images, markdown_images
 
         images = ()
         try:
             if self.images is not None:
                 inputs, parts = request.inputs, request.images
-                if request.markdown_images:
+                if request.markdown_images and parts and has_markdown_images(inputs):
+                    raise ValidationError(
+                        "`images`: a prompt with markdown images takes no `images`; give "
+                        "them one way",
+                        "images",
+                    )
+                if request.markdown_images and not parts:
                     inputs, parts = markdown_images(
                         inputs, check.name("inputs"), self.images.image_token, self.image_limits
                     )

@@ -451,3 +451,92 @@ def test_responses_bad_images_are_typed_422s(llava_server, part, param, says):
             model="tgi", input=[{"role": "assistant", "content": [part]}], max_output_tokens=2
         )
     assert "user messages only" in refused.value.body["message"]
+
+
+# gRPC's typed images (GenerateRequest.images) and the SDK -------------------------------
+
+# the chat prompt (tiny_vlm's template) with the image's placeholder
+GRPC_PROMPT = f"<|im_start|>user\n<image>{TEXT}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_sdk_generate_with_an_image_equals_generate(llava_server, reference, image_host, tmp_path):
+    """As bytes, a path, a PIL image and a URL: each the reference's answer."""
+    from PIL import Image
+    from textgen.sdk import Client
+
+    port, _ = image_host
+    image = IMAGES["/red.png"]
+    path = tmp_path / "red.png"
+    path.write_bytes(image)
+    pil = Image.open(io.BytesIO(image))
+    url = f"http://127.0.0.1:{port}/red.png"
+    expected = reference(image)
+    with Client(llava_server.target, timeout=60) as sdk:
+        for given in (image, path, str(path), pil, url, data_uri(image)):
+            out = sdk.generate(GRPC_PROMPT, images=[given], max_new_tokens=MAX_NEW)
+            assert (out.generated_text, out.details.generated_tokens) == expected
+        streamed = sdk.generate_stream(GRPC_PROMPT, images=[image], max_new_tokens=MAX_NEW)
+        assert "".join(m.token.text for m in streamed if not m.token.special) == expected[0]
+
+
+@pytest.mark.parametrize(
+    ("images", "prompt", "says"),
+    [
+        ([b"not an image"], GRPC_PROMPT, "`images[0]` is not an image"),
+        ([png(RED), "http://127.0.0.2:1/a.png"], GRPC_PROMPT * 2, "`images[1]`: the image wasn't"),
+        ([png(RED)], TEXT, "holds 0 image placeholders (<image>) for 1 images"),
+        ([png(RED)], f"![]({data_uri(png(RED))}) <image>", "markdown images takes no `images`"),
+    ],
+)
+def test_sdk_bad_images_are_invalid_argument_naming_them(
+    llava_server, reference, images, prompt, says
+):
+    from textgen.sdk import Client, ValidationError
+
+    with Client(llava_server.target, timeout=60) as sdk:
+        with pytest.raises(ValidationError) as refused:
+            sdk.generate(prompt, images=images, max_new_tokens=2)
+        assert refused.value.code.name == "INVALID_ARGUMENT"
+        assert says in str(refused.value)
+        image = png(GREEN, stripes=True)  # and the server keeps serving
+        out = sdk.generate(GRPC_PROMPT, images=[image], max_new_tokens=MAX_NEW)
+        assert out.generated_text == reference(image)[0]
+
+
+def test_tgi_generate_images_field(llava_server, reference, image_host):
+    """The typed images through the transcoder: base64 `data`, or `url`."""
+    import base64
+
+    port, _ = image_host
+    image = IMAGES["/blue.png"]
+    for source in (
+        {"data": base64.b64encode(image).decode()},
+        {"url": f"http://127.0.0.1:{port}/blue.png"},
+    ):
+        resp = requests.post(
+            f"{llava_server.http_url}/generate",
+            json={
+                "inputs": GRPC_PROMPT,
+                "images": [source],
+                "parameters": {"max_new_tokens": MAX_NEW},
+            },
+            timeout=60,
+        )
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["generated_text"] == reference(image)[0]
+    resp = requests.post(
+        f"{llava_server.http_url}/generate",
+        json={"inputs": GRPC_PROMPT, "images": [{}], "parameters": {}},
+        timeout=60,
+    )
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["error_type"] == "validation" and "images[0]" in resp.json()["error"]
+
+
+def test_a_text_only_model_refuses_typed_images(http_server):
+    from textgen.sdk import Client, ValidationError
+
+    text_only = "`images\\[0\\]`: this model is text-only"
+    sdk = Client(http_server.target, timeout=60)
+    with sdk, pytest.raises(ValidationError, match=text_only):
+        sdk.generate("hi <image>", images=[png(RED)], max_new_tokens=2)

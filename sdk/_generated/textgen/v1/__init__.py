@@ -17,6 +17,7 @@ __all__ = (
     "Grammar",
     "HealthRequest",
     "HealthResponse",
+    "ImageInput",
     "InfoRequest",
     "InfoResponse",
     "ListModelsRequest",
@@ -392,6 +393,16 @@ class GenerateRequest(betterproto2.Message):
     Sampling and stopping parameters; unset fields take TGI's defaults.
     """
 
+    images: "list[ImageInput]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Images for a vision-language model (docs/models.md, "Images"), in prompt order:
+    `inputs` holds the model's image placeholder (InfoResponse.image_token; LLaVA's
+    `<image>`) once per image, where each goes. textgen's own field: on TGI's HTTP
+    routes it reads `"images": [{"data": "<base64>"}, {"url": "https://..."}]`. TGI's
+    own way, markdown images `![](...)` in `inputs`, is read too; a request uses one
+    of the two. A text-only model refuses images by name (`images[0]`).
+    """
+
 
 default_message_pool.register_message("textgen.v1", "GenerateRequest", GenerateRequest)
 
@@ -549,6 +560,34 @@ class HealthResponse(betterproto2.Message):
 
 
 default_message_pool.register_message("textgen.v1", "HealthResponse", HealthResponse)
+
+
+@dataclass(eq=False, repr=False)
+class ImageInput(betterproto2.Message):
+    """
+    One image of a GenerateRequest.
+
+    Oneofs:
+        - source:
+    """
+
+    data: "bytes | None" = betterproto2.field(
+        1, betterproto2.TYPE_BYTES, optional=True, group="source"
+    )
+    """
+    The image file's bytes (PNG, JPEG, ...: any format Pillow reads); base64 in JSON.
+    """
+
+    url: "str | None" = betterproto2.field(
+        2, betterproto2.TYPE_STRING, optional=True, group="source"
+    )
+    """
+    An http(s) URL the server fetches (within --allow-private-image-urls,
+    --image-fetch-timeout and --max-image-bytes) or a base64 data: URI.
+    """
+
+
+default_message_pool.register_message("textgen.v1", "ImageInput", ImageInput)
 
 
 @dataclass(eq=False, repr=False)
