@@ -540,3 +540,55 @@ def test_a_text_only_model_refuses_typed_images(http_server):
     sdk = Client(http_server.target, timeout=60)
     with sdk, pytest.raises(ValidationError, match=text_only):
         sdk.generate("hi <image>", images=[png(RED)], max_new_tokens=2)
+
+
+# /info and /metrics ---------------------------------------------------------------------
+
+
+def test_info_says_the_model_takes_images(llava_server, http_server):
+    info = requests.get(f"{llava_server.http_url}/info", timeout=30).json()
+    assert (info["takes_images"], info["image_token"], info["max_images_per_request"]) == (
+        True,
+        "<image>",
+        3,
+    )
+    text = requests.get(f"{http_server.http_url}/info", timeout=30).json()
+    assert (text["takes_images"], text["max_images_per_request"]) == (False, 0)
+    assert "image_token" not in text
+
+
+def scrape(server) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{server.http_url}/metrics", timeout=30).text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith(("textgen_request_images", "textgen_image_encode"))
+        and "bucket" not in sample.name
+    }
+
+
+def test_metrics_count_images_and_encoder_time(llava_server):
+    """Two images never seen before (so encoded, not from the encoder cache) in one
+    request: one observation of 2 images, two of encoder time."""
+    import time
+
+    before = scrape(llava_server)
+    request = body(data_uri(png((1, 2, 3), stripes=True)))
+    image = {"type": "image_url", "image_url": {"url": data_uri(png((3, 2, 1)))}}
+    request["messages"][0]["content"].insert(0, image)
+    assert chat(llava_server, request).status_code == 200
+    deadline = time.monotonic() + 10  # observed as the handler ends, after the answer
+    while (after := scrape(llava_server)).get("textgen_request_images_count", 0) == before.get(
+        "textgen_request_images_count", 0
+    ) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    count, total = "textgen_request_images_count", "textgen_request_images_sum"
+    assert after[count] - before.get(count, 0) == 1
+    assert after[total] - before.get(total, 0) == 2
+    encoded = "textgen_image_encode_duration_seconds_count"
+    assert after[encoded] - before.get(encoded, 0) == 2
+    seconds = "textgen_image_encode_duration_seconds_sum"
+    assert after[seconds] > before.get(seconds, 0)

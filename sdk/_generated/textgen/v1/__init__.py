@@ -818,6 +818,23 @@ class InfoResponse(betterproto2.Message):
     Prefix caching: off for a hybrid model (a cached prefix would skip its state layers).
     """
 
+    takes_images: "bool" = betterproto2.field(47, betterproto2.TYPE_BOOL)
+    """
+    The model takes images (a vision-language model: docs/models.md, "Images"), as
+    vLLM's modalities ["text", "image"] say.
+    """
+
+    image_token: "str | None" = betterproto2.field(48, betterproto2.TYPE_STRING, optional=True)
+    """
+    The placeholder a GenerateRequest's `inputs` holds once per image (LLaVA's
+    "<image>"); absent for a text-only model.
+    """
+
+    max_images_per_request: "int" = betterproto2.field(49, betterproto2.TYPE_UINT32)
+    """
+    Most images in one request (--max-images-per-request); 0 for a text-only model.
+    """
+
 
 default_message_pool.register_message("textgen.v1", "InfoResponse", InfoResponse)
 
