@@ -14,6 +14,7 @@ import io
 import ipaddress
 import struct
 import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -258,12 +259,15 @@ def test_vllm_tokenize_with_an_image_is_refused_by_name(llava_server):
 # image URLs -----------------------------------------------------------------------------
 
 IMAGES = {"/red.png": png(RED, stripes=True), "/blue.png": png(BLUE)}
+SLOW_S = 3.0  # /slow.png: /red.png, after this long
 
 
 class ImageHandler(BaseHTTPRequestHandler):
     def do_GET(self):  # http.server calls it by this name
         self.server.paths.append(self.path)
-        data = IMAGES.get(self.path)
+        if self.path == "/slow.png":
+            time.sleep(SLOW_S)
+        data = IMAGES.get(self.path.replace("/slow", "/red"))
         self.send_response(200 if data else 404)
         self.send_header("Content-Type", "image/png")
         self.send_header("Content-Length", str(len(data or b"")))
@@ -336,6 +340,28 @@ def test_a_url_that_is_not_fetched_is_a_422(llava_server, reference, image_host,
     assert NAME in error["message"] and url in error["message"] and says in error["message"]
     image = png(GREEN, stripes=True)  # and the server keeps serving
     assert answer(llava_server, image) == reference(image)
+
+
+def test_a_slow_url_holds_no_other_request(llava_server, reference, image_host):
+    """While one request waits on its image's server, others are answered: the fetch
+    runs off the event loop (chat's parse and TGI's validation on worker threads)."""
+    port, _ = image_host
+    slow = f"http://127.0.0.1:{port}/slow.png"
+    tgi = {"inputs": tgi_prompt(slow), "parameters": {"max_new_tokens": MAX_NEW}}
+    with ThreadPoolExecutor(2) as pool:
+        started = time.monotonic()
+        waiting = [
+            pool.submit(chat, llava_server, body(slow)),
+            pool.submit(requests.post, f"{llava_server.http_url}/generate", json=tgi, timeout=60),
+        ]
+        time.sleep(0.3)  # both are fetching now
+        image = png(GREEN, stripes=True)
+        assert answer(llava_server, image) == reference(image)
+        assert time.monotonic() - started < SLOW_S - 0.5
+        assert all(not w.done() for w in waiting)
+        expected = reference(IMAGES["/red.png"])
+        assert waiting[0].result().json()["choices"][0]["message"]["content"] == expected[0]
+        assert waiting[1].result().json()["generated_text"] == expected[0]
 
 
 def test_tgi_generate_markdown_url_equals_generate(llava_server, reference, image_host):
@@ -573,8 +599,6 @@ def scrape(server) -> dict[str, float]:
 def test_metrics_count_images_and_encoder_time(llava_server):
     """Two images never seen before (so encoded, not from the encoder cache) in one
     request: one observation of 2 images, two of encoder time."""
-    import time
-
     before = scrape(llava_server)
     request = body(data_uri(png((1, 2, 3), stripes=True)))
     image = {"type": "image_url", "image_url": {"url": data_uri(png((3, 2, 1)))}}

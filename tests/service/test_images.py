@@ -135,3 +135,43 @@ def test_markdown_images_name_each_part(prompts):
         markdown_images(f"![]({red}) ![](http://127.0.0.1:1/x.png)", "inputs", "<i>", limits)
     assert refused.value.param == "inputs"
     assert "`inputs (image 2)`" in refused.value.message and "private" in refused.value.message
+
+
+def test_a_requests_urls_are_fetched_side_by_side():
+    """Three URLs whose server answers each after 0.5 s are read in well under 1.5 s."""
+    import ipaddress
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from textgen.service.intake.image_urls import FetchLimits
+    from textgen.service.intake.images import ImageLimits, read_images
+
+    image = png((5, 6, 7))
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_GET(self):  # http.server calls it by this name
+            time.sleep(0.5)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(image)))
+            self.end_headers()
+            self.wfile.write(image)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/a.png"
+        loopback = (ipaddress.ip_network("127.0.0.1/32"),)
+        limits = ImageLimits(fetch=FetchLimits(allow_private=loopback))
+        started = time.monotonic()
+        parts = read_images([(url, f"part {i}") for i in range(3)], limits)
+        took = time.monotonic() - started
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [p.name for p in parts] == ["part 0", "part 1", "part 2"]
+    assert took < 1.2, f"{took:.2f} s: fetched one after another"
