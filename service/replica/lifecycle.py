@@ -21,7 +21,8 @@ from ..grpc.lora_rpcs import LoraServing
 from ..grpc.server import build_server, set_serving
 from ..grpc.servicer import TextGenerationServicer
 from ..intake.admission import Admission
-from ..intake.images import ImagePrompts
+from ..intake.image_urls import FetchLimits
+from ..intake.images import ImageLimits, ImagePrompts
 from ..intake.validation import Limits, Validator
 from ..models import LoadedModel
 from ..models.architectures import IMAGES_BOTH_WAYS, images_refused_reason
@@ -249,6 +250,7 @@ async def _start_loaded(
             (loaded.resolved.model_id, str(loaded.resolved.path)),
             image_prompts(loaded.processor, loaded.model.config, settings.max_batch_prefill_tokens),
             no_images=no_images_reason(loaded),
+            image_limits=image_limits(settings),
         ),
         served_model(settings, loaded, limits, core, engine),
         admission,
@@ -274,6 +276,15 @@ async def _start_loaded(
         log.info("metrics on their own listener: %s", listener.url)
     await set_serving(health, True)
     return Replica(settings, loaded, engine, servicer, server, health, port, shards, listener)
+
+
+def image_limits(settings: Settings) -> ImageLimits:
+    fetch = FetchLimits(
+        max_bytes=settings.max_image_bytes,
+        timeout_s=settings.image_fetch_timeout,
+        allow_private=settings.allow_private_image_urls,
+    )
+    return ImageLimits(settings.max_image_pixels, settings.max_images_per_request, fetch)
 
 
 async def serve(settings: Settings) -> None:
