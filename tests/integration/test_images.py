@@ -23,6 +23,7 @@ import openai
 import pytest
 import requests
 import torch
+from support.replica_processes import wait_until
 from support.servers import ServerThread, tiny_settings
 from support.tiers import server_fixture
 from support.tiny_vlm import BUILDERS, build_tiny_llava, data_uri, png
@@ -321,14 +322,17 @@ def test_family_chat_images_equal_generate(family_server, family_dir, images):
 # image URLs -----------------------------------------------------------------------------
 
 IMAGES = {"/red.png": png(RED, stripes=True), "/blue.png": png(BLUE)}
-SLOW_S = 3.0  # /slow.png: /red.png, after this long
+# /slow.png: /red.png once the test opens this gate (never: a 503 after 30 s)
+SLOW_GATE = threading.Event()
 
 
 class ImageHandler(BaseHTTPRequestHandler):
     def do_GET(self):  # http.server calls it by this name
         self.server.paths.append(self.path)
-        if self.path == "/slow.png":
-            time.sleep(SLOW_S)
+        if self.path == "/slow.png" and not SLOW_GATE.wait(30):
+            self.send_response(503)
+            self.end_headers()
+            return
         data = IMAGES.get(self.path.replace("/slow", "/red"))
         self.send_response(200 if data else 404)
         self.send_header("Content-Type", "image/png")
@@ -405,22 +409,26 @@ def test_a_url_that_is_not_fetched_is_a_422(llava_server, reference, image_host,
 
 
 def test_a_slow_url_holds_no_other_request(llava_server, reference, image_host):
-    """While one request waits on its image's server, others are answered: the fetch
-    runs off the event loop (chat's parse and TGI's validation on worker threads)."""
-    port, _ = image_host
+    """While two requests wait on their image's server (which answers only when the test
+    lets it), another is answered: the fetches run off the event loop (chat's parse and
+    TGI's validation on worker threads); on it, the third request would wait for them."""
+    port, paths = image_host
     slow = f"http://127.0.0.1:{port}/slow.png"
     tgi = {"inputs": tgi_prompt(slow), "parameters": {"max_new_tokens": MAX_NEW}}
+    SLOW_GATE.clear()
+    asked = paths.count("/slow.png")
     with ThreadPoolExecutor(2) as pool:
-        started = time.monotonic()
         waiting = [
             pool.submit(chat, llava_server, body(slow)),
             pool.submit(requests.post, f"{llava_server.http_url}/generate", json=tgi, timeout=60),
         ]
-        time.sleep(0.3)  # both are fetching now
-        image = png(GREEN, stripes=True)
-        assert answer(llava_server, image) == reference(image)
-        assert time.monotonic() - started < SLOW_S - 0.5
-        assert all(not w.done() for w in waiting)
+        try:
+            assert wait_until(lambda: paths.count("/slow.png") == asked + 2, timeout=30)
+            image = png(GREEN, stripes=True)
+            assert answer(llava_server, image) == reference(image)
+            assert all(not w.done() for w in waiting)
+        finally:
+            SLOW_GATE.set()
         expected = reference(IMAGES["/red.png"])
         assert waiting[0].result().json()["choices"][0]["message"]["content"] == expected[0]
         assert waiting[1].result().json()["generated_text"] == expected[0]
