@@ -190,7 +190,17 @@ def test_responses_give_a_reasoning_item_and_the_message(tokenizer):
             "metadata",
         )
     )  # fmt: skip
-    request = ResponsesRequest(None, False, False, (), (), None, False, echo, HARMONY)
+    request = ResponsesRequest(
+        generate=None,
+        stream=False,
+        store=False,
+        conversation=(),
+        items=(),
+        tools=None,
+        logprobs=False,
+        echo=echo,
+        reasoning=HARMONY,
+    )
     body = json.loads(ResponseRenderer("gpt-oss", request).response(events))
     thought, message = body["output"]
     assert thought["type"] == "reasoning" and thought["content"][0]["text"] == reasoning
