@@ -23,6 +23,7 @@ from ..proto import generate_pb2 as gen_pb
 from ..proto import text_generation_service_pb2 as svc_pb
 from ..proto import text_generation_service_pb2_grpc as svc_grpc
 from . import convert
+from .anthropic_rpcs import AnthropicRpcs
 from .errors import abort, in_band_error
 from .lora_rpcs import LoraRpcs, LoraServing
 from .metrics_rpc import MetricsRpc
@@ -44,7 +45,12 @@ class ServedModel:
 
 
 class TextGenerationServicer(
-    OpenAIRpcs, TokenizeRpcs, MetricsRpc, LoraRpcs, svc_grpc.TextGenerationServiceServicer
+    OpenAIRpcs,
+    AnthropicRpcs,
+    TokenizeRpcs,
+    MetricsRpc,
+    LoraRpcs,
+    svc_grpc.TextGenerationServiceServicer,
 ):
     def __init__(
         self,
@@ -61,7 +67,7 @@ class TextGenerationServicer(
         """validation_workers: where long prompts and grammars are validated (None:
         asyncio's default executor); responses_store: the conversations /v1/responses
         keeps for previous_response_id (None: the default bounds); lora: the LoRA
-        adapters served (None: none); reasoning_parser: how chat and responses tell
+        adapters served (None: none); reasoning_parser: how chat, responses and messages tell
         thinking from the answer (openai/reasoning.resolve_parser; None: they don't)."""
         self.lora = lora
         self.reasoning_parser = reasoning_parser

@@ -76,28 +76,37 @@ def template_kwargs(request: ChatCompletionBody) -> dict:
     return kwargs
 
 
+# an answer of any text, as a grammar's (a thinking budget's grammar holds the thinking only)
+FREE_ANSWER = "start: answer\nanswer: TEXT\nTEXT: /(?s:.*)/\n"
+
+
 def output_grammar(
     plan: ToolPlan | None,
     answer_format: Grammar | None,
     param: str,
     state: str | None,
     tokenizer,
+    budget: int | None = None,
 ) -> tuple[Grammar | None, str | None, str | None]:
     """The output's grammar, as TGI's `grammar` or as a Lark one (tools), and where the
     reasoning parser starts (`state`: reasoning.start_state). A thinking model thinks
     freely first, then the grammar holds the answer (reasoning.with_thought); a regex
-    format applies from the first token, so its output is all answer."""
+    format applies from the first token, so its output is all answer. `budget`: the most
+    tokens the thinking may take (the closing tag forced then; Anthropic's
+    budget_tokens), which needs the tags as tokens (reasoning.tag_tokens)."""
     if plan is not None:
         lark = plan.lark(lark_answer(answer_format, param))
         if thinks(state):
-            lark = with_thought(lark, state, tag_tokens(tokenizer))
+            lark = with_thought(lark, state, tag_tokens(tokenizer), budget)
         return None, lark, state
+    if budget is not None and answer_format is None and thinks(state):
+        return None, with_thought(FREE_ANSWER, state, tag_tokens(tokenizer), budget), state
     if answer_format is None or not thinks(state):
         return answer_format, None, state
     if grammar_spec(answer_format)[0] != "json":
         return answer_format, None, CONTENT
     answer = f"start: answer\nanswer: {lark_answer(answer_format, param)}\n"
-    return None, with_thought(answer, state, tag_tokens(tokenizer)), state
+    return None, with_thought(answer, state, tag_tokens(tokenizer), budget), state
 
 
 def parse_chat_request(body: bytes, tokenizer, reasoning_parser: str | None = None) -> ChatRequest:
