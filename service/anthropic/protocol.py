@@ -295,3 +295,9 @@ class MessagesBody(ConversationFields):
 class CountTokensBody(ConversationFields):
     """Anthropic's count_tokens body: a create body's prompt fields; others are refused
     (400) unless null."""
+
+    model: str = Field(
+        description=f"{COMPATIBILITY_ONLY} The count is the served tokenizer's, which the"
+        " base model and its LoRA adapters share.",
+        examples=["tgi"],
+    )

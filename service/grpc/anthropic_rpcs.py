@@ -26,10 +26,13 @@ class AnthropicRpcs:
                 req = parse_messages_request(
                     request.data, self.validator.tokenizer, self.reasoning_parser
                 )
+            except ValidationError as exc:  # OpenAIRequestError included
+                await abort(context, exc.message, exc.error_type, exc.param)
+            try:
                 valid = await self.validate(
                     req.generate, stream=req.stream, arrival=record.arrival, context=context
                 )
-            except ValidationError as exc:  # OpenAIRequestError included
+            except ValidationError as exc:
                 await abort(context, exc.message, _error_type(exc), exc.param)
             record.validated(valid)
             renderer = MessageRenderer(
@@ -70,13 +73,13 @@ class AnthropicRpcs:
                 request.data, self.validator.tokenizer, self.reasoning_parser
             )
             count = self.validator.prompt_length(generate)
-        except ValidationError as exc:
-            await abort(context, exc.message, _error_type(exc), exc.param)
+        except ValidationError as exc:  # OpenAIRequestError included
+            await abort(context, exc.message, exc.error_type, exc.param)
         return httpbody_pb2.HttpBody(content_type=JSON, data=json_bytes({"input_tokens": count}))
 
 
 def _error_type(exc: ValidationError) -> ErrorType:
-    """A refused request's type: Anthropic answers a `model` nothing serves with
+    """A validation error's type: Anthropic answers a `model` nothing serves with
     not_found_error (the validator blames `model` only for that: an unknown LoRA
     adapter's name, when adapters are served)."""
     return ErrorType.NOT_FOUND if exc.param == "model" else exc.error_type

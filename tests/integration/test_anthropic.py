@@ -341,6 +341,7 @@ def png() -> str:
     ("fields", "named"),
     [
         ({"max_tokens": anthropic.omit}, "`max_tokens` is required"),
+        ({"model": anthropic.omit}, "`model` is required"),
         ({"extra_body": {"frequency_penalty": 1.0}}, "`frequency_penalty` is not supported"),
         ({"extra_body": {"temperature": 1.5}}, "`temperature` must be >= 0 and <= 1"),
         ({"stop_sequences": ["a", "b", "c", "d", "e"]}, "`stop_sequences` supports up to 4"),
@@ -375,6 +376,7 @@ def png() -> str:
     ],
     ids=[
         "no max_tokens",
+        "no model",
         "unknown field",
         "hot",
         "stops",
