@@ -47,11 +47,14 @@ def socket_address(host: str, port: int) -> dict:
 
 
 def replica_cluster(
-    upstreams: Sequence[Upstream], keepalive: Keepalive, health_check: dict | None = None
+    upstreams: Sequence[Upstream],
+    keepalive: Keepalive,
+    health_check: dict | None = None,
+    name: str = CLUSTER,
 ) -> dict:
     ips = all(u.is_ip for u in upstreams)
     cluster = {
-        "name": CLUSTER,
+        "name": name,
         # IP literals need no resolver; a DNS name stands for all its addresses.
         "type": "STATIC" if ips else "STRICT_DNS",
         "lb_policy": "LEAST_REQUEST",
@@ -71,7 +74,7 @@ def replica_cluster(
             }
         },
         "load_assignment": {
-            "cluster_name": CLUSTER,
+            "cluster_name": name,
             "endpoints": [
                 {
                     "lb_endpoints": [
@@ -229,10 +232,12 @@ def resend_policy() -> dict:
     return {"retry_on": RESEND_ON, "num_retries": RESEND_RETRIES}
 
 
-def front_cluster(upstreams: Sequence[Upstream], keepalive: Keepalive) -> dict:
+def front_cluster(upstreams: Sequence[Upstream], keepalive: Keepalive, name: str = CLUSTER) -> dict:
+    """The front proxy's cluster of replicas; `name`: one pool's (pools.cluster_name)."""
     cluster = replica_cluster(
         upstreams,
         keepalive,
+        name=name,
         health_check={
             "timeout": HEALTH_CHECK_TIMEOUT,
             "interval": HEALTH_CHECK_INTERVAL,

@@ -56,7 +56,8 @@ from .errors import (
     local_reply_config,
 )
 from .limits import MAX_CONNECTIONS, REQUEST_BODY_LIMIT, RESPONSE_BODY_LIMIT, STREAM_BUFFER_LIMIT
-from .lua import lua_source, with_body_fields
+from .lua import lua_source, with_body_fields, with_pools
+from .pools import ModelCard, Pool, cluster_name, pool_lua
 from .routes import QUICK_ROUTE_TIMEOUT, ROUTES, route_config
 
 # What other code imports from here (service/, deploy/, tests/); most are defined in
@@ -70,6 +71,8 @@ __all__ = [
     "ROUTES",
     "SERVICE",
     "HttpOptions",
+    "ModelCard",
+    "Pool",
     "Upstream",
     "render",
     "write",
@@ -105,6 +108,7 @@ def render(
     keepalive: Keepalive = DEFAULT_KEEPALIVE,
     swagger_ui: SwaggerUI | None = None,
     http: HttpOptions = HttpOptions(),
+    pools: Sequence[Pool] = (),
 ) -> dict:
     """The Envoy bootstrap serving `upstreams` on `listen_host:listen_port`.
 
@@ -124,9 +128,21 @@ def render(
         swagger_ui: Swagger UI's files for /docs (docs.installed_swagger_ui(); None:
             no /docs). /api-doc/openapi.json is always served.
         http: the payload limit and the CORS origins.
+        pools: several models (front only, pools.py): one cluster per pool, chosen by
+            the request's model, in place of `upstreams` (then ignored).
     """
-    if not upstreams:
+    if not upstreams and not pools:
         raise ValueError("at least one upstream is needed")
+    if pools and not front:
+        raise ValueError("pools of several models are the front proxy's")
+    if pools:
+        clusters = [
+            front_cluster(p.upstreams, keepalive, cluster_name(i)) for i, p in enumerate(pools)
+        ]
+    elif front:
+        clusters = [front_cluster(upstreams, keepalive)]
+    else:
+        clusters = [replica_cluster(upstreams, keepalive)]
     return {
         # Admin stays on loopback: it can stop the server and dump its config.
         "admin": {"address": socket_address("127.0.0.1", admin_port)},
@@ -139,13 +155,10 @@ def render(
                     front,
                     swagger_ui,
                     http,
+                    pools,
                 )
             ],
-            "clusters": [
-                front_cluster(upstreams, keepalive)
-                if front
-                else replica_cluster(upstreams, keepalive)
-            ],
+            "clusters": clusters,
         },
         "overload_manager": _overload_manager(),
     }
@@ -184,6 +197,7 @@ def _listener(
     front: bool = False,
     swagger_ui: SwaggerUI | None = None,
     http: HttpOptions = HttpOptions(),
+    pools: Sequence[Pool] = (),
 ) -> dict:
     return {
         "name": "textgen_http",
@@ -191,7 +205,9 @@ def _listener(
         # Also the router's retry buffer: a request body is kept for a retry only up
         # to this (see clusters.retry_policy).
         "per_connection_buffer_limit_bytes": STREAM_BUFFER_LIMIT,
-        "filter_chains": [{"filters": [_http_connection_manager(api, front, swagger_ui, http)]}],
+        "filter_chains": [
+            {"filters": [_http_connection_manager(api, front, swagger_ui, http, pools)]}
+        ],
     }
 
 
@@ -200,9 +216,10 @@ def _http_connection_manager(
     front: bool = False,
     swagger_ui: SwaggerUI | None = None,
     http: HttpOptions = HttpOptions(),
+    pools: Sequence[Pool] = (),
 ) -> dict:
     origins = _origin_matchers(http.cors_allow_origin)
-    routes = route_config(front, swagger_ui, origins)
+    routes = route_config(front, swagger_ui, origins, pools)
     if origins:
         routes["virtual_hosts"][0]["typed_per_filter_config"] = {
             "envoy.filters.http.cors": _cors_policy(origins)
@@ -223,32 +240,35 @@ def _http_connection_manager(
             # first: it answers a preflight itself and adds its headers to every answer.
             "http_filters": [
                 *([_cors_filter()] if http.cors_allow_origin else []),
-                _lua_filter(api),
+                _lua_filter(api, pools),
                 _body_limit(http.payload_limit),
                 _transcoder(api, http.payload_limit),
                 # the front's routing key, read from the transcoded (gRPC) request
-                *([affinity_filter()] if front else []),
+                *([affinity_filter(pool_lua(pools), FACE_HEADER)] if front else []),
                 _router(),
             ],
         },
     }
 
 
-def _lua_filter(api: Contract) -> dict:
+def _lua_filter(api: Contract, pools: Sequence[Pool] = ()) -> dict:
     return {
         "name": "envoy.filters.http.lua",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
             "default_source_code": {
-                "inline_string": with_body_fields(
-                    lua_source(
-                        HTTP_STATUS_BY_ERROR_TYPE,
-                        FALLBACK_BY_GRPC_CODE,
-                        FALLBACK_ERROR,
-                        FACE_HEADER,
-                        ANTHROPIC_BY_ERROR_TYPE,
+                "inline_string": with_pools(
+                    with_body_fields(
+                        lua_source(
+                            HTTP_STATUS_BY_ERROR_TYPE,
+                            FALLBACK_BY_GRPC_CODE,
+                            FALLBACK_ERROR,
+                            FACE_HEADER,
+                            ANTHROPIC_BY_ERROR_TYPE,
+                        ),
+                        tgi_body_fields(api),
                     ),
-                    tgi_body_fields(api),
+                    pools,
                 )
             },
         },

@@ -76,7 +76,9 @@ def doc_routes(swagger_ui: SwaggerUI | None) -> list[dict]:
     # one route for both paths: the document (134 kB) is in the bootstrap once
     either = "|".join(re.escape(path) for path in OPENAPI_PATHS)
     routes = [
-        _get({"safe_regex": {"regex": f"({either})"}}, "application/json", OPENAPI.read_text())
+        direct_get(
+            {"safe_regex": {"regex": f"({either})"}}, "application/json", OPENAPI.read_text()
+        )
     ]
     if swagger_ui is None:
         return routes
@@ -86,19 +88,19 @@ def doc_routes(swagger_ui: SwaggerUI | None) -> list[dict]:
             "redirect": {"path_redirect": DOCS},
         }
     )
-    routes.append(_get({"path": DOCS}, "text/html; charset=utf-8", PAGE))
+    routes.append(direct_get({"path": DOCS}, "text/html; charset=utf-8", PAGE))
     for name, media_type in ASSETS.items():
         path = swagger_ui.folder / name
         if path.stat().st_size > DIRECT_RESPONSE_LIMIT:
             raise ValueError(f"{path} is larger than {DIRECT_RESPONSE_LIMIT} bytes")
-        routes.append(_get({"path": DOCS + name}, media_type, path))
+        routes.append(direct_get({"path": DOCS + name}, media_type, path))
     return routes
 
 
 _GET = {"headers": [{"name": ":method", "string_match": {"exact": "GET"}}]}
 
 
-def _get(match: dict, media_type: str, body: str | Path) -> dict:
+def direct_get(match: dict, media_type: str, body: str | Path) -> dict:
     """A GET answered by Envoy: `body` inline (a str) or read from a file (a Path)."""
     source = {"filename": str(body)} if isinstance(body, Path) else {"inline_string": body}
     return {

@@ -14,6 +14,7 @@ from textgen.service.errors import (
 )
 
 from .limits import REQUEST_BODY_LIMIT
+from .pools import MODEL_ERROR_HEADER, MODEL_NOT_FOUND
 
 # All built from the error vocabulary (textgen.service.errors, the one module of the
 # server's that envoy/ imports: it imports nothing else of textgen).
@@ -83,6 +84,25 @@ def local_reply_config(payload_limit: int = REQUEST_BODY_LIMIT) -> dict:
             "body_format_override": _error_body("unhealthy", ErrorType.HEALTHCHECK, openai=False),
         }
     ]
+    # A model no pool of the front proxy serves (the Lua filter's 404: pools.py): OpenAI's
+    # code `model_not_found`, the refused field `model`; Anthropic's not_found_error.
+    mappers.append(
+        {
+            "filter": _and(_face("anthropic"), _model_not_found(), _status(404)),
+            "body_format_override": _anthropic_body("%LOCAL_REPLY_BODY%", ErrorType.NOT_FOUND),
+        }
+    )
+    for openai in (True, False):
+        mappers.append(
+            {
+                "filter": _and(
+                    _face("openai" if openai else None), _model_not_found(), _status(404)
+                ),
+                "body_format_override": _error_body(
+                    "%LOCAL_REPLY_BODY%", ErrorType.NOT_FOUND, openai, MODEL_NOT_FOUND
+                ),
+            }
+        )
     for reply in _local_replies(payload_limit):
         mappers.append(_anthropic_mapper(reply))
         status = reply.status or reply.error_type.http_status
@@ -138,10 +158,11 @@ def _anthropic_body(message: str, error_type: ErrorType, kind: str | None = None
     return {"json_format": body, "content_type": "application/json"}
 
 
-def _error_body(message: str, error_type: ErrorType, openai: bool) -> dict:
+def _error_body(message: str, error_type: ErrorType, openai: bool, code: str | None = None) -> dict:
     name = error_type.value  # a plain str in the JSON
     if openai:
-        body = {"error": {"message": message, "type": name, "param": None, "code": None}}
+        param = "model" if code == MODEL_NOT_FOUND else None
+        body = {"error": {"message": message, "type": name, "param": param, "code": code}}
     else:
         body = {"error": message, "error_type": name}
     return {"json_format": body, "content_type": "application/json"}
@@ -155,6 +176,11 @@ def _face(face: str | None) -> dict:
     """Requests of that face; None: any HTTP request (not native gRPC)."""
     match = {"present_match": True} if face is None else {"string_match": {"exact": face}}
     return {"header_filter": {"header": {"name": FACE_HEADER, **match}}}
+
+
+def _model_not_found() -> dict:
+    header = {"name": MODEL_ERROR_HEADER, "string_match": {"exact": MODEL_NOT_FOUND}}
+    return {"header_filter": {"header": header}}
 
 
 def _status(status: int, op: str = "EQ") -> dict:

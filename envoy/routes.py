@@ -3,13 +3,15 @@ the documents Envoy serves itself (docs.py)."""
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .affinity import REPLICA_HEADER, hash_policy
 from .clusters import CLUSTER, resend_policy, retry_policy
-from .docs import DIRECT_RESPONSE_LIMIT, SwaggerUI, doc_routes
+from .docs import DIRECT_RESPONSE_LIMIT, SwaggerUI, direct_get, doc_routes
+from .pools import POOL_HEADER, Pool, cluster_name, models_body
 
 # A generation route may be silent this long: the whole of a non-streamed answer,
 # or the queue and prefill before a stream's first token. Streams reset it per token.
@@ -73,12 +75,18 @@ ROUTES: tuple[Route, ...] = (
 
 
 def route_config(
-    front: bool = False, swagger_ui: SwaggerUI | None = None, cors_origins: Sequence[dict] = ()
+    front: bool = False,
+    swagger_ui: SwaggerUI | None = None,
+    cors_origins: Sequence[dict] = (),
+    pools: Sequence[Pool] = (),
 ) -> dict:
     """The routes; `swagger_ui`: the Swagger UI assets /docs serves (None: no /docs);
     `cors_origins`: string matchers of the origins whose CORS preflights are answered
-    (by the CORS filter, config.py)."""
+    (by the CORS filter, config.py); `pools`: the front proxy's pools of several models
+    (pools.py; empty: one cluster)."""
     routes = [_grpc_route(front), *(_http_route(r, front) for r in ROUTES)]
+    if pools:
+        routes = _pool_routes(routes, pools)
     routes[1:1] = [_preflight_route(origin) for origin in cors_origins]
     routes += doc_routes(swagger_ui)
     # A known path with the wrong method: 405 (a local reply, typed in errors.py), not 404.
@@ -102,6 +110,26 @@ def route_config(
         # the OpenAPI document and Swagger UI's script are direct responses (docs.py)
         "max_direct_response_body_size_bytes": DIRECT_RESPONSE_LIMIT,
     }
+
+
+def _pool_routes(routes: list[dict], pools: Sequence[Pool]) -> list[dict]:
+    """Each route once per pool after the first, matched on the pool's index (POOL_HEADER,
+    set by the Lua filter), then as it was: the first pool's, and that of requests naming
+    no model. `GET /v1/models` lists every pool's models itself (Envoy can't merge answers)."""
+    out = []
+    for route in routes:
+        if route["match"].get("path") == "/v1/models":
+            out.append(direct_get({"path": "/v1/models"}, "application/json", models_body(pools)))
+            continue
+        for index in range(1, len(pools)):
+            variant = copy.deepcopy(route)
+            variant["match"].setdefault("headers", []).append(
+                {"name": POOL_HEADER, "string_match": {"exact": str(index)}}
+            )
+            variant["route"]["cluster"] = cluster_name(index)
+            out.append(variant)
+        out.append(route)
+    return out
 
 
 def _grpc_route(front: bool = False) -> dict:

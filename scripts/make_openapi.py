@@ -311,9 +311,35 @@ def generate_parameters(tgi: dict) -> dict:
     return params
 
 
+# GenerateRequest.images (api/textgen/v1/generate.proto): textgen's own field
+IMAGES = {
+    "type": "array",
+    "description": "textgen's own field: images for a vision-language model, in prompt order;"
+    " `inputs` holds the model's image placeholder (/info's `image_token`; LLaVA's `<image>`)"
+    " once per image. TGI's markdown images in `inputs` are read too; a request uses one of"
+    " the two. A text-only model refuses them (422).",
+    "items": {
+        "type": "object",
+        "description": "One image: `data` or `url`.",
+        "properties": {
+            "data": {
+                "type": "string",
+                "format": "byte",
+                "description": "The image file (any format Pillow reads), base64.",
+            },
+            "url": {
+                "type": "string",
+                "description": "An http(s) URL the server fetches, or a base64 data: URI.",
+            },
+        },
+    },
+}
+
+
 def generate_request(tgi: dict, name: str) -> dict:
     schema = copy.deepcopy(tgi[name])
     schema["properties"]["inputs"].update(minLength=1, description="The prompt; must not be empty.")
+    schema["properties"]["images"] = IMAGES
     if name == "CompatGenerateRequest":
         schema["properties"]["stream"].update(
             description="Answer as /generate_stream (true) or as /generate, wrapped in a"

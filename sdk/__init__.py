@@ -21,6 +21,7 @@ from ._generated.textgen.v1 import (
     GenerateResponse,
     GenerateStreamResponse,
     Grammar,
+    ImageInput,
     InfoResponse,
     Model,
     PrefillToken,
@@ -42,6 +43,7 @@ from .errors import (
     UnknownError,
     ValidationError,
 )
+from .images import ImageLike, image_input
 from .parameters import GenerateOptions, generate_parameters
 from .retry import RetryPolicy
 
@@ -58,6 +60,8 @@ __all__ = [
     "GenerateStreamResponse",
     "GenerationError",
     "Grammar",
+    "ImageInput",
+    "ImageLike",
     "IncompleteGenerationError",
     "InfoResponse",
     "Model",
@@ -75,4 +79,5 @@ __all__ = [
     "UnknownError",
     "ValidationError",
     "generate_parameters",
+    "image_input",
 ]

@@ -67,6 +67,7 @@ from .errors import (
     from_rpc_error,
     from_stream_error,
 )
+from .images import ImageLike
 from .keepalive import DEFAULT_KEEPALIVE
 from .parameters import GenerateOptions, build_generate_request
 from .retry import DEFAULT_RETRY, RetryPolicy, retry_policy
@@ -253,18 +254,22 @@ class _BaseClient:
         self,
         prompt: str,
         *,
+        images: Sequence[ImageLike] | None = None,
         timeout: float | None = None,
         metadata: Metadata | None = None,
         **options: Unpack[GenerateOptions],
     ) -> GenerateResponse:
-        """Generate text for `prompt` and return it whole (TGI's `/generate`)."""
-        request = build_generate_request(prompt, options)
+        """Generate text for `prompt` and return it whole (TGI's `/generate`). `images`
+        (a vision-language model's): paths, bytes, PIL images or URLs (images.py), one
+        per image placeholder of `prompt` (Info's `image_token`), in order."""
+        request = build_generate_request(prompt, options, images)
         return self._unary(self._rpc(self._stubs.generate, request, timeout, metadata))
 
     def generate_stream(
         self,
         prompt: str,
         *,
+        images: Sequence[ImageLike] | None = None,
         timeout: float | None = None,
         metadata: Metadata | None = None,
         **options: Unpack[GenerateOptions],
@@ -273,8 +278,8 @@ class _BaseClient:
         iterator (`AsyncClient`). The RPC starts on the first iteration and is cancelled
         when the iterator is closed: a `break` out of a `for` loop drops it (keep no
         other reference, or call its `close()`); an async one on `aclose()` or when the
-        task that iterates is cancelled."""
-        request = build_generate_request(prompt, options)
+        task that iterates is cancelled. `images` as generate's."""
+        request = build_generate_request(prompt, options, images)
         return self._stream(self._rpc(self._stubs.generate_stream, request, timeout, metadata))
 
     def info(
@@ -538,6 +543,7 @@ class AsyncClient(_BaseClient):
             self,
             prompt: str,
             *,
+            images: Sequence[ImageLike] | None = None,
             timeout: float | None = None,
             metadata: Metadata | None = None,
             **options: Unpack[GenerateOptions],
@@ -547,6 +553,7 @@ class AsyncClient(_BaseClient):
             self,
             prompt: str,
             *,
+            images: Sequence[ImageLike] | None = None,
             timeout: float | None = None,
             metadata: Metadata | None = None,
             **options: Unpack[GenerateOptions],

@@ -15,6 +15,7 @@ from typing import Any, TypedDict
 
 from ._generated.google.protobuf import Value
 from ._generated.textgen.v1 import GenerateParameters, GenerateRequest, Grammar
+from .images import ImageLike, image_inputs
 
 __all__ = ["GenerateOptions", "build_generate_request", "generate_parameters"]
 
@@ -113,9 +114,14 @@ def generate_parameters(
     )
 
 
-def build_generate_request(prompt: str, options: GenerateOptions) -> GenerateRequest:
-    """The request for `prompt`; unknown keywords raise TypeError like a bad call would."""
-    return GenerateRequest(inputs=prompt, parameters=generate_parameters(**options))
+def build_generate_request(
+    prompt: str, options: GenerateOptions, images: Sequence[ImageLike] | None = None
+) -> GenerateRequest:
+    """The request for `prompt` and its `images` (images.py); unknown keywords raise
+    TypeError like a bad call would."""
+    return GenerateRequest(
+        inputs=prompt, parameters=generate_parameters(**options), images=image_inputs(images)
+    )
 
 
 def _stop_sequences(stop: Sequence[str] | str | None) -> list[str]:

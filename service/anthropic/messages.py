@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ..intake.images import ImagePart, image_from_url
+from ..intake.images import ImageLimits, ImagePart, ImageSource, read_images
 from ..intake.request import GenerateParameters, GenerateRequest
 from ..openai.chat import output_grammar, render_prompt
 from ..openai.common import OpenAIRequestError, sampler_parameters
@@ -66,11 +66,12 @@ class _Prompt:
 
 
 def parse_messages_request(
-    body: bytes, tokenizer, reasoning_parser: str | None = None
+    body: bytes, tokenizer, reasoning_parser: str | None = None, images: ImageLimits | None = None
 ) -> MessagesRequest:
-    """`reasoning_parser`: the server's (reasoning.resolve_parser), None: none."""
+    """`reasoning_parser`: the server's (reasoning.resolve_parser), None: none; `images`:
+    what the model's images may be (None: it takes none). Blocking where it fetches."""
     request = parse_body(MessagesBody, body)
-    prompt = _prompt(request, tokenizer, reasoning_parser)
+    prompt = _prompt(request, tokenizer, reasoning_parser, images)
     if prompt.budget is not None and prompt.budget >= request.max_tokens:
         raise OpenAIRequestError(
             f"`thinking.budget_tokens` must be less than `max_tokens` ({request.max_tokens})."
@@ -102,11 +103,11 @@ def parse_messages_request(
 
 
 def parse_count_tokens_request(
-    body: bytes, tokenizer, reasoning_parser: str | None = None
+    body: bytes, tokenizer, reasoning_parser: str | None = None, images: ImageLimits | None = None
 ) -> GenerateRequest:
     """The prompt (and its images) a create body with these fields would have."""
     request = parse_body(CountTokensBody, body)
-    prompt = _prompt(request, tokenizer, reasoning_parser)
+    prompt = _prompt(request, tokenizer, reasoning_parser, images)
     return GenerateRequest(inputs=prompt.text, names=_names(prompt.plan), images=prompt.images)
 
 
@@ -120,26 +121,29 @@ def _names(plan: ToolPlan | None) -> dict[str, str]:
     }
 
 
-def _prompt(request: ConversationFields, tokenizer, reasoning_parser: str | None) -> _Prompt:
+def _prompt(
+    request: ConversationFields, tokenizer, reasoning_parser: str | None, limits
+) -> _Prompt:
     plan = _tool_plan(request)
     options, budget = _thinking(request.thinking, reasoning_parser, tokenizer)
-    messages, images = conversation(request.system, request.messages)
+    messages, sources = conversation(request.system, request.messages)
     if messages[-1]["role"] == "assistant":
         options.update(add_generation_prompt=False, continue_final_message=True)
     text = render_prompt(tokenizer, messages, plan, None, "messages", **options)
+    images = read_images(sources, limits)
     return _Prompt(text, images, plan, start_state(reasoning_parser, text), budget)
 
 
 # the conversation ---------------------------------------------------------------------
 
 
-def conversation(system, messages) -> tuple[list[dict], tuple[ImagePart, ...]]:
+def conversation(system, messages) -> tuple[list[dict], list[ImageSource]]:
     """`system` and `messages` (protocol.py's) as chat messages, and their images in
-    order; a block in the wrong turn is refused, naming it."""
+    order (not read yet); a block in the wrong turn is refused, naming it."""
     out: list[dict] = []
     if system:
         out.append({"role": "system", "content": _joined(_blocks(system))})
-    images: list[ImagePart] = []
+    images: list[ImageSource] = []
     for i, message in enumerate(messages):
         blocks = _blocks(message.content)
         turn = _assistant(i, blocks) if message.role == "assistant" else _user(i, blocks, images)
@@ -157,7 +161,7 @@ def conversation(system, messages) -> tuple[list[dict], tuple[ImagePart, ...]]:
             out.pop()
     if not any(m["role"] != "system" for m in out):
         raise OpenAIRequestError("`messages` must hold a user turn", "messages")
-    return out, tuple(images)
+    return out, images
 
 
 def _blocks(content) -> list:
@@ -186,7 +190,7 @@ def _assistant(i: int, blocks: list) -> list[dict]:
     return [message]
 
 
-def _user(i: int, blocks: list, images: list[ImagePart]) -> list[dict]:
+def _user(i: int, blocks: list, images: list[ImageSource]) -> list[dict]:
     out: list[dict] = []
     parts: list = []  # the user message's text and images, in order
     for j, block in enumerate(blocks):
@@ -215,11 +219,12 @@ def _misplaced(i: int, j: int, block, role: str):
     raise OpenAIRequestError(f"`{name}`: a {block.type} block goes in {role} turns only", name)
 
 
-def _image(block: ImageBlockParam, name: str) -> ImagePart:
+def _image(block: ImageBlockParam, name: str) -> ImageSource:
+    """The block's image as a URL: its url, or its base64 data as a data: URI."""
     source = block.source
     if source.type == "url":
-        return image_from_url(source.url, name)
-    return image_from_url(f"data:{source.media_type};base64,{source.data}", name)
+        return ImageSource(source.url, name)
+    return ImageSource(f"data:{source.media_type};base64,{source.data}", name)
 
 
 def _result(block: ToolResultBlockParam, name: str) -> str:

@@ -295,6 +295,9 @@ class EngineLoop:
         self.metrics.batch_forward_duration.labels("prefill" if prefill else "decode").observe(
             seconds
         )
+        if hasattr(self.core, "take_encode_seconds"):  # those of steps without outputs too
+            for encoded in self.core.take_encode_seconds():
+                self.metrics.image_encode_duration.observe(encoded)
         if getattr(self.core, "speculation", None) is None:
             self.metrics.batch_size.observe(len(outputs))
             return

@@ -238,6 +238,18 @@ class PagedCore:
         if isinstance(self.runner, ShardedRunner):
             self.runner.stop()
 
+    def take_encode_seconds(self) -> list[float]:
+        """Seconds per image the vision encoder ran since the last call (metrics); the
+        eager runner keeps them, under whatever strategy wraps it."""
+        runner = self.runner
+        while not hasattr(runner, "encode_seconds"):
+            wrapped = [getattr(runner, name) for name in _WRAPPED if hasattr(runner, name)]
+            if not wrapped:
+                return []
+            runner = wrapped[0]
+        taken, runner.encode_seconds = runner.encode_seconds, []
+        return taken
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
@@ -408,6 +420,10 @@ class PagedCore:
                 index.append(at)
             at += span
         return out_seqs, out_drafts, out_rows, logits[torch.tensor(index, device=logits.device)]
+
+
+# where each strategy keeps the runner it wraps (ShardedRunner, GraphedRunner, CompiledRunner)
+_WRAPPED = ("inner", "runner", "eager")
 
 
 def build_runner(

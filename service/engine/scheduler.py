@@ -237,6 +237,7 @@ class Scheduler:
             ):
                 self._preempt(self.running[-1], out)
                 num_new = self.block_manager.num_fitting_tokens(seq, wanted)
+            num_new = whole_images(seq, num_new)
             if num_new == 0:
                 continue
             self.block_manager.append_slots(seq, num_new)
@@ -260,7 +261,11 @@ class Scheduler:
             # Prompt logprobs need the logits of every prompt position: no prefix reuse.
             hits = None if seq.request.decoder_input_details else bm.match_prefix(seq)
             num_to_compute = seq.num_tokens - len(hits or ()) * bm.block_size
-            num_new = min(num_to_compute, budget)
+            num_new = whole_images(
+                seq, min(num_to_compute, budget), seq.num_tokens - num_to_compute
+            )
+            if num_new == 0:  # an image attended both ways waits for a whole budget
+                break
             # Admit only when the whole rest of the prompt fits in the free blocks (not just
             # this chunk): a sequence admitted on a sliver would stall mid-prompt and be
             # preempted, wasting the chunks already computed. Its free prefix hits come off
@@ -333,6 +338,20 @@ def _rank(seq: Sequence) -> tuple[int, int]:
 def _insert(ranked: list[Sequence], seq: Sequence) -> None:
     """Insert `seq` into a list kept in rank order."""
     bisect.insort(ranked, seq, key=_rank)
+
+
+def whole_images(seq: Sequence, num_new: int, start: int | None = None) -> int:
+    """`num_new` cut so that the chunk from `start` (the sequence's computed tokens) ends
+    in no image whose tokens attend each other both ways (Gemma 3): it ends before the
+    image, or 0 where the chunk starts in it (the image waits for a budget that holds
+    the rest of it; validation keeps each such image within max_batch_prefill_tokens)."""
+    start = seq.num_computed_tokens if start is None else start
+    end = start + num_new
+    for image in seq.request.images:
+        first, last = image.offset, image.positions[-1]
+        if image.both_ways and first < end <= last:
+            return max(first - start, 0)
+    return num_new
 
 
 def _remaining(seq: Sequence) -> int:

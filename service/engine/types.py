@@ -49,14 +49,29 @@ class StoppingParams:
 @dataclass(frozen=True, slots=True)
 class ImageInput:
     """One image of a prompt: its processed pixels (the processor's `pixel_values` row, a
-    numpy array), their content hash (prefix-cache salt, encoder-cache key), and the span
-    of placeholder tokens its features replace: prompt positions offset .. offset +
-    num_tokens - 1."""
+    numpy array), the other per-image inputs its family's `get_image_features` takes
+    (LLaVA-Next's and Mistral 3's `image_sizes`, Idefics 3's `pixel_attention_mask`: numpy
+    rows by name), their content hash (prefix-cache salt, encoder-cache key), and the
+    prompt positions of the placeholder tokens its feature rows replace, in order (one
+    run for LLaVA; runs between tile and row markers for Idefics 3)."""
 
     digest: bytes
     pixel_values: object = field(repr=False)  # (a request's repr in a log stays short)
-    offset: int
-    num_tokens: int
+    positions: tuple[int, ...] = field(repr=False)
+    extra: dict = field(default_factory=dict, repr=False)  # name -> numpy row
+    # its tokens attend to each other both ways (Gemma 3): a prefill chunk holds them all,
+    # from the first it computes to the last (scheduler.py), and they see the last
+    both_ways: bool = False
+
+    @property
+    def offset(self) -> int:
+        """The prompt position of the image's first token."""
+        return self.positions[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """The image's placeholder tokens: its feature rows."""
+        return len(self.positions)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,13 +18,18 @@ from .openai_rpcs import JSON, model_name, sse_body
 
 
 class AnthropicRpcs:
-    """Mixed into TextGenerationServicer (uses its engine, validator and admission)."""
+    """Mixed into TextGenerationServicer (uses its engine, validator, admission and
+    OpenAIRpcs.parse)."""
 
     async def Messages(self, request, context):
         async with self.request(context, "Messages") as record:
             try:
-                req = parse_messages_request(
-                    request.data, self.validator.tokenizer, self.reasoning_parser
+                req = await self.parse(
+                    parse_messages_request,
+                    request.data,
+                    self.validator.tokenizer,
+                    self.reasoning_parser,
+                    self.validator.image_limits,
                 )
             except ValidationError as exc:  # OpenAIRequestError included
                 await abort(context, exc.message, exc.error_type, exc.param)
@@ -69,10 +74,14 @@ class AnthropicRpcs:
 
     async def CountMessageTokens(self, request, context):
         try:
-            generate = parse_count_tokens_request(
-                request.data, self.validator.tokenizer, self.reasoning_parser
+            generate = await self.parse(
+                parse_count_tokens_request,
+                request.data,
+                self.validator.tokenizer,
+                self.reasoning_parser,
+                self.validator.image_limits,
             )
-            count = self.validator.prompt_length(generate)
+            count = await self.prompt_length(generate)
         except ValidationError as exc:  # OpenAIRequestError included
             await abort(context, exc.message, exc.error_type, exc.param)
         return httpbody_pb2.HttpBody(content_type=JSON, data=json_bytes({"input_tokens": count}))

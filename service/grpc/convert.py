@@ -7,7 +7,9 @@ from __future__ import annotations
 from google.protobuf import json_format, struct_pb2
 
 from ..engine.types import FinishInfo, PrefillInfo, TokenEvent, TokenInfo
+from ..intake.images import ImageSource
 from ..intake.request import GenerateParameters, GenerateRequest, Grammar
+from ..intake.validation import ValidationError
 from ..proto import generate_pb2 as pb
 
 # proto3 `optional` fields: unset stays None (TGI's default applies)
@@ -25,6 +27,17 @@ def generate_request(request: pb.GenerateRequest) -> GenerateRequest:
     return GenerateRequest(
         inputs=request.inputs, parameters=parameters(request.parameters), markdown_images=True
     )
+
+
+def image_sources(request: pb.GenerateRequest) -> tuple[ImageSource, ...]:
+    """The request's typed images (read later, off the event loop), named images[i]."""
+    sources = []
+    for i, image in enumerate(request.images):
+        source = image.WhichOneof("source")
+        if source is None:
+            raise ValidationError(f"`images[{i}]` holds neither `data` nor `url`", f"images[{i}]")
+        sources.append(ImageSource(getattr(image, source), f"images[{i}]"))
+    return tuple(sources)
 
 
 def parameters(p: pb.GenerateParameters) -> GenerateParameters:

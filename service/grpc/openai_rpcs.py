@@ -32,8 +32,12 @@ class OpenAIRpcs:
     async def ChatCompletions(self, request, context):
         async with self.request(context, "ChatCompletions") as record:
             try:
-                chat = parse_chat_request(
-                    request.data, self.validator.tokenizer, self.reasoning_parser
+                chat = await self.parse(
+                    parse_chat_request,
+                    request.data,
+                    self.validator.tokenizer,
+                    self.reasoning_parser,
+                    self.validator.image_limits,
                 )
                 valid = await self.validate(
                     chat.generate, stream=chat.stream, arrival=record.arrival, context=context
@@ -55,6 +59,13 @@ class OpenAIRpcs:
                     await abort(context, exc.message, exc.error_type)
                 record.finished(*(run[-1].finish for run in runs))
                 yield httpbody_pb2.HttpBody(content_type=JSON, data=renderer.completion(runs))
+
+    async def parse(self, parse, *args):
+        """A face's parse; a vision-language model's on a worker thread, since it may fetch
+        its images (blocking, up to --image-fetch-timeout) and decodes them."""
+        if self.validator.image_limits is None:
+            return parse(*args)
+        return await asyncio.to_thread(parse, *args)
 
     async def _chat_stream(self, renderer: ChatRenderer, valid, context, record):
         streams = [ChatStream(renderer, i) for i in range(valid.engine_request.n)]
@@ -150,8 +161,9 @@ class OpenAIRpcs:
                     self.responses_store,
                     self.reasoning_parser,
                 )
+                generate = await self.with_images(req.generate, req.image_sources)
                 valid = await self.validate(
-                    req.generate, stream=req.stream, arrival=record.arrival, context=context
+                    generate, stream=req.stream, arrival=record.arrival, context=context
                 )
             except ValidationError as exc:  # OpenAIRequestError included
                 await abort(context, exc.message, ErrorType.VALIDATION, exc.param)

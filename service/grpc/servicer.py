@@ -15,6 +15,7 @@ from ..engine.loop import EngineLoop
 from ..engine.types import EngineError, TokenEvent
 from ..errors import ErrorType, incomplete
 from ..intake.admission import Admission, Overloaded
+from ..intake.images import read_images
 from ..intake.request import GenerateRequest
 from ..intake.validation import ValidationError, Validator, ValidRequest
 from ..observability.requests import RequestRecorder
@@ -153,33 +154,51 @@ class TextGenerationServicer(
     async def _validate(self, request, context, *, stream: bool, arrival: float) -> ValidRequest:
         """A TGI RPC's protobuf request, validated, or the RPC ends with the error."""
         try:
-            return await self.validate(
-                convert.generate_request(request), stream=stream, arrival=arrival, context=context
-            )
+            generate = convert.generate_request(request)
+            generate = await self.with_images(generate, convert.image_sources(request))
+            return await self.validate(generate, stream=stream, arrival=arrival, context=context)
         except ValidationError as exc:
             await abort(context, exc.message, exc.error_type, exc.param)
+
+    async def with_images(self, generate: GenerateRequest, sources) -> GenerateRequest:
+        """`generate` with its images (intake/images.ImageSource) read, on a worker
+        thread: they may be fetched (seconds, idle) and decode."""
+        if not sources:
+            return generate
+        images = await asyncio.to_thread(read_images, sources, self.validator.image_limits)
+        return replace(generate, images=images)
 
     async def validate(
         self, request: GenerateRequest, *, stream: bool, arrival: float, context=None
     ) -> ValidRequest:
-        """Validate (and tokenize); long prompts and grammars (compiled on first sight)
-        on the validation workers, so one 2 MB prompt or large schema doesn't stall every
-        other stream while it is processed. A request without a priority takes the
-        `x-textgen-priority` header's (a mesh may set it at the edge)."""
+        """Validate (and tokenize); long prompts, grammars (compiled on first sight) and
+        images (the processor's resize) on the validation workers, so one 2 MB prompt or
+        large schema doesn't stall every other stream while it is processed; TGI's
+        markdown images, which may be fetched, on a thread of their own. A request without
+        a priority takes the `x-textgen-priority` header's (a mesh may set it at the edge)."""
         if request.parameters.priority is None and context is not None:
             priority = header_priority(context)
             if priority is not None:
                 request = replace(
                     request, parameters=replace(request.parameters, priority=priority)
                 )
+        validate = functools.partial(
+            self.validator.validate, request, stream=stream, arrival_time=arrival
+        )
+        if request.markdown_images and "![" in request.inputs and self.validator.images is not None:
+            return await asyncio.to_thread(validate)  # may fetch its images: seconds, idle
         grammar = request.lark is not None or request.parameters.grammar is not None
-        if len(request.inputs) < LONG_PROMPT_CHARS and not grammar:
-            return self.validator.validate(request, stream=stream, arrival_time=arrival)
+        if len(request.inputs) < LONG_PROMPT_CHARS and not grammar and not request.images:
+            return validate()
+        return await asyncio.get_running_loop().run_in_executor(self.validation_workers, validate)
+
+    async def prompt_length(self, request: GenerateRequest) -> int:
+        """The prompt's tokens as validate() counts them (Anthropic's count_tokens), on the
+        validation workers where validate() would run there (a long prompt, images)."""
+        if len(request.inputs) < LONG_PROMPT_CHARS and not request.images:
+            return self.validator.prompt_length(request)
         return await asyncio.get_running_loop().run_in_executor(
-            self.validation_workers,
-            functools.partial(
-                self.validator.validate, request, stream=stream, arrival_time=arrival
-            ),
+            self.validation_workers, self.validator.prompt_length, request
         )
 
     async def _generate_best_of(self, valid: ValidRequest) -> list[list[TokenEvent]]:

@@ -23,7 +23,7 @@ from .grammar_compiler import GrammarCompiler, GrammarError
 from .request import GenerateParameters, GenerateRequest, Grammar
 
 if TYPE_CHECKING:
-    from .images import ImagePrompts
+    from .images import ImageLimits, ImagePrompts
 
 # The parameters' bounds, declared once: validation enforces them, and the faces' request
 # schemas state them (service/openai/protocol.py; scripts/make_openapi.py for TGI's
@@ -108,12 +108,21 @@ class Validator:
         adapters: AdapterRegistry | None = None,
         base_names: tuple[str, ...] = (),
         images: ImagePrompts | None = None,
+        no_images: str | None = None,
+        image_limits: ImageLimits | None = None,
     ) -> None:
         """adapters: the served LoRA adapters (None: none); base_names: what names the
         base model (its id first) in `adapter_id` and `model`; images: a vision-language
-        model's processor (None: the model takes no images)."""
+        model's processor (None: the model takes no images); no_images: why, for a model served
+        as text that has a vision tower (Mllama; None: a text-only model); image_limits: what
+        its images may be (None: the defaults)."""
+        from .images import ImageLimits
+
         self.tokenizer = tokenizer
         self.images = images
+        self.no_images = no_images or "this model is text-only; it takes no images"
+        # None where the model takes no images: the faces refuse them before reading any
+        self.image_limits = (image_limits or ImageLimits()) if images is not None else None
         self.limits = limits
         self.grammars = grammars  # None: requests with a grammar are refused
         self.adapters = adapters
@@ -416,13 +425,23 @@ class Validator:
         images (engine/types.py ImageInput)."""
         if request.images and self.images is None:
             name = request.images[0].name
-            raise ValidationError(f"`{name}`: this model is text-only; it takes no images", name)
+            raise ValidationError(f"`{name}`: {self.no_images}", name)
+        from .images import has_markdown_images, markdown_images
+
         images = ()
         try:
             if self.images is not None:
                 inputs, parts = request.inputs, request.images
-                if request.markdown_images:
-                    inputs, parts = self.images.from_markdown(inputs, check.name("inputs"))
+                if request.markdown_images and parts and has_markdown_images(inputs):
+                    raise ValidationError(
+                        "`images`: a prompt with markdown images takes no `images`; give "
+                        "them one way",
+                        "images",
+                    )
+                if request.markdown_images and not parts:
+                    inputs, parts = markdown_images(
+                        inputs, check.name("inputs"), self.images.image_token, self.image_limits
+                    )
                 ids, images = self.images.tokenize(inputs, parts, check.name("inputs"))
             else:
                 ids = self.tokenizer(request.inputs, add_special_tokens=True)["input_ids"]

@@ -59,9 +59,21 @@ _SINKS = re.compile(r"self\.sinks\s*=\s*nn\.Parameter")
 
 # Vision-language families served with their images (the vision tower and projector at
 # prefill, engine/runners/image_encoder.py); other image-text-to-text families are refused
-# until they are (issue 47). Those transformers also loads as a causal LM (Gemma 3, Qwen3.5)
-# keep being served as text.
-IMAGE_FAMILIES = frozenset({"llava"})
+# until they are (issue 47). Those transformers also loads as a causal LM (Llama 4, Mllama,
+# Qwen3.5) keep being served as text.
+IMAGE_FAMILIES = frozenset({"llava", "llava_next", "idefics3", "gemma3"})
+# those whose image tokens attend to each other both ways (transformers' token_type_ids
+# mask): the attention's key_limits (attention/paged.py), and one prefill chunk computes an
+# image's tokens (scheduler.py)
+IMAGES_BOTH_WAYS = frozenset({"gemma3"})
+
+
+def images_refused_reason(model_type: str | None, vision: bool) -> str | None:
+    """Why a model served as text takes no images (Llama 4, Mllama): None for a text model
+    (no vision config) and for a family served with images."""
+    if not vision or model_type in IMAGE_FAMILIES:
+        return None
+    return f"{model_type}'s images are not served yet; its text is"
 
 
 def is_image_family(config: dict) -> bool:

@@ -47,6 +47,8 @@ TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Tokens a sequence gained in one step beyond the first (speculative decoding's kept proposals)
 SKIPPED_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+# Images of one request (--max-images-per-request: 8 by default)
+IMAGE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 
 
 class ExactNameCounter:
@@ -124,6 +126,16 @@ class Metrics:
             "Tokens a sequence gained in one step beyond the first: proposals kept by "
             "speculative decoding (one observation per sequence per step)",
             SKIPPED_BUCKETS,
+        )
+        self.request_images = histogram(
+            "textgen_request_images",
+            "Images per request, of the requests that have any (a vision-language model's)",
+            IMAGE_BUCKETS,
+        )
+        self.image_encode_duration = histogram(
+            "textgen_image_encode_duration_seconds",
+            "Vision tower and projector time per image encoded (s): a step's encoding split"
+            " over its images; images served from the encoder cache are not encoded",
         )
         self.time_to_first_token = histogram(
             "textgen_time_to_first_token_seconds", "Arrival to first token (s)"

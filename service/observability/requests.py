@@ -40,6 +40,7 @@ class RequestRecord:
     validation_time: float = 0.0
     priority: int = 0
     adapter: str | None = None  # the LoRA adapter's name
+    images: int = 0  # a vision-language model's images
     finishes: tuple[FinishInfo, ...] = ()
 
     def validated(self, valid) -> None:
@@ -51,6 +52,7 @@ class RequestRecord:
         self.validation_time = valid.validation_time
         self.priority = req.priority
         self.adapter = req.adapter_id
+        self.images = len(req.images)
 
     def finished(self, *finishes: FinishInfo) -> None:
         self.finishes = finishes
@@ -94,6 +96,8 @@ class RequestRecorder:
         m.validation_duration.observe(record.validation_time)
         m.input_length.observe(record.input_length)
         m.max_new_tokens.observe(record.max_new_tokens)
+        if record.images:
+            m.request_images.observe(record.images)
         priority = priority_label(record.priority)
         m.requests_by_priority.labels(priority).inc()
         for f in record.finishes:

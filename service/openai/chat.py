@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..engine.types import FinishInfo, TokenEvent
-from ..intake.images import ImagePart, image_from_url
+from ..intake.images import ImageLimits, ImagePart, read_images
 from ..intake.request import GenerateParameters, GenerateRequest, Grammar
 from ..intake.validation import grammar_spec
 from .common import (
@@ -109,8 +109,14 @@ def output_grammar(
     return None, with_thought(answer, state, tag_tokens(tokenizer), budget), state
 
 
-def parse_chat_request(body: bytes, tokenizer, reasoning_parser: str | None = None) -> ChatRequest:
-    """`reasoning_parser`: the server's (reasoning.resolve_parser), None: none."""
+def parse_chat_request(
+    body: bytes,
+    tokenizer,
+    reasoning_parser: str | None = None,
+    images: ImageLimits | None = None,
+) -> ChatRequest:
+    """`reasoning_parser`: the server's (reasoning.resolve_parser), None: none; `images`:
+    what the model's images may be (None: it takes none). Blocking where it fetches."""
     request = parse_body(ChatCompletionBody, body)
     plan = chat_tool_plan(request.tools, request.tool_choice, request.parallel_tool_calls)
     answer_format = response_format(request.response_format)
@@ -137,7 +143,7 @@ def parse_chat_request(body: bytes, tokenizer, reasoning_parser: str | None = No
         lark=lark,
         names=_names(request, plan),
         max_top_n_tokens=MAX_TOP_LOGPROBS,
-        images=chat_images(request.messages),
+        images=chat_images(request.messages, images),
     )
     return ChatRequest(
         generate=generate,
@@ -221,14 +227,15 @@ def _text(content: ChatContent | None) -> str | list[dict]:
     ]
 
 
-def chat_images(messages: list[ChatMessage]) -> tuple[ImagePart, ...]:
-    """The conversation's images in order, decoded; each error names its part."""
-    images = []
+def chat_images(messages: list[ChatMessage], limits: ImageLimits | None) -> tuple[ImagePart, ...]:
+    """The conversation's images in order, read (URLs fetched: blocking) within `limits`
+    (None: the model takes none); each error names its part."""
+    sources = []
     for name, (m, part) in image_parts(messages).items():
         if m.role != "user":
             raise OpenAIRequestError(f"`{name}`: images go in user messages only", name)
-        images.append(image_from_url(part.image_url.url, name))
-    return tuple(images)
+        sources.append((part.image_url.url, name))
+    return read_images(sources, limits)
 
 
 def image_parts(messages: list[ChatMessage]) -> dict[str, tuple[ChatMessage, ChatImagePart]]:

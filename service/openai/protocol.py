@@ -207,8 +207,8 @@ class ChatContentPart(OpenAIObject):
 
 class ImageUrl(OpenAIObject):
     url: str = Field(
-        description="The image as a base64 data: URI (data:image/png;base64,...; any format"
-        " Pillow reads); http(s) URLs are refused for now."
+        description="The image as a base64 data: URI (data:image/png;base64,...) or an http(s)"
+        " URL the server fetches (any format Pillow reads; docs/models.md, Images)."
     )
     detail: Literal["auto", "low", "high"] | None = Field(
         None,
@@ -241,7 +241,7 @@ ChatContent = Annotated[
     str | list[Annotated[ChatContentPart | ChatImagePart, Field(discriminator="type")]],
     Says(
         'must be a string or a list of text parts ({"type": "text", "text": ...}) and image'
-        ' parts ({"type": "image_url", "image_url": {"url": "data:..."}})'
+        ' parts ({"type": "image_url", "image_url": {"url": "data:..." or "https://..."}})'
     ),
 ]
 

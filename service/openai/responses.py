@@ -1,11 +1,13 @@
 """/v1/responses (OpenAI's Responses API): its JSON -> a templated GenerateRequest.
 
-`input` is a string or a list of items: messages (text parts only), `function_call`
-and `function_call_output`; they become chat messages and go through the same chat
-template, tool grammar (tools.py) and output formats (formats.py) as chat does.
+`input` is a string or a list of items: messages (text parts, and a vision-language
+model's `input_image` parts in user messages), `function_call` and
+`function_call_output`; they become chat messages and go through the same chat template,
+tool grammar (tools.py) and output formats (formats.py) as chat does.
 `previous_response_id` continues a conversation kept in this replica's ResponseStore
 (response_store.py), which also keeps the input items (with ids, as OpenAI lists them)
-and the response object. What it cannot honour (images, files, audio, built-in tools,
+and the response object; a kept conversation keeps its images' URLs (a data: URI as
+sent; an http(s) URL is fetched again). What it cannot honour (files, audio, built-in tools,
 reasoning summaries, background runs, ...) is refused by name, never ignored. A
 reasoning model's thinking (reasoning.py) is a `reasoning` output item before the
 message; reasoning items given back as input are left out of the prompt.
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter
 
+from ..intake.images import ImageSource
 from ..intake.request import GenerateParameters, GenerateRequest
 from .chat import output_grammar, render_prompt
 from .common import OpenAIRequestError, common_parameters
@@ -31,6 +34,7 @@ from .responses_protocol import (
     ResponseInput,
     ResponseInputFunctionCall,
     ResponseInputFunctionCallOutput,
+    ResponseInputImage,
     ResponseInputItem,
     ResponseInputMessage,
     ResponseInputReasoning,
@@ -56,6 +60,8 @@ class ResponsesRequest:
     tools: ToolPlan | None  # tools the model may call
     logprobs: bool  # include: ["message.output_text.logprobs"]
     echo: dict  # the request's settings as the response object reports them
+    # the conversation's images, to read into `generate` (intake/images.read_images)
+    image_sources: tuple[ImageSource, ...] = ()
     # where the output starts (reasoning.start_state): None without a reasoning parser
     reasoning: str | None = None
 
@@ -73,7 +79,9 @@ class ResponsesRequest:
 def parse_responses_request(
     body: bytes, tokenizer, store: ResponseStore, reasoning_parser: str | None = None
 ) -> ResponsesRequest:
-    """`reasoning_parser`: the server's (reasoning.resolve_parser), None: none."""
+    """`reasoning_parser`: the server's (reasoning.resolve_parser), None: none. The
+    images are named, not read (`image_sources`): the store is the event loop's, reading
+    may fetch."""
     request = parse_body(ResponsesBody, body)
     previous = _previous(request.previous_response_id, store)
     given = _as_items(request.input)
@@ -91,7 +99,9 @@ def parse_responses_request(
     answer_format = text_format(fmt)
     effort = request.reasoning.effort if request.reasoning is not None else None
     extra = {"reasoning_effort": effort} if effort is not None else {}
-    prompt = render_prompt(tokenizer, [*messages, *conversation], plan, param="input", **extra)
+    prompt = render_prompt(
+        tokenizer, _for_template([*messages, *conversation]), plan, param="input", **extra
+    )
     grammar, lark, state = output_grammar(
         plan, answer_format, "text", start_state(reasoning_parser, prompt), tokenizer
     )
@@ -115,6 +125,7 @@ def parse_responses_request(
     )
     return ResponsesRequest(
         generate=generate,
+        image_sources=tuple(_image_sources(previous, given)),
         stream=bool(request.stream),
         store=_store(request.store, store),
         conversation=tuple(conversation),
@@ -203,14 +214,15 @@ def _as_items(value) -> list:
 def items_to_messages(items: list, where: str) -> list[dict]:
     """Responses items as decoded JSON (a stored response's output; `where` names them
     in errors) as chat messages (_messages)."""
-    return _messages(parse_field(_ITEMS, items, where))
+    return _messages(parse_field(_ITEMS, items, where), where)
 
 
-def _messages(items: list) -> list[dict]:
+def _messages(items: list, where: str = "input") -> list[dict]:
     """Responses items (messages, function calls, their outputs) as chat messages:
-    consecutive calls join one assistant message, as chat writes parallel calls."""
+    consecutive calls join one assistant message, as chat writes parallel calls. `where`
+    names the items in errors."""
     messages: list[dict] = []
-    for item in items:
+    for i, item in enumerate(items):
         if isinstance(item, ResponseInputFunctionCall):
             call = _function_call(item)
             last = messages[-1] if messages else None
@@ -221,20 +233,89 @@ def _messages(items: list) -> list[dict]:
         elif isinstance(item, ResponseInputReasoning):
             continue  # earlier thinking: the templates leave it out
         elif isinstance(item, ResponseInputFunctionCallOutput):
-            messages.append(
-                {"role": "tool", "content": _text(item.output), "tool_call_id": item.call_id}
-            )
+            output = _text(item.output, f"{where}[{i}].output")
+            messages.append({"role": "tool", "content": output, "tool_call_id": item.call_id})
         else:
             role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": _text(item.content)})
+            content = _content(item.content, f"{where}[{i}].content", item.role)
+            messages.append({"role": role, "content": content})
     return messages
 
 
-def _text(content: ResponseContent) -> str:
-    """Text parts (and an earlier answer's refusal) as one text."""
+def _content(content: ResponseContent, name: str, role: str) -> str | list[dict]:
+    """A message's content: its text, or, with images (user messages only), the parts
+    as chat's template takes them, each image's URL kept (the store keeps it for a
+    continuation; _for_template leaves it out)."""
+    if isinstance(content, str) or not any(_is_image(part) for part in content):
+        return _text(content, name)
+    parts = []
+    for j, part in enumerate(content):
+        if not _is_image(part):
+            parts.append({"type": "text", "text": _text([part], name)})
+            continue
+        if role != "user":
+            raise OpenAIRequestError(f"`{name}[{j}]`: images go in user messages only", name)
+        if part.image_url is None:
+            param = f"{name}[{j}].file_id" if part.file_id is not None else f"{name}[{j}]"
+            raise OpenAIRequestError(
+                f"`{param}`: files are not served; send the image in `image_url` (a data: URI"
+                " or an http(s) URL)",
+                param,
+            )
+        parts.append({"type": "image", "image_url": part.image_url})
+    return parts
+
+
+def _is_image(part) -> bool:
+    return isinstance(part, ResponseInputImage)
+
+
+def _text(content: ResponseContent, name: str) -> str:
+    """Text parts (and an earlier answer's refusal) as one text; no images here."""
     if isinstance(content, str):
         return content
+    for j, part in enumerate(content):
+        if _is_image(part):
+            raise OpenAIRequestError(f"`{name}[{j}]`: an image is not served here", name)
     return "".join(part.refusal if part.type == "refusal" else part.text for part in content)
+
+
+def _for_template(messages: list[dict]) -> list[dict]:
+    """The messages as the chat template takes them: an image part is {"type": "image"}
+    (its URL is no business of the template's)."""
+    return [
+        {**m, "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]}
+        if isinstance(m["content"], list)
+        else m
+        for m in messages
+    ]
+
+
+def _image_sources(previous: StoredResponse | None, given: list) -> list[ImageSource]:
+    """The conversation's images in prompt order: the previous response's (kept with its
+    conversation), then `input`'s, each named as the client sent it."""
+    sources = [
+        ImageSource(part["image_url"], f"previous_response_id (image {k})", "previous_response_id")
+        for k, part in enumerate(
+            (
+                part
+                for m in (previous.conversation if previous else ())
+                if isinstance(m["content"], list)
+                for part in m["content"]
+                if part["type"] == "image"
+            ),
+            1,
+        )
+    ]
+    for i, item in enumerate(given):
+        if isinstance(item, ResponseInputMessage) and not isinstance(item.content, str):
+            name = f"input[{i}].content"
+            sources += [
+                ImageSource(part.image_url, f"{name}[{j}].image_url")
+                for j, part in enumerate(item.content)
+                if _is_image(part)
+            ]
+    return sources
 
 
 def _function_call(item: ResponseInputFunctionCall) -> dict:
@@ -269,7 +350,7 @@ def _input_item(item) -> dict:
             "id": item.id or new_id("fco"),
             "type": item.type,
             "call_id": item.call_id,
-            "output": _text(item.output),
+            "output": _text(item.output, "output"),
             "status": "completed",
         }
     return {
@@ -284,12 +365,16 @@ def _input_item(item) -> dict:
 def _item_parts(content: ResponseContent, role: str) -> list[dict]:
     if isinstance(content, str):
         return [_text_part(content, role)]
-    return [
-        {"type": "refusal", "refusal": part.refusal}
-        if part.type == "refusal"
-        else _text_part(part.text, role)
-        for part in content
-    ]
+    return [_item_part(part, role) for part in content]
+
+
+def _item_part(part, role: str) -> dict:
+    if _is_image(part):
+        fields = {"image_url": part.image_url, "file_id": part.file_id}
+        return {"type": "input_image", "detail": part.detail or "auto", **fields}
+    if part.type == "refusal":
+        return {"type": "refusal", "refusal": part.refusal}
+    return _text_part(part.text, role)
 
 
 def _text_part(text: str, role: str) -> dict:

@@ -1,8 +1,8 @@
 """The Responses API's request body (/v1/responses), declared as protocol.py declares
-chat's: the subset textgen honours. Its input is text only (messages, function calls
-and their outputs, and reasoning items, which are read and left out of the prompt);
-images, files, audio, built-in tools, reasoning summaries and background runs are refused
-by name."""
+chat's: the subset textgen honours. Its input is messages (text, and images for a
+vision-language model), function calls and their outputs, and reasoning items (read and
+left out of the prompt); files, audio, built-in tools, reasoning summaries and background
+runs are refused by name."""
 
 from __future__ import annotations
 
@@ -38,8 +38,25 @@ class ResponseInputRefusal(OpenAIObject):
     refusal: str
 
 
+class ResponseInputImage(OpenAIObject):
+    """An image, for a vision-language model (docs/models.md); user messages only."""
+
+    type: Literal["input_image"]
+    image_url: str | None = Field(
+        None,
+        description="The image as a base64 data: URI (data:image/png;base64,...) or an http(s)"
+        " URL the server fetches (any format Pillow reads).",
+    )
+    file_id: str | None = Field(None, description="Refused: files are not served.")
+    detail: Literal["auto", "low", "high"] | None = Field(
+        None,
+        description="Accepted; the model's processor sets the resolution (LLaVA has one), so"
+        " every value reads the image the same way.",
+    )
+
+
 ResponseContentPart = Annotated[
-    ResponseInputText | ResponseInputRefusal, Field(discriminator="type")
+    ResponseInputText | ResponseInputRefusal | ResponseInputImage, Field(discriminator="type")
 ]
 ResponseContent = str | list[ResponseContentPart]
 
@@ -194,10 +211,11 @@ class ResponsesBody(CommonFields):
 
     input: ResponseInput | None = Field(
         None,
-        description="A user message, or the conversation as items: messages (text only),"
-        " function_call and function_call_output, and reasoning items (left out of the"
-        " prompt). Images, files, audio and other item types are refused (422, param"
-        " `input`). May be left out with previous_response_id.",
+        description="A user message, or the conversation as items: messages (text, and"
+        " input_image parts in user messages for a vision-language model), function_call and"
+        " function_call_output, and reasoning items (left out of the prompt). Files, audio"
+        " and other item types are refused (422, param `input`). May be left out with"
+        " previous_response_id.",
     )
     instructions: str | None = Field(
         None,

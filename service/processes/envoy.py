@@ -26,6 +26,7 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -244,10 +245,12 @@ async def start_front_proxy(
     log_level: str = "warning",
     ready_timeout: float = READY_TIMEOUT,
     keepalive: Keepalive = DEFAULT_KEEPALIVE,
+    pools: Sequence[envoy_config.Pool] = (),
 ) -> Envoy:
     """Start the front proxy of several replicas (envoy_config.render(front=True));
     returns when it serves HTTP and has health-checked every replica once (replicas
-    that failed that check are simply out of the rotation)."""
+    that failed that check are simply out of the rotation). `pools`: several models,
+    one cluster each (textgen.envoy.pools)."""
     listen_ip = ip_literal(listen_host)
     bootstrap = envoy_config.render(
         upstreams,
@@ -257,6 +260,7 @@ async def start_front_proxy(
         front=True,
         keepalive=keepalive,
         swagger_ui=installed_swagger_ui(),
+        pools=pools,
     )
     return await _launch(bootstrap, listen_ip, listen_port, log_level, ready_timeout)
 

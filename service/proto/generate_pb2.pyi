@@ -9,12 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("inputs", "parameters")
+    __slots__ = ("inputs", "parameters", "images")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     inputs: str
     parameters: GenerateParameters
-    def __init__(self, inputs: _Optional[str] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageInput]
+    def __init__(self, inputs: _Optional[str] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
+
+class ImageInput(_message.Message):
+    __slots__ = ("data", "url")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    url: str
+    def __init__(self, data: _Optional[bytes] = ..., url: _Optional[str] = ...) -> None: ...
 
 class GenerateParameters(_message.Message):
     __slots__ = ("best_of", "decoder_input_details", "details", "do_sample", "frequency_penalty", "grammar", "max_new_tokens", "repetition_penalty", "return_full_text", "seed", "stop", "temperature", "top_k", "top_n_tokens", "top_p", "truncate", "typical_p", "watermark", "presence_penalty", "logit_bias", "ignore_eos", "max_time", "adapter_id", "priority")

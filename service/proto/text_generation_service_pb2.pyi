@@ -15,7 +15,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "model_sha", "model_pipeline_tag", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_input_tokens", "max_total_tokens", "validation_workers", "max_client_batch_size", "router", "version", "sha", "docker_label", "model_dtype", "model_device_type", "max_batch_prefill_tokens", "max_batch_total_tokens", "max_batch_size", "kv_cache_block_size", "kv_cache_blocks", "max_position_embeddings", "torch_threads", "deterministic", "quantize", "cuda_graphs", "compile", "arrival_gap_ms", "num_shard", "speculate", "speculate_model", "speculate_max_batch", "lora_adapters", "max_loras", "max_lora_rank", "state_slots", "state_bytes_per_sequence", "state_kernels", "prefix_caching")
+    __slots__ = ("model_id", "model_sha", "model_pipeline_tag", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_input_tokens", "max_total_tokens", "validation_workers", "max_client_batch_size", "router", "version", "sha", "docker_label", "model_dtype", "model_device_type", "max_batch_prefill_tokens", "max_batch_total_tokens", "max_batch_size", "kv_cache_block_size", "kv_cache_blocks", "max_position_embeddings", "torch_threads", "deterministic", "quantize", "cuda_graphs", "compile", "arrival_gap_ms", "num_shard", "speculate", "speculate_model", "speculate_max_batch", "lora_adapters", "max_loras", "max_lora_rank", "state_slots", "state_bytes_per_sequence", "state_kernels", "prefix_caching", "takes_images", "image_token", "max_images_per_request")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA_FIELD_NUMBER: _ClassVar[int]
     MODEL_PIPELINE_TAG_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,9 @@ class InfoResponse(_message.Message):
     STATE_BYTES_PER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     STATE_KERNELS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    TAKES_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_sha: str
     model_pipeline_tag: str
@@ -94,7 +97,10 @@ class InfoResponse(_message.Message):
     state_bytes_per_sequence: int
     state_kernels: str
     prefix_caching: bool
-    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_pipeline_tag: _Optional[str] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., validation_workers: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., router: _Optional[str] = ..., version: _Optional[str] = ..., sha: _Optional[str] = ..., docker_label: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., kv_cache_block_size: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., torch_threads: _Optional[int] = ..., deterministic: _Optional[bool] = ..., quantize: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., compile: _Optional[bool] = ..., arrival_gap_ms: _Optional[float] = ..., num_shard: _Optional[int] = ..., speculate: _Optional[int] = ..., speculate_model: _Optional[str] = ..., speculate_max_batch: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., state_slots: _Optional[int] = ..., state_bytes_per_sequence: _Optional[int] = ..., state_kernels: _Optional[str] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
+    takes_images: bool
+    image_token: str
+    max_images_per_request: int
+    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_pipeline_tag: _Optional[str] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., validation_workers: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., router: _Optional[str] = ..., version: _Optional[str] = ..., sha: _Optional[str] = ..., docker_label: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., kv_cache_block_size: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., torch_threads: _Optional[int] = ..., deterministic: _Optional[bool] = ..., quantize: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., compile: _Optional[bool] = ..., arrival_gap_ms: _Optional[float] = ..., num_shard: _Optional[int] = ..., speculate: _Optional[int] = ..., speculate_model: _Optional[str] = ..., speculate_max_batch: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., state_slots: _Optional[int] = ..., state_bytes_per_sequence: _Optional[int] = ..., state_kernels: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., takes_images: _Optional[bool] = ..., image_token: _Optional[str] = ..., max_images_per_request: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("inputs", "parameters")

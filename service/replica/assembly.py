@@ -417,6 +417,9 @@ def served_model(
         max_lora_rank=loaded.lora.max_rank if loaded.lora else 0,
         state_slots=stats.state_slots_total,
         prefix_caching=core.block_manager.enable_prefix_caching,
+        takes_images=loaded.processor is not None,
+        image_token=loaded.processor.image_token if loaded.processor is not None else None,
+        max_images_per_request=settings.max_images_per_request if loaded.processor else 0,
     )
     if stats.state_slots_total:
         info.state_bytes_per_sequence = state_bytes_per_sequence(probe_states(loaded.model))

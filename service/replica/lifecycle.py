@@ -21,9 +21,11 @@ from ..grpc.lora_rpcs import LoraServing
 from ..grpc.server import build_server, set_serving
 from ..grpc.servicer import TextGenerationServicer
 from ..intake.admission import Admission
-from ..intake.images import ImagePrompts
+from ..intake.image_urls import FetchLimits
+from ..intake.images import ImageLimits, ImagePrompts
 from ..intake.validation import Limits, Validator
 from ..models import LoadedModel
+from ..models.architectures import IMAGES_BOTH_WAYS, images_refused_reason
 from ..models.loader import ModelShard
 from ..observability.metrics import Metrics, MetricsListener
 from ..observability.requests import RequestRecorder
@@ -246,7 +248,9 @@ async def _start_loaded(
             None if settings.disable_grammar_support else grammars,
             adapters,
             (loaded.resolved.model_id, str(loaded.resolved.path)),
-            ImagePrompts(loaded.processor) if loaded.processor is not None else None,
+            image_prompts(loaded.processor, loaded.model.config, settings.max_batch_prefill_tokens),
+            no_images=no_images_reason(loaded),
+            image_limits=image_limits(settings),
         ),
         served_model(settings, loaded, limits, core, engine),
         admission,
@@ -272,6 +276,15 @@ async def _start_loaded(
         log.info("metrics on their own listener: %s", listener.url)
     await set_serving(health, True)
     return Replica(settings, loaded, engine, servicer, server, health, port, shards, listener)
+
+
+def image_limits(settings: Settings) -> ImageLimits:
+    fetch = FetchLimits(
+        max_bytes=settings.max_image_bytes,
+        timeout_s=settings.image_fetch_timeout,
+        allow_private=settings.allow_private_image_urls,
+    )
+    return ImageLimits(settings.max_image_pixels, settings.max_images_per_request, fetch)
 
 
 async def serve(settings: Settings) -> None:
@@ -381,3 +394,27 @@ def http_options(settings: Settings) -> HttpOptions:
 def curl_example(http_url: str) -> str:
     body = '{"inputs":"What is the capital of France?","parameters":{"max_new_tokens":20}}'
     return f"curl -N {http_url}/generate_stream -H 'Content-Type: application/json' -d '{body}'"
+
+
+def image_prompts(processor, config, max_chunk: int | None = None) -> ImagePrompts | None:
+    """A vision-language model's processor as validation applies it, for the model's
+    `config`; None: no processor, no images."""
+    if processor is None:
+        return None
+    return ImagePrompts(
+        processor,
+        getattr(config, "image_token_id", None),
+        config.model_type in IMAGES_BOTH_WAYS,
+        max_chunk,
+    )
+
+
+def no_images_reason(loaded: LoadedModel) -> str | None:
+    """Why the loaded model takes no images where its config has a vision tower (Mllama,
+    Llama 4: served as text), for Validator's `no_images`; None: a text-only model, or one
+    served with images."""
+    if loaded.processor is not None:
+        return None
+    config = loaded.model.config
+    vision = getattr(config, "vision_config", None) is not None
+    return images_refused_reason(getattr(config, "model_type", None), vision)

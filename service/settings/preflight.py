@@ -54,6 +54,7 @@ def preflight(settings: Settings) -> Preflight:
     # with --full-context the limits are bounded by the KV cache: here by the one given
     max_input, max_total = settings.resolved_limits(context, settings.max_batch_total_tokens)
     check_kv_capacity(settings, max_total)
+    check_images(settings)
     shards = check_shards(settings, device, config)
     lora = check_lora(settings, base_model_names(settings, model))
     return Preflight(model, context, max_input, max_total, device, shards, lora)
@@ -613,6 +614,23 @@ def check_kv_capacity(settings: Settings, max_total_tokens: int) -> None:
             settings.max_batch_total_tokens,
             f"must be >= --max-total-tokens ({max_total_tokens}): a request of "
             "max_total_tokens must fit in the KV cache",
+        )
+
+
+def check_images(settings: Settings) -> None:
+    """--max-image-pixels must be one Pillow decodes: past twice its own bound
+    (Image.MAX_IMAGE_PIXELS) Pillow refuses an image as a decompression bomb, so a larger
+    setting would promise what the server can't read."""
+    try:
+        from PIL import Image
+    except ImportError:  # no Pillow: no vision-language model loads either
+        return
+    pillow = 2 * (Image.MAX_IMAGE_PIXELS or 0)
+    if pillow and settings.max_image_pixels > pillow:
+        raise SettingError(
+            flag_name("max_image_pixels"),
+            settings.max_image_pixels,
+            f"must be at most {pillow}: Pillow refuses larger images as decompression bombs",
         )
 
 

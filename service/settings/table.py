@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 from textgen.sdk.keepalive import Keepalive
 
+from ..intake.image_urls import Network, parse_allow_private
+
 ENV_PREFIX = "TEXTGEN_"
 # --quantize values (TGI's flag): those service/models/quantize.py knows (each runs where
 # its kernels do, or is refused at startup with the reason)
@@ -261,6 +263,11 @@ def fraction(text: str) -> float:
     if not 0 < value <= 1:
         raise ValueError("must be a fraction in (0, 1]")
     return value
+
+
+def private_networks(text: str) -> bool | tuple[Network, ...]:
+    """--allow-private-image-urls: false, true or comma-separated networks."""
+    return parse_allow_private(text)
 
 
 def optional_port(text: str) -> int | None:
@@ -636,6 +643,34 @@ class Settings:
     payload_limit: int = option(
         2_000_000,
         "largest HTTP request body, in bytes; a larger one is refused with a 413",
+        positive_int,
+    )
+    allow_private_image_urls: bool | tuple[Network, ...] = option(
+        (),
+        "image URLs the server may fetch at private, loopback or link-local addresses: "
+        "false (public addresses only), true (any) or comma-separated networks "
+        "(10.0.0.0/8,fd00::/8); a request's URL is the client's, not the operator's",
+        private_networks,
+        metavar="NETWORKS",
+    )
+    image_fetch_timeout: float = option(
+        10.0,
+        "seconds an image URL's fetch may take, redirects and reading included",
+        positive_float,
+    )
+    max_image_bytes: int = option(
+        20 * 1024 * 1024, "largest image an image URL may send, in bytes", positive_int
+    )
+    max_images_per_request: int = option(
+        8,
+        "most images in one request (vLLM's --limit-mm-per-prompt): each is fetched and "
+        "decoded before the prompt's tokens are counted; 8 LLaVA-1.5 images are 4,608 tokens",
+        positive_int,
+    )
+    max_image_pixels: int = option(
+        4096 * 4096,
+        "most pixels (width x height) an image may have, read from its header before it "
+        "decodes (a small file may decode to gigabytes)",
         positive_int,
     )
     cors_allow_origin: tuple[str, ...] = option(

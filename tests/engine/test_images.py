@@ -1,19 +1,20 @@
-"""A vision-language model (a tiny LLaVA) through the engine core: the images' features
-merged at prefill equal transformers' own merge token for token, through prefill chunks
-that cut an image, and the prefix cache never shares an image's blocks with a request of
-another image (block hashes salted with the images' content hashes)."""
+"""Vision-language models (a tiny LLaVA; LLaVA-Next and Idefics 3 too) through the
+engine core: the images' features merged at prefill equal transformers' own merge token
+for token, through prefill chunks that cut an image, and the prefix cache never shares an
+image's blocks with a request of another image (block hashes salted with the images'
+content hashes)."""
 
 from __future__ import annotations
 
 import io
-from dataclasses import replace
 
 import pytest
 import torch
-from support.tiny_vlm import build_tiny_llava, png
+from support.tiny_vlm import BUILDERS, build_tiny_llava, png
 from textgen.service.engine.sequence import Sequence
 from textgen.service.engine.types import EngineRequest, SamplingParams, StoppingParams
 from textgen.service.intake.images import ImagePrompts, decode_image
+from textgen.service.replica.lifecycle import image_prompts
 
 from .factories import make_core, run_to_completion
 
@@ -21,14 +22,40 @@ MAX_NEW = 8
 TEXT = "What is in the picture?"
 
 
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory):
+def load(path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    path = build_tiny_llava(tmp_path_factory.mktemp("llava"))
     processor = AutoProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     return model, processor
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    return load(build_tiny_llava(tmp_path_factory.mktemp("llava")))
+
+
+# the families past LLaVA, each with its own way of laying an image out in tokens
+# and the image tokens each gives the three sizes of test_family_images_... (the third
+# prompt's second image the first's size, other pixels)
+TOKENS = {
+    "llava_next": [[72], [52], [56, 72]],
+    "idefics3": [[20], [12], [12, 20]],
+    "gemma3": [[16], [16], [16, 16]],
+}
+# the small prefill budget: 7 cuts every image; Gemma 3's 16 tokens attend to each other
+# both ways and take one chunk, so 20 cuts the prompt around them
+SMALL_CHUNK = {"gemma3": 20}
+
+
+@pytest.fixture(scope="module", params=sorted(TOKENS))
+def family_name(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def family(family_name, tmp_path_factory):
+    return load(BUILDERS[family_name](tmp_path_factory.mktemp(family_name)))
 
 
 def prompt(processor, images: int = 1) -> str:
@@ -37,10 +64,10 @@ def prompt(processor, images: int = 1) -> str:
     return processor.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def picture(color, stripes=True):
+def picture(color, stripes=True, size=(20, 24)):
     from PIL import Image
 
-    return Image.open(io.BytesIO(png(color, stripes=stripes))).convert("RGB")
+    return Image.open(io.BytesIO(png(color, size, stripes=stripes))).convert("RGB")
 
 
 @torch.inference_mode()
@@ -50,9 +77,13 @@ def reference(model, processor, text: str, images, max_new: int = MAX_NEW) -> li
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
-def sequence(processor, text: str, images, request_id: str, max_new: int = MAX_NEW) -> Sequence:
+def sequence(
+    processor, text: str, images, request_id: str, max_new: int = MAX_NEW, config=None
+) -> Sequence:
     parts = tuple(decode_image(png_bytes(i), f"image{k}") for k, i in enumerate(images))
-    ids, inputs = ImagePrompts(processor).tokenize(text, parts, "inputs")
+    # as the server's validation applies the processor (replica/lifecycle.py)
+    prompts = image_prompts(processor, config) if config else ImagePrompts(processor)
+    ids, inputs = prompts.tokenize(text, parts, "inputs")
     request = EngineRequest(
         request_id=request_id,
         prompt_ids=tuple(ids),
@@ -158,4 +189,91 @@ def test_salt_depends_on_the_image_only(llava):
     b = sequence(processor, text, [picture(RED)], "b").request.images[0]
     c = sequence(processor, text, [picture(BLUE)], "c").request.images[0]
     assert a.digest == b.digest != c.digest
-    assert replace(a, offset=0).num_tokens == 16
+    assert a.num_tokens == len(a.positions) == 16
+
+
+@pytest.mark.parametrize("small", [False, True])
+def test_family_images_of_other_sizes_equal_generate(family, family_name, small):
+    """Images of three sizes (LLaVA-Next: 72, 52 and 56 tokens; Idefics 3: tiles between
+    row markers), alone and two in one prompt, through chunks of 7 that cut them."""
+    model, processor = family
+    one, two = prompt(processor), prompt(processor, images=2)
+    cases = [
+        (one, [picture(RED)]),
+        (one, [picture(BLUE, size=(40, 16))]),
+        (two, [picture(GREEN, size=(16, 40)), picture(RED, stripes=False)]),
+    ]
+    prefill_tokens = SMALL_CHUNK.get(family_name, 7) if small else 512
+    core = make_core(model, prefill_tokens=prefill_tokens, block_size=4)
+    seqs = [
+        sequence(processor, text, images, str(k), config=model.config)
+        for k, (text, images) in enumerate(cases)
+    ]
+    for seq in seqs:
+        core.add(seq)
+    run_to_completion(core)
+    for seq, (text, images) in zip(seqs, cases, strict=True):
+        assert seq.output_ids == reference(model, processor, text, images)
+    assert [[i.num_tokens for i in s.request.images] for s in seqs] == TOKENS[family_name]
+    assert seqs[0].output_ids != seqs[1].output_ids  # the image reaches the answer
+
+
+def test_image_attended_both_ways_must_fit_one_chunk(tmp_path):
+    """Gemma 3's 16 image tokens take one prefill chunk: a budget of 15 refuses the image,
+    naming the part; 16 takes it."""
+    from textgen.service.intake.validation import ValidationError
+
+    model, processor = load(BUILDERS["gemma3"](tmp_path / "gemma3"))
+    text = prompt(processor)
+    part = decode_image(png(RED), "messages[0].content[0].image_url")
+    with pytest.raises(ValidationError, match="16 image tokens attend to each other") as refused:
+        image_prompts(processor, model.config, max_chunk=15).tokenize(text, (part,), "inputs")
+    assert refused.value.param == "messages[0].content[0].image_url"
+    _, images = image_prompts(processor, model.config, max_chunk=16).tokenize(
+        text, (part,), "inputs"
+    )
+    assert images[0].both_ways and images[0].num_tokens == 16
+
+
+def test_chunks_end_outside_images_attended_both_ways():
+    """The scheduler's cut: a chunk that would end inside such an image ends before it, or
+    takes nothing where it starts inside it; other images are cut anywhere."""
+    from textgen.service.engine.scheduler import whole_images
+    from textgen.service.engine.types import ImageInput
+
+    def seq(both_ways: bool) -> Sequence:
+        image = ImageInput(b"d", None, tuple(range(8, 24)), {}, both_ways)
+        request = EngineRequest(
+            request_id="r",
+            prompt_ids=tuple(range(40)),
+            sampling=SamplingParams(),
+            stopping=StoppingParams(max_new_tokens=1),
+            images=(image,),
+        )
+        return Sequence(request, frozenset())
+
+    assert whole_images(seq(True), 20, start=0) == 8  # ends before the image
+    assert whole_images(seq(True), 24, start=0) == 24  # takes all of it
+    assert whole_images(seq(True), 10, start=8) == 0  # starts in it: waits for room
+    assert whole_images(seq(True), 16, start=8) == 16
+    assert whole_images(seq(True), 5, start=24) == 5  # after it
+    assert whole_images(seq(False), 20, start=0) == 20
+
+
+def test_prefix_hit_inside_an_image_attended_both_ways(tmp_path):
+    """Same text and image, other text after it: the prefix cache's hit ends inside the
+    Gemma 3 image (blocks of 16), whose cached tokens saw all of it when first computed;
+    the rest of it is computed in one chunk, seeing the whole image, and equals generate."""
+    model, processor = load(BUILDERS["gemma3"](tmp_path / "gemma3"))
+    first, second = prompt(processor), prompt(processor).replace(TEXT, "Describe it, please.")
+    core = make_core(model, block_size=16, prefill_tokens=40, enable_prefix_caching=True)
+    a = sequence(processor, first, [picture(RED)], "a", config=model.config)
+    core.add(a)
+    run_to_completion(core)
+    b = sequence(processor, second, [picture(RED)], "b", config=model.config)
+    core.add(b)
+    run_to_completion(core)
+    image = b.request.images[0]
+    assert image.offset < b.num_cached_prompt_tokens <= image.positions[-1]  # inside it
+    assert a.output_ids == reference(model, processor, first, [picture(RED)])
+    assert b.output_ids == reference(model, processor, second, [picture(RED)])

@@ -5,24 +5,31 @@ greedy, in float32; another image changes the answer as it changes the reference
 requests with the same text and different images in one batch each get their own answer
 (the prefix cache keeps their blocks apart); a bad image is a 422 naming its part, and the
 server keeps serving; a text-only model refuses images by name (and reads TGI's markdown
-as text, as TGI does)."""
+as text, as TGI does). http(s) image URLs, served by a local http.server, give the same
+answers as data: URIs; a private address the server isn't allowed, a 404 and too many
+images are 422s."""
 
 from __future__ import annotations
 
 import base64
 import io
+import ipaddress
 import struct
+import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import anthropic
 import openai
 import pytest
 import requests
 import torch
+from support.replica_processes import wait_until
 from support.servers import ServerThread, tiny_settings
 from support.tiers import server_fixture
-from support.tiny_vlm import build_tiny_llava, data_uri, png
+from support.tiny_vlm import BUILDERS, build_tiny_llava, data_uri, png
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,33 +45,46 @@ def llava_dir(tmp_path_factory):
 
 @server_fixture(scope="module")
 def llava_server(llava_dir):
-    # a small prefill budget: a prompt's 16 image tokens are cut across steps
-    settings = tiny_settings(llava_dir, max_batch_prefill_tokens=12)
+    # a small prefill budget: a prompt's 16 image tokens are cut across steps; image URLs
+    # at 127.0.0.1 only (the test's image server), not the rest of loopback
+    settings = tiny_settings(
+        llava_dir,
+        max_batch_prefill_tokens=12,
+        allow_private_image_urls=(ipaddress.ip_network("127.0.0.1/32"),),
+        max_images_per_request=3,
+    )
     server = ServerThread(settings, http=True).start()
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def reference(llava_dir):
-    """Greedy text of transformers' processor + generate for an image, in float32."""
+def reference_of(llava_dir):
+    """Greedy text and token count of transformers' processor + generate for a
+    conversation (chat template messages) and its images (PNG bytes), in float32."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(llava_dir)
     model = AutoModelForImageTextToText.from_pretrained(llava_dir, dtype=torch.float32).eval()
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXT}]}]
-    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
 
     @torch.inference_mode()
-    def answer(image_png: bytes) -> tuple[str, int]:
-        image = Image.open(io.BytesIO(image_png)).convert("RGB")
-        inputs = processor(images=[image], text=prompt, return_tensors="pt")
+    def answer(messages: list[dict], images_png: list[bytes]) -> tuple[str, int]:
+        prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+        images = [Image.open(io.BytesIO(i)).convert("RGB") for i in images_png]
+        inputs = processor(images=images, text=prompt, return_tensors="pt")
         out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW)
         ids = out[0, inputs["input_ids"].shape[1] :].tolist()
         return processor.tokenizer.decode(ids, skip_special_tokens=True), len(ids)
 
     return answer
+
+
+@pytest.fixture(scope="module")
+def reference(reference_of):
+    """The answer to one user message: an image, then TEXT."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXT}]}]
+    return lambda image_png: reference_of(messages, [image_png])
 
 
 def body(uri: str, **extra) -> dict:
@@ -168,7 +188,7 @@ NAME = "messages[0].content[0].image_url"
         (data_uri(png_of_size(0, 0)), NAME),
         ("data:image/png;base64,@@@not-base64@@@", "doesn't decode"),
         ("data:image/png,rawbytes", "base64 data: URI"),
-        ("https://example.com/cat.png", "not fetched yet"),
+        ("https://10.0.0.1/cat.png", "private"),
     ],
 )
 def test_bad_images_are_typed_422s(llava_server, reference, uri, says):
@@ -259,3 +279,434 @@ def test_vllm_tokenize_with_an_image_is_refused_by_name(llava_server):
     )
     assert resp.status_code == 422, resp.text
     assert "/tokenize takes no images yet" in resp.text and NAME in resp.text
+
+
+# Past LLaVA (issue 47, step 2): each family's tiny model through a real server, OpenAI
+# chat with images of other sizes (other token counts), chunks of 12 cutting them
+FAMILIES = ["llava_next", "idefics3", "gemma3"]
+# Gemma 3's 16 image tokens attend to each other both ways: one chunk holds them
+PREFILL_TOKENS = {"gemma3": 20}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def family_dir(family, tmp_path_factory):
+    return BUILDERS[family](tmp_path_factory.mktemp(family) / "model")
+
+
+@server_fixture(scope="module")
+def family_server(family, family_dir):
+    budget = PREFILL_TOKENS.get(family, 12)
+    server = ServerThread(tiny_settings(family_dir, max_batch_prefill_tokens=budget), http=True)
+    server.start()
+    yield server
+    server.stop()
+
+
+@torch.inference_mode()
+def family_reference(family_dir, images: list[bytes]) -> str:
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(family_dir)
+    model = AutoModelForImageTextToText.from_pretrained(family_dir, dtype=torch.float32).eval()
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": TEXT}]
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True
+    )
+    pictures = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
+    inputs = processor(images=pictures, text=prompt, return_tensors="pt")
+    out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW)
+    ids = out[0, inputs["input_ids"].shape[1] :].tolist()
+    return processor.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize(
+    "images",
+    [
+        [png(RED, stripes=True)],
+        [png(BLUE, (40, 16), stripes=True)],
+        [png(GREEN, (16, 40)), png(RED, stripes=True)],
+    ],
+    ids=["20x24", "40x16", "two"],
+)
+def test_family_chat_images_equal_generate(family_server, family_dir, images):
+    request = body(data_uri(images[0]))
+    parts = [{"type": "image_url", "image_url": {"url": data_uri(i)}} for i in images]
+    request["messages"][0]["content"] = [*parts, {"type": "text", "text": TEXT}]
+    resp = chat(family_server, request)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == family_reference(family_dir, images)
+
+
+# image URLs -----------------------------------------------------------------------------
+
+IMAGES = {"/red.png": png(RED, stripes=True), "/blue.png": png(BLUE)}
+# /slow.png: /red.png once the test opens this gate (never: a 503 after 30 s)
+SLOW_GATE = threading.Event()
+
+
+class ImageHandler(BaseHTTPRequestHandler):
+    def do_GET(self):  # http.server calls it by this name
+        self.server.paths.append(self.path)
+        if self.path == "/slow.png" and not SLOW_GATE.wait(30):
+            self.send_response(503)
+            self.end_headers()
+            return
+        data = IMAGES.get(self.path.replace("/slow", "/red"))
+        self.send_response(200 if data else 404)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(data or b"")))
+        self.end_headers()
+        self.wfile.write(data or b"")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    """An http.server on every loopback address: (port, the paths it was asked for)."""
+    server = ThreadingHTTPServer(("0.0.0.0", 0), ImageHandler)
+    server.daemon_threads = True
+    server.paths = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1], server.paths
+    server.shutdown()
+    server.server_close()
+
+
+def openai_client(server) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=60
+    )
+
+
+def test_an_image_url_equals_the_same_image_inline(llava_server, reference, image_host):
+    port, _ = image_host
+    client = openai_client(llava_server)
+    url = f"http://127.0.0.1:{port}/red.png"
+    by_url = client.chat.completions.create(**body(url))
+    inline = client.chat.completions.create(**body(data_uri(IMAGES["/red.png"])))
+    assert by_url.choices[0].message.content == inline.choices[0].message.content
+    assert by_url.choices[0].message.content == reference(IMAGES["/red.png"])[0]
+    assert by_url.usage == inline.usage
+
+
+def test_two_image_urls_in_one_request(llava_server, image_host):
+    """Fetched side by side; each named by its part, in order."""
+    port, _ = image_host
+    request = body(f"http://127.0.0.1:{port}/red.png")
+    request["messages"][0]["content"].insert(
+        0, {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{port}/blue.png"}}
+    )
+    assert chat(llava_server, request).status_code == 200
+    missing = f"http://127.0.0.1:{port}/missing.png"
+    request["messages"][0]["content"][1]["image_url"]["url"] = missing
+    resp = chat(llava_server, request)
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["error"]["param"] == "messages[0].content[1].image_url"
+
+
+@pytest.mark.parametrize(
+    ("host", "path", "says"),
+    [
+        ("127.0.0.2", "/red.png", "private"),  # loopback, but not the network allowed
+        ("127.0.0.1", "/missing.png", "HTTP 404"),
+    ],
+)
+def test_a_url_that_is_not_fetched_is_a_422(llava_server, reference, image_host, host, path, says):
+    port, _ = image_host
+    url = f"http://{host}:{port}{path}"
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        openai_client(llava_server).chat.completions.create(**body(url))
+    error = refused.value.body
+    assert error["type"] == "validation" and error["param"] == NAME
+    assert NAME in error["message"] and url in error["message"] and says in error["message"]
+    image = png(GREEN, stripes=True)  # and the server keeps serving
+    assert answer(llava_server, image) == reference(image)
+
+
+def test_a_slow_url_holds_no_other_request(llava_server, reference, image_host):
+    """While two requests wait on their image's server (which answers only when the test
+    lets it), another is answered: the fetches run off the event loop (chat's parse and
+    TGI's validation on worker threads); on it, the third request would wait for them."""
+    port, paths = image_host
+    slow = f"http://127.0.0.1:{port}/slow.png"
+    tgi = {"inputs": tgi_prompt(slow), "parameters": {"max_new_tokens": MAX_NEW}}
+    SLOW_GATE.clear()
+    asked = paths.count("/slow.png")
+    with ThreadPoolExecutor(2) as pool:
+        waiting = [
+            pool.submit(chat, llava_server, body(slow)),
+            pool.submit(requests.post, f"{llava_server.http_url}/generate", json=tgi, timeout=60),
+        ]
+        try:
+            assert wait_until(lambda: paths.count("/slow.png") == asked + 2, timeout=30)
+            image = png(GREEN, stripes=True)
+            assert answer(llava_server, image) == reference(image)
+            assert all(not w.done() for w in waiting)
+        finally:
+            SLOW_GATE.set()
+        expected = reference(IMAGES["/red.png"])
+        assert waiting[0].result().json()["choices"][0]["message"]["content"] == expected[0]
+        assert waiting[1].result().json()["generated_text"] == expected[0]
+
+
+def test_tgi_generate_markdown_url_equals_generate(llava_server, reference, image_host):
+    port, _ = image_host
+    resp = requests.post(
+        f"{llava_server.http_url}/generate",
+        json={
+            "inputs": tgi_prompt(f"http://127.0.0.1:{port}/blue.png"),
+            "parameters": {"max_new_tokens": MAX_NEW},
+        },
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["generated_text"] == reference(IMAGES["/blue.png"])[0]
+
+
+def test_more_images_than_the_limit_are_refused_by_name(llava_server, image_host):
+    """--max-images-per-request 3: the fourth part is named, and nothing is fetched."""
+    port, paths = image_host
+    request = body(data_uri(png(RED)))
+    url = {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{port}/red.png?n"}}
+    request["messages"][0]["content"][1:1] = [url] * 3
+    resp = chat(llava_server, request)
+    assert resp.status_code == 422, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "messages[0].content[3].image_url"
+    assert "at most 3 images" in error["message"]
+    assert "/red.png?n" not in paths
+    resp = requests.post(
+        f"{llava_server.http_url}/generate",
+        json={"inputs": "![](data:,) " * 4, "parameters": {"max_new_tokens": 2}},
+        timeout=60,
+    )
+    assert resp.status_code == 422, resp.text
+    assert "`inputs (image 4)`: a request holds at most 3 images" in resp.json()["error"]
+
+
+def test_a_text_only_model_fetches_no_url(http_server, image_host):
+    port, paths = image_host
+    resp = chat(http_server, body(f"http://127.0.0.1:{port}/red.png?text-only"))
+    assert resp.status_code == 422
+    assert "text-only" in resp.json()["error"]["message"]
+    assert "/red.png?text-only" not in paths
+
+
+# the Responses API ------------------------------------------------------------------------
+
+
+def image_input(url: str) -> list[dict]:
+    image = {"type": "input_image", "image_url": url, "detail": "auto"}
+    return [{"role": "user", "content": [image, {"type": "input_text", "text": TEXT}]}]
+
+
+def test_responses_input_image_equals_generate(llava_server, reference, image_host):
+    """As a data: URI and as a URL, through the openai SDK's client.responses.create."""
+    port, _ = image_host
+    client = openai_client(llava_server)
+    image = IMAGES["/blue.png"]
+    for url in (data_uri(image), f"http://127.0.0.1:{port}/blue.png"):
+        out = client.responses.create(
+            model="tgi", input=image_input(url), max_output_tokens=MAX_NEW, temperature=0
+        )
+        assert (out.output_text, out.usage.output_tokens) == reference(image)
+    items = client.responses.input_items.list(out.id).data
+    assert items[0].content[0].type == "input_image"
+    assert items[0].content[0].image_url == url
+
+
+def test_a_continuation_keeps_the_images(llava_server, reference_of):
+    """previous_response_id: the stored conversation's image is read again and the
+    answer is the reference's for the whole conversation; a new image may join it."""
+    client = openai_client(llava_server)
+    red, blue = png(RED, stripes=True), png(BLUE)
+    first = client.responses.create(
+        model="tgi", input=image_input(data_uri(red)), max_output_tokens=MAX_NEW, temperature=0
+    )
+    turn = [{"type": "input_image", "image_url": data_uri(blue)}]
+    turn.append({"type": "input_text", "text": "And this one?"})
+    second = client.responses.create(
+        model="tgi",
+        previous_response_id=first.id,
+        input=[{"role": "user", "content": turn}],
+        max_output_tokens=MAX_NEW,
+        temperature=0,
+    )
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXT}]},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this one?"}]},
+    ]
+    assert (second.output_text, second.usage.output_tokens) == reference_of(messages, [red, blue])
+
+
+@pytest.mark.parametrize(
+    ("part", "param", "says"),
+    [
+        ({"type": "input_image", "image_url": "data:image/png;base64,AAAA"}, "image_url", "not an"),
+        ({"type": "input_image", "file_id": "file_1"}, "file_id", "files are not served"),
+        ({"type": "input_image", "image_url": "https://10.0.0.1/a.png"}, "image_url", "private"),
+    ],
+)
+def test_responses_bad_images_are_typed_422s(llava_server, part, param, says):
+    client = openai_client(llava_server)
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        client.responses.create(
+            model="tgi", input=[{"role": "user", "content": [part]}], max_output_tokens=2
+        )
+    error = refused.value.body
+    assert error["type"] == "validation" and error["param"] == f"input[0].content[0].{param}"
+    assert says in error["message"]
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        client.responses.create(
+            model="tgi", input=[{"role": "assistant", "content": [part]}], max_output_tokens=2
+        )
+    assert "user messages only" in refused.value.body["message"]
+
+
+# gRPC's typed images (GenerateRequest.images) and the SDK -------------------------------
+
+# the chat prompt (tiny_vlm's template) with the image's placeholder
+GRPC_PROMPT = f"<|im_start|>user\n<image>{TEXT}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_sdk_generate_with_an_image_equals_generate(llava_server, reference, image_host, tmp_path):
+    """As bytes, a path, a PIL image and a URL: each the reference's answer."""
+    from PIL import Image
+    from textgen.sdk import Client
+
+    port, _ = image_host
+    image = IMAGES["/red.png"]
+    path = tmp_path / "red.png"
+    path.write_bytes(image)
+    pil = Image.open(io.BytesIO(image))
+    url = f"http://127.0.0.1:{port}/red.png"
+    expected = reference(image)
+    with Client(llava_server.target, timeout=60) as sdk:
+        for given in (image, path, str(path), pil, url, data_uri(image)):
+            out = sdk.generate(GRPC_PROMPT, images=[given], max_new_tokens=MAX_NEW)
+            assert (out.generated_text, out.details.generated_tokens) == expected
+        streamed = sdk.generate_stream(GRPC_PROMPT, images=[image], max_new_tokens=MAX_NEW)
+        assert "".join(m.token.text for m in streamed if not m.token.special) == expected[0]
+
+
+@pytest.mark.parametrize(
+    ("images", "prompt", "says"),
+    [
+        ([b"not an image"], GRPC_PROMPT, "`images[0]` is not an image"),
+        ([png(RED), "http://127.0.0.2:1/a.png"], GRPC_PROMPT * 2, "`images[1]`: the image wasn't"),
+        ([png(RED)], TEXT, "holds 0 image placeholders (<image>) for 1 images"),
+        ([png(RED)], f"![]({data_uri(png(RED))}) <image>", "markdown images takes no `images`"),
+    ],
+)
+def test_sdk_bad_images_are_invalid_argument_naming_them(
+    llava_server, reference, images, prompt, says
+):
+    from textgen.sdk import Client, ValidationError
+
+    with Client(llava_server.target, timeout=60) as sdk:
+        with pytest.raises(ValidationError) as refused:
+            sdk.generate(prompt, images=images, max_new_tokens=2)
+        assert refused.value.code.name == "INVALID_ARGUMENT"
+        assert says in str(refused.value)
+        image = png(GREEN, stripes=True)  # and the server keeps serving
+        out = sdk.generate(GRPC_PROMPT, images=[image], max_new_tokens=MAX_NEW)
+        assert out.generated_text == reference(image)[0]
+
+
+def test_tgi_generate_images_field(llava_server, reference, image_host):
+    """The typed images through the transcoder: base64 `data`, or `url`."""
+    import base64
+
+    port, _ = image_host
+    image = IMAGES["/blue.png"]
+    for source in (
+        {"data": base64.b64encode(image).decode()},
+        {"url": f"http://127.0.0.1:{port}/blue.png"},
+    ):
+        resp = requests.post(
+            f"{llava_server.http_url}/generate",
+            json={
+                "inputs": GRPC_PROMPT,
+                "images": [source],
+                "parameters": {"max_new_tokens": MAX_NEW},
+            },
+            timeout=60,
+        )
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["generated_text"] == reference(image)[0]
+    resp = requests.post(
+        f"{llava_server.http_url}/generate",
+        json={"inputs": GRPC_PROMPT, "images": [{}], "parameters": {}},
+        timeout=60,
+    )
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["error_type"] == "validation" and "images[0]" in resp.json()["error"]
+
+
+def test_a_text_only_model_refuses_typed_images(http_server):
+    from textgen.sdk import Client, ValidationError
+
+    text_only = "`images\\[0\\]`: this model is text-only"
+    sdk = Client(http_server.target, timeout=60)
+    with sdk, pytest.raises(ValidationError, match=text_only):
+        sdk.generate("hi <image>", images=[png(RED)], max_new_tokens=2)
+
+
+# /info and /metrics ---------------------------------------------------------------------
+
+
+def test_info_says_the_model_takes_images(llava_server, http_server):
+    info = requests.get(f"{llava_server.http_url}/info", timeout=30).json()
+    assert (info["takes_images"], info["image_token"], info["max_images_per_request"]) == (
+        True,
+        "<image>",
+        3,
+    )
+    text = requests.get(f"{http_server.http_url}/info", timeout=30).json()
+    assert (text["takes_images"], text["max_images_per_request"]) == (False, 0)
+    assert "image_token" not in text
+
+
+def scrape(server) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{server.http_url}/metrics", timeout=30).text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith(("textgen_request_images", "textgen_image_encode"))
+        and "bucket" not in sample.name
+    }
+
+
+def test_metrics_count_images_and_encoder_time(llava_server):
+    """Two images never seen before (so encoded, not from the encoder cache) in one
+    request: one observation of 2 images, two of encoder time."""
+    before = scrape(llava_server)
+    request = body(data_uri(png((1, 2, 3), stripes=True)))
+    image = {"type": "image_url", "image_url": {"url": data_uri(png((3, 2, 1)))}}
+    request["messages"][0]["content"].insert(0, image)
+    assert chat(llava_server, request).status_code == 200
+    deadline = time.monotonic() + 10  # observed as the handler ends, after the answer
+    while (after := scrape(llava_server)).get("textgen_request_images_count", 0) == before.get(
+        "textgen_request_images_count", 0
+    ) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    count, total = "textgen_request_images_count", "textgen_request_images_sum"
+    assert after[count] - before.get(count, 0) == 1
+    assert after[total] - before.get(total, 0) == 2
+    encoded = "textgen_image_encode_duration_seconds_count"
+    assert after[encoded] - before.get(encoded, 0) == 2
+    seconds = "textgen_image_encode_duration_seconds_sum"
+    assert after[seconds] > before.get(seconds, 0)

@@ -339,7 +339,7 @@ def test_logprobs_are_included_when_asked(client, server):
     [
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-            "input",
+            "input[0].content[0].image_url",  # a text-only model
         ),
         (
             {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},

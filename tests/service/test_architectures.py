@@ -15,7 +15,11 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import save_file
-from textgen.service.models.architectures import image_family_reason, unserved_reason
+from textgen.service.models.architectures import (
+    image_family_reason,
+    images_refused_reason,
+    unserved_reason,
+)
 from textgen.service.settings.preflight import preflight
 from textgen.service.settings.table import SettingError, Settings
 from transformers import AutoConfig
@@ -44,11 +48,11 @@ SERVED = [
     "qwen3_5_moe", "lara_mini", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "lfm2_moe",
     "lfm3", "zamba", "zamba2", "zaya",
     # vision-language, served with images (tests/integration/test_images.py)
-    "llava",
+    "llava", "llava_next", "idefics3", "gemma3",
 ]  # fmt: skip
 # vision-language families not served yet (issue 47): refused by name, before loading
 IMAGE_FAMILIES_NOT_YET = [
-    "llava_next", "llava_onevision", "idefics3", "smolvlm", "paligemma", "mistral3",
+    "llava_onevision", "smolvlm", "paligemma", "mistral3",
     "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
 ]  # fmt: skip
 
@@ -87,8 +91,18 @@ def test_a_vision_language_family_not_served_yet_is_refused_by_name(model_type):
 
 def test_vision_checkpoints_served_as_text_stay_served():
     """Families transformers also loads as a causal LM keep that path (no images)."""
-    for model_type in ("gemma3", "qwen3_5", "qwen3_5_moe", "llama4", "mllama"):
+    for model_type in ("qwen3_5", "qwen3_5_moe", "llama4", "mllama"):
         assert image_family_reason(model_type) is None
+
+
+def test_images_to_a_vision_checkpoint_served_as_text_say_so():
+    """An image sent to Mllama (served as text) says its images aren't served yet; text
+    models and the families served with images have no such reason."""
+    assert images_refused_reason("mllama", vision=True) == (
+        "mllama's images are not served yet; its text is"
+    )
+    assert images_refused_reason("gemma3_text", vision=False) is None
+    assert images_refused_reason("gemma3", vision=True) is None
 
 
 def test_preflight_refuses_an_unserved_vision_family_in_one_line(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from support.tiny_vlm import build_tiny_llava, data_uri, png
-from textgen.service.intake.images import ImagePrompts, image_from_url
+from textgen.service.intake.images import ImageLimits, ImagePrompts, image_from_url, markdown_images
 from textgen.service.intake.validation import ValidationError
 
 NAME = "messages[0].content[0].image_url"
@@ -23,8 +23,9 @@ def test_a_data_uri_decodes_to_rgb():
 @pytest.mark.parametrize(
     ("url", "says"),
     [
-        ("http://example.com/a.png", "not fetched yet"),
-        ("HTTPS://example.com/a.png", "not fetched yet"),
+        ("http://127.0.0.1:1/a.png", "private, loopback"),
+        ("HTTPS://10.1.2.3/a.png", "private, loopback"),
+        ("http://no.such.host.invalid/a.png", "does not resolve"),
         ("data:image/png,abc", "base64 data: URI"),
         ("file:///etc/passwd", "base64 data: URI"),
         ("data:image/png;base64,a$b", "doesn't decode"),
@@ -48,7 +49,8 @@ def prompts(tmp_path_factory):
 
 def test_markdown_images_become_placeholders(prompts):
     red, blue = data_uri(png((200, 0, 0))), data_uri(png((0, 0, 200)))
-    text, parts = prompts.from_markdown(f"a ![x]({red}) b ![]({blue}) c", "inputs")
+    inputs = f"a ![x]({red}) b ![]({blue}) c"
+    text, parts = markdown_images(inputs, "inputs", "<image>", ImageLimits())
     assert text == "a <image> b <image> c"
     assert [p.name for p in parts] == ["inputs (image 1)", "inputs (image 2)"]
     ids, images = prompts.tokenize(text, parts, "inputs")
@@ -98,3 +100,82 @@ def test_a_decompression_bomb_is_refused_before_it_decodes():
     assert len(out.getvalue()) < 100_000
     with pytest.raises(ValidationError, match="5000x5000 pixels, more than the 16777216"):
         image_from_url(data_uri(out.getvalue()), NAME)
+
+
+def test_the_image_count_is_checked_before_any_image_is_read():
+    """The ninth part is named; the unreachable URL before it is never fetched."""
+    from textgen.service.intake.images import ImageLimits, read_images
+
+    sources = [("http://10.255.255.1/a.png", f"part {i}") for i in range(9)]
+    with pytest.raises(ValidationError, match="`part 8`: a request holds at most 8 images"):
+        read_images(sources, ImageLimits())
+    with pytest.raises(ValidationError, match="`part 0`: this model is text-only"):
+        read_images(sources[:1], None)
+
+
+def test_the_pixel_limit_is_the_setting():
+    from textgen.service.intake.images import ImageLimits
+
+    uri = data_uri(png((1, 2, 3), (7, 5)))
+    assert image_from_url(uri, NAME, limits=ImageLimits(max_pixels=35)).image.size == (7, 5)
+    with pytest.raises(ValidationError, match="7x5 pixels, more than the 34 .*--max-image-pix"):
+        image_from_url(uri, NAME, limits=ImageLimits(max_pixels=34))
+
+
+def test_markdown_images_name_each_part(prompts):
+    from textgen.service.intake.images import ImageLimits, markdown_images
+
+    red = data_uri(png((200, 0, 0)))
+    text, parts = markdown_images(f"a ![]({red}) b", "inputs", "<image>", ImageLimits())
+    assert (text, [p.name for p in parts]) == ("a <image> b", ["inputs (image 1)"])
+    with pytest.raises(ValidationError) as refused:
+        markdown_images(f"![]({red}) ![](http://127.0.0.1:1/x.png)", "inputs", "<image>", None)
+    assert refused.value.param == "inputs" and "text-only" in refused.value.message
+    with pytest.raises(ValidationError) as refused:
+        limits = ImageLimits()
+        markdown_images(f"![]({red}) ![](http://127.0.0.1:1/x.png)", "inputs", "<i>", limits)
+    assert refused.value.param == "inputs"
+    assert "`inputs (image 2)`" in refused.value.message and "private" in refused.value.message
+
+
+def test_a_requests_urls_are_fetched_side_by_side():
+    """Three URLs whose server answers none until all three are asked for: read one after
+    another, the first would wait alone and fail (the barrier breaks)."""
+    import ipaddress
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from textgen.service.intake.image_urls import FetchLimits
+    from textgen.service.intake.images import ImageLimits, read_images
+
+    image = png((5, 6, 7))
+    together = threading.Barrier(3, timeout=5)
+
+    class Together(BaseHTTPRequestHandler):
+        def do_GET(self):  # http.server calls it by this name
+            try:
+                together.wait()
+            except threading.BrokenBarrierError:
+                self.send_response(503)
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(image)))
+            self.end_headers()
+            self.wfile.write(image)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Together)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/a.png"
+        loopback = (ipaddress.ip_network("127.0.0.1/32"),)
+        limits = ImageLimits(fetch=FetchLimits(allow_private=loopback))
+        parts = read_images([(url, f"part {i}") for i in range(3)], limits)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [p.name for p in parts] == ["part 0", "part 1", "part 2"]

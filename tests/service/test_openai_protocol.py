@@ -38,7 +38,7 @@ def test_the_document_declares_the_fields_the_model_reads(name):
 
 TEXT_PARTS = (
     'must be a string or a list of text parts ({"type": "text", "text": ...}) and image'
-    ' parts ({"type": "image_url", "image_url": {"url": "data:..."}})'
+    ' parts ({"type": "image_url", "image_url": {"url": "data:..." or "https://..."}})'
 )
 
 
@@ -87,10 +87,10 @@ def test_a_refusal_names_the_field_as_sent(fields, param, message):
 def test_union_tags_are_not_part_of_the_path():
     """pydantic's locations carry the union member tried ('list[...]', 'message'): the
     client's path doesn't."""
-    body = b'{"input": [{"role": "user", "content": [{"type": "input_image"}]}]}'
+    body = b'{"input": [{"role": "user", "content": [{"type": "input_audio"}]}]}'
     error = refusal(ResponsesBody, body)
     assert error.param == "input"
-    assert error.message.startswith("`input[0].content[0]`: type 'input_image' is not supported")
+    assert error.message.startswith("`input[0].content[0]`: type 'input_audio' is not supported")
     error = refusal(ResponsesBody, b'{"input": 5}')
     assert error.message == "`input` must be a string or an array"
 

@@ -129,6 +129,12 @@ BAD = [
     (["--lora-adapters", "x=/tmp"], ("--lora-adapters x=/tmp", "no adapter_config.json")),
     (["--lora-adapters", "x=/tmp", "--max-loras", "0"], ("--max-loras 0", "no slot")),
     (["--max-loras", "2", "--deterministic"], ("--deterministic", "LoRA")),
+    # images (docs/models.md)
+    (["--allow-private-image-urls", "10.0.0.0/33"], ("--allow-private-image-urls", "networks")),
+    (["--image-fetch-timeout", "0"], ("--image-fetch-timeout", "positive")),
+    (["--max-image-bytes", "0"], ("--max-image-bytes", "positive")),
+    (["--max-images-per-request", "0"], ("--max-images-per-request", "positive")),
+    (["--max-image-pixels", "1000000000"], ("--max-image-pixels 1000000000", "Pillow")),
     (["--no-such-flag"], ("--no-such-flag",)),
 ]
 

@@ -156,11 +156,14 @@ class Replica(Proc):
 
 
 class Proxy(Proc):
-    """`textgen proxy` over the given replicas' addresses."""
+    """`textgen proxy` over the given replicas' addresses; `pools`: several models, each
+    model's replicas' ports (`--pool MODEL=...`, in place of `ports`)."""
 
-    def __init__(self, ports: list[int], log: Path) -> None:
+    def __init__(self, ports: list[int], log: Path, pools: dict[str, list[int]] | None = None):
         self.http_port, self.admin_port = free_port(), free_port()
         upstreams = [a for p in ports for a in ("--upstream", f"127.0.0.1:{p}")]
+        for model, pool in (pools or {}).items():
+            upstreams += ["--pool", f"{model}=" + ",".join(f"127.0.0.1:{p}" for p in pool)]
         super().__init__(
             [
                 "proxy",

@@ -1,6 +1,7 @@
-"""A tiny random LLaVA (CLIP vision tower, Llama language model) and its processor
-(CLIPImageProcessorPil: the PIL/numpy path, no torchvision), built at test time and saved
-as a normal Hugging Face folder; and small PNGs as data: URIs."""
+"""Tiny random vision-language models, one per served family (LLaVA, LLaVA-Next, Idefics 3:
+a vision tower, a projector, a Llama language model) with their processors (each image
+processor's PIL/numpy class, no torchvision), built at test time and saved as normal
+Hugging Face folders; and small PNGs as data: URIs."""
 
 from __future__ import annotations
 
@@ -24,23 +25,18 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_llava(path: Path, *, seed: int = 0) -> Path:
-    """Save a tiny random LLaVA (float32) with its processor into `path`."""
-    import torch
-    from transformers import (
-        CLIPImageProcessorPil,
-        CLIPVisionConfig,
-        GenerationConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
-
+def _tokenizer(*tokens: str):
+    """The tiny tokenizer with `tokens`, the first the image placeholder its template writes."""
     tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    text = LlamaConfig(
+    tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
+    tokenizer.chat_template = CHAT_TEMPLATE.replace(IMAGE_TOKEN, tokens[0])
+    return tokenizer
+
+
+def _llama(tokenizer):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -53,7 +49,12 @@ def build_tiny_llava(path: Path, *, seed: int = 0) -> Path:
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    vision = CLIPVisionConfig(
+
+
+def _clip():
+    from transformers import CLIPVisionConfig
+
+    return CLIPVisionConfig(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -62,22 +63,48 @@ def build_tiny_llava(path: Path, *, seed: int = 0) -> Path:
         patch_size=PATCH,
         projection_dim=32,
     )
+
+
+def _save(path: Path, model, processor, tokenizer, projector: str = "multi_modal_projector"):
+    """Sharper logits and image features that move them (the model's `projector`); then
+    the folder."""
+    import torch
+    from transformers import GenerationConfig
+
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+        for p in getattr(model.model, projector).parameters():
+            p.mul_(4.0)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    processor.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def build_tiny_llava(path: Path, *, seed: int = 0) -> Path:
+    """Save a tiny random LLaVA (float32) with its processor into `path`."""
+    import torch
+    from transformers import (
+        CLIPImageProcessorPil,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer = _tokenizer(IMAGE_TOKEN)
     config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
+        vision_config=_clip(),
+        text_config=_llama(tokenizer),
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         vision_feature_layer=-1,
         vision_feature_select_strategy="default",
     )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config)
-    with torch.no_grad():  # sharper logits, and image features that move them
-        model.lm_head.weight.mul_(8.0)
-        for p in model.model.multi_modal_projector.parameters():
-            p.mul_(4.0)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id
-    )
     images = CLIPImageProcessorPil(
         size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     )
@@ -87,13 +114,177 @@ def build_tiny_llava(path: Path, *, seed: int = 0) -> Path:
         patch_size=PATCH,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=tokenizer.chat_template,
     )
+    return _save(path, model, processor, tokenizer)
+
+
+# LLaVA-Next's tiles: an image is resized to the pinpoint nearest its aspect, cut into
+# tiles of IMAGE_SIZE, plus the whole image at IMAGE_SIZE: its tokens depend on its size
+PINPOINTS = [[16, 32], [32, 16], [32, 32]]
+
+
+def build_tiny_llava_next(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random LLaVA-Next ("anyres" tiles, `image_sizes`) with its processor."""
+    import torch
+    from transformers import (
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessorPil,
+        LlavaNextProcessor,
+    )
+
+    tokenizer = _tokenizer(IMAGE_TOKEN)
+    config = LlavaNextConfig(
+        vision_config=_clip(),
+        text_config=_llama(tokenizer),
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        image_grid_pinpoints=PINPOINTS,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config)
+    images = LlavaNextImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE},
+        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        image_grid_pinpoints=PINPOINTS,
+    )
+    processor = LlavaNextProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=tokenizer.chat_template,
+    )
+    return _save(path, model, processor, tokenizer)
+
+
+# Idefics 3's tiles: an image's longest edge is resized to at most TILES_EDGE, cut into
+# tiles of IMAGE_SIZE (up to 2 x 2) plus a global view, each tile's 16 patches merged 2 x 2
+# into 4 tokens, between <fake_token_around_image> and a <row_r_col_c> marker
+TILES_EDGE = 32
+SCALE = 2
+IDEFICS3_TOKENS = [
+    "<fake_token_around_image>",
+    "<global-img>",
+    "<end_of_utterance>",
+    *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)),
+]
+
+
+def build_tiny_idefics3(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random Idefics 3 (SigLIP-like tower, pixel-shuffle connector, Llama)."""
+    import torch
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+        Idefics3VisionConfig,
+    )
+
+    tokenizer = _tokenizer(IMAGE_TOKEN, *IDEFICS3_TOKENS)
+    vision = Idefics3VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+    )
+    config = Idefics3Config(
+        vision_config=vision,
+        text_config=_llama(tokenizer),
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        scale_factor=SCALE,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config)
+    images = Idefics3ImageProcessorPil(
+        size={"longest_edge": TILES_EDGE}, max_image_size={"longest_edge": IMAGE_SIZE}
+    )
+    processor = Idefics3Processor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        image_seq_len=(IMAGE_SIZE // PATCH) ** 2 // SCALE**2,
+        chat_template=tokenizer.chat_template,
+    )
+    return _save(path, model, processor, tokenizer, projector="connector")
+
+
+# Gemma 3: the prompt's <start_of_image> becomes "\n\n<start_of_image>" + the image's
+# soft tokens + "<end_of_image>\n\n"; 16 soft tokens (no pooling), more than the text
+# model's sliding window (8), and they attend to each other both ways
+GEMMA3_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
+GEMMA3_IMAGE_TOKENS = (IMAGE_SIZE // PATCH) ** 2
+
+
+def build_tiny_gemma3(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random Gemma 3 (SigLIP tower, Gemma 3 text with sliding and global layers)
+    with its processor (Gemma3ImageProcessorPil)."""
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessorPil,
+        Gemma3Processor,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+
+    from .families import family_config
+
+    named = _tokenizer(*GEMMA3_TOKENS.values())
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    processor.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    named.save_pretrained(path)  # reloaded with its named tokens, as Gemma 3's processor reads
+    tokenizer = AutoTokenizer.from_pretrained(path, extra_special_tokens=GEMMA3_TOKENS)
+    text = Gemma3TextConfig(**family_config("gemma3_text", tokenizer).to_dict())
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+    )
+    ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in GEMMA3_TOKENS.items()}
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+        boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"],
+        image_token_index=ids["image_token"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():  # transformers starts the projection at zero: images would be blank
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 1.0)
+    images = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = Gemma3Processor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        image_seq_length=GEMMA3_IMAGE_TOKENS,
+        chat_template=tokenizer.chat_template,
+    )
+    return _save(path, model, processor, tokenizer)
+
+
+BUILDERS = {
+    "llava": build_tiny_llava,
+    "llava_next": build_tiny_llava_next,
+    "idefics3": build_tiny_idefics3,
+    "gemma3": build_tiny_gemma3,
+}
 
 
 def png(color: tuple[int, int, int], size: tuple[int, int] = (20, 24), *, stripes=False) -> bytes:

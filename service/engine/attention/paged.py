@@ -109,6 +109,9 @@ class AttentionGroup:
     # chunks that each start their sequence (nothing cached before them; not batch-invariant):
     # query row i is position i, so causal attention is SDPA's is_causal over the first q keys
     fresh: bool = False
+    # [b, q] long: the last key position each padded row sees, where some see past their
+    # own (an image's tokens see the whole image: Gemma 3); None: query_pos, causal
+    query_limit: torch.Tensor | None = None
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # (window, chunk, G, dtype)
     _chunked_masks: dict[tuple, ChunkedMask] = field(default_factory=dict)
 
@@ -177,7 +180,8 @@ class AttentionGroup:
         num_keys = self.max_blocks * self.block_size
         key_pos = torch.arange(num_keys, device=self.query_pos.device)
         query_pos = self.query_pos.unsqueeze(-1)  # [b, q, 1]
-        allowed = key_pos <= query_pos  # causal; also hides slots past the context length
+        limit = query_pos if self.query_limit is None else self.query_limit.unsqueeze(-1)
+        allowed = key_pos <= limit  # causal; also hides slots past the context length
         if window is not None:
             allowed &= key_pos > query_pos - window
         if chunk is not None:
@@ -228,6 +232,10 @@ class BatchMetadata:
     use_flash: bool = False  # CUDA + flash_attn: the varlen kernel may be used
     use_triton: bool = False  # CUDA + triton: the paged Triton kernel may be used
     batch_invariant: bool = False  # the SDPA path's keys in fixed chunks (invariant_attention)
+    # [T] per token: the last key position it sees, where some token sees past its own
+    # (an image's tokens attend both ways among themselves: Gemma 3); None: all causal.
+    # Only the SDPA path takes it (_pick_kernel).
+    key_limits: list[int] | None = None
     _groups: list[AttentionGroup] | None = None
     _flash: FlashIndices | None = None
     _block_table: BlockTableIndices | None = None
@@ -243,8 +251,10 @@ class BatchMetadata:
         device: torch.device,
         batch_invariant: bool = False,
         custom_kernels: bool = True,
+        key_limits: list[int] | None = None,
     ) -> BatchMetadata:
-        """custom_kernels=False: never textgen's Triton kernel (--disable-custom-kernels)."""
+        """custom_kernels=False: never textgen's Triton kernel (--disable-custom-kernels);
+        key_limits: see the field."""
         slots = _slots(query_lens, context_lens, block_tables, pool.block_size)
         return cls(
             pool=pool,
@@ -256,6 +266,7 @@ class BatchMetadata:
             use_flash=_flash_available(device),
             use_triton=custom_kernels and triton_available(device),
             batch_invariant=batch_invariant,
+            key_limits=key_limits,
         )
 
     @classmethod
@@ -353,6 +364,7 @@ class BatchMetadata:
                 self.pool.block_size,
                 self.device,
                 self.batch_invariant,
+                self.key_limits,
             )
             groups.append(group)
             token_start = group.token_end
@@ -445,7 +457,10 @@ def _build_group(
     block_size: int,
     device: torch.device,
     batch_invariant: bool = False,
+    key_limits: list[int] | None = None,
 ) -> AttentionGroup:
+    """key_limits: the whole batch's (BatchMetadata.key_limits); they matter to chunks only
+    (a decode's token is no image's)."""
     num_seqs, max_q = len(query_lens), max(query_lens)
     chunk_tokens = invariant_attention.chunk_tokens_for(block_size) if batch_invariant else None
     tables = _pad_tables(block_tables, (chunk_tokens or block_size) // block_size)
@@ -491,6 +506,11 @@ def _build_group(
         first_token = torch.cumsum(q_lens, 0) - q_lens
         query_index = torch.where(is_real, first_token.unsqueeze(1) + row, 0).flatten().to(device)
         output_index = is_real.flatten().nonzero().squeeze(1).to(device)
+    query_limit = None
+    if key_limits is not None:
+        limits = torch.tensor(key_limits[token_start : token_start + sum(query_lens)])
+        rows = torch.where(is_real, first_token.unsqueeze(1) + row, 0)
+        query_limit = torch.where(is_real, limits[rows], query_pos).to(device)
     return AttentionGroup(
         token_start=token_start,
         token_end=token_start + sum(query_lens),
@@ -504,7 +524,8 @@ def _build_group(
         query_index=query_index,
         output_index=output_index,
         chunk_tokens=chunk_tokens,
-        fresh=not batch_invariant and context_lens == query_lens,
+        fresh=not batch_invariant and query_limit is None and context_lens == query_lens,
+        query_limit=query_limit,
     )
 
 
@@ -722,8 +743,11 @@ def _pick_kernel(
 
     extra_terms: the layer has attention sinks, ALiBi or chunked local attention, which
     Triton and SDPA compute and flash-attn doesn't (the picked kernel then takes them as
-    three more arguments).
+    three more arguments). Steps with key_limits (an image attended both ways) take SDPA:
+    only its masks read them.
     """
+    if meta.key_limits is not None:
+        return _sdpa_attention
     flash = not extra_terms and meta.use_flash and _flash_supports(query, cache)
     if flash and meta.pool.block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0:
         return _flash_attention

@@ -11,6 +11,7 @@ the same image) slice the rows they cover instead of encoding again.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -25,27 +26,44 @@ ENCODER_CACHE_IMAGES = 32
 
 @dataclass(frozen=True, slots=True)
 class ImageSlice:
-    """Rows first_row .. first_row + rows - 1 of an image's features replace the
-    embeddings of the flattened batch's tokens at .. at + rows - 1."""
+    """Rows first_row .. first_row + len(targets) - 1 of an image's features replace the
+    embeddings of the flattened batch's tokens at `targets`."""
 
     image: ImageInput
     first_row: int
-    rows: int
-    at: int
+    targets: tuple[int, ...]
 
 
 def image_slices(
     images: tuple[ImageInput, ...], start: int, num_new: int, at: int
 ) -> list[ImageSlice]:
     """The parts of `images` a chunk of positions start .. start + num_new - 1 covers, the
-    chunk's first token at flattened position `at`."""
+    chunk's first token at flattened position `at`. An image's tokens are in order, so the
+    rows a chunk covers are consecutive even where its tokens are not (Idefics 3)."""
     out = []
     end = start + num_new
     for image in images:
-        lo, hi = max(start, image.offset), min(end, image.offset + image.num_tokens)
-        if lo < hi:
-            out.append(ImageSlice(image, lo - image.offset, hi - lo, at + lo - start))
+        if image.positions[-1] < start or image.offset >= end:
+            continue
+        first = bisect_left(image.positions, start)
+        last = bisect_left(image.positions, end)
+        if first < last:
+            targets = tuple(at + p - start for p in image.positions[first:last])
+            out.append(ImageSlice(image, first, targets))
     return out
+
+
+def key_limits(slices: list[ImageSlice], positions: list[int]) -> list[int] | None:
+    """The attention's key_limits for a step (attention/paged.py): each token of an image
+    attended both ways sees up to the image's last token; None where the step has none."""
+    both_ways = [part for part in slices if part.image.both_ways]
+    if not both_ways:
+        return None
+    limits = list(positions)
+    for part in both_ways:
+        for target in part.targets:
+            limits[target] = part.image.positions[-1]
+    return limits
 
 
 class ImageEncoder:
@@ -63,8 +81,9 @@ class ImageEncoder:
         """`inputs_embeds` [1, T, hidden] for the flattened batch `ids` [1, T]."""
         embeds = self.model.get_input_embeddings()(ids)
         for part in slices:
-            rows = self.features(part.image)[part.first_row : part.first_row + part.rows]
-            embeds[0, part.at : part.at + part.rows] = rows.to(embeds.dtype)
+            rows = self.features(part.image)[part.first_row : part.first_row + len(part.targets)]
+            targets = torch.tensor(part.targets, device=embeds.device)
+            embeds[0, targets] = rows.to(embeds.dtype)
         return embeds
 
     def features(self, image: ImageInput) -> torch.Tensor:
@@ -73,11 +92,9 @@ class ImageEncoder:
         if cached is not None:
             self.cache.move_to_end(image.digest)
             return cached
-        pixels = torch.from_numpy(np.asarray(image.pixel_values)).unsqueeze(0)
-        out = self.model.get_image_features(
-            pixel_values=pixels.to(self.device, self.dtype), return_dict=True
-        )
-        features = torch.cat(list(out.pooler_output), dim=0)
+        out = self.model.get_image_features(**self._inputs(image), return_dict=True)
+        # one [rows, hidden] per image (LLaVA) or per tile (Idefics 3): the image's rows
+        features = torch.cat([f.reshape(-1, f.shape[-1]) for f in out.pooler_output])
         if features.shape[0] != image.num_tokens:
             raise RuntimeError(
                 f"the vision tower gave {features.shape[0]} feature rows for an image of "
@@ -88,3 +105,13 @@ class ImageEncoder:
         if len(self.cache) > self.capacity:
             self.cache.popitem(last=False)
         return features
+
+    def _inputs(self, image: ImageInput) -> dict[str, torch.Tensor]:
+        """get_image_features' inputs for the one image: a batch of one, floats in the
+        model's dtype (pixels), the rest as they are (sizes, masks)."""
+        rows = {"pixel_values": image.pixel_values, **image.extra}
+        out = {}
+        for name, row in rows.items():
+            value = torch.from_numpy(np.asarray(row)).unsqueeze(0).to(self.device)
+            out[name] = value.to(self.dtype) if value.is_floating_point() else value
+        return out

@@ -40,6 +40,7 @@ over fixed blocks of rows as well (invariant_linear.py).
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -73,7 +74,7 @@ from ..scheduler import SchedulerOutput
 from ..sequence import Sequence
 from ..state_pool import StatePool, StateStep, bound_state_step
 from ..state_pool import install as install_state_layers
-from .image_encoder import ImageEncoder, ImageSlice, image_slices
+from .image_encoder import ImageEncoder, ImageSlice, image_slices, key_limits
 from .invariant_linear import (
     LINEAR_BLOCK_ROWS,
     fixed_rows_linears,
@@ -263,6 +264,8 @@ class ModelRunner(StepRunner):
             register_layers(lora)
         self.states = self._state_pool(model, state_slots)
         self.images = ImageEncoder(model) if images else None
+        # seconds per image the encoder ran, since the engine took them (metrics)
+        self.encode_seconds: list[float] = []
 
     def _state_pool(self, model: torch.nn.Module, num_slots: int) -> StatePool | None:
         """A hybrid model's state pool, its state layers set to split each step; None
@@ -308,6 +311,7 @@ class ModelRunner(StepRunner):
             self.device,
             batch_invariant=self.batch_invariant,
             custom_kernels=self.custom_kernels,
+            key_limits=key_limits(inputs.images, inputs.positions),
         )
         return self.forward(
             self._tensor([inputs.token_ids]),
@@ -323,7 +327,13 @@ class ModelRunner(StepRunner):
         """`inputs_embeds` with the step's image features merged (None: no image)."""
         if not inputs.images:
             return None
-        return self.images.embeddings(self._tensor([inputs.token_ids]), inputs.images)
+        encoded, started = self.images.encoded, time.perf_counter()
+        embeds = self.images.embeddings(self._tensor([inputs.token_ids]), inputs.images)
+        if count := self.images.encoded - encoded:  # not all from the encoder cache
+            if self.device.type == "cuda":  # the time the device took, not the launches'
+                torch.cuda.synchronize(self.device)
+            self.encode_seconds += [(time.perf_counter() - started) / count] * count
+        return embeds
 
     def state_step(self, query_lens, context_lens, slots) -> StateStep | None:
         """How the step splits in the state layers (None: the model keeps no state)."""

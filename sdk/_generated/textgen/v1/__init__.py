@@ -17,6 +17,7 @@ __all__ = (
     "Grammar",
     "HealthRequest",
     "HealthResponse",
+    "ImageInput",
     "InfoRequest",
     "InfoResponse",
     "ListModelsRequest",
@@ -392,6 +393,16 @@ class GenerateRequest(betterproto2.Message):
     Sampling and stopping parameters; unset fields take TGI's defaults.
     """
 
+    images: "list[ImageInput]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Images for a vision-language model (docs/models.md, "Images"), in prompt order:
+    `inputs` holds the model's image placeholder (InfoResponse.image_token; LLaVA's
+    `<image>`) once per image, where each goes. textgen's own field: on TGI's HTTP
+    routes it reads `"images": [{"data": "<base64>"}, {"url": "https://..."}]`. TGI's
+    own way, markdown images `![](...)` in `inputs`, is read too; a request uses one
+    of the two. A text-only model refuses images by name (`images[0]`).
+    """
+
 
 default_message_pool.register_message("textgen.v1", "GenerateRequest", GenerateRequest)
 
@@ -549,6 +560,34 @@ class HealthResponse(betterproto2.Message):
 
 
 default_message_pool.register_message("textgen.v1", "HealthResponse", HealthResponse)
+
+
+@dataclass(eq=False, repr=False)
+class ImageInput(betterproto2.Message):
+    """
+    One image of a GenerateRequest.
+
+    Oneofs:
+        - source:
+    """
+
+    data: "bytes | None" = betterproto2.field(
+        1, betterproto2.TYPE_BYTES, optional=True, group="source"
+    )
+    """
+    The image file's bytes (PNG, JPEG, ...: any format Pillow reads); base64 in JSON.
+    """
+
+    url: "str | None" = betterproto2.field(
+        2, betterproto2.TYPE_STRING, optional=True, group="source"
+    )
+    """
+    An http(s) URL the server fetches (within --allow-private-image-urls,
+    --image-fetch-timeout and --max-image-bytes) or a base64 data: URI.
+    """
+
+
+default_message_pool.register_message("textgen.v1", "ImageInput", ImageInput)
 
 
 @dataclass(eq=False, repr=False)
@@ -777,6 +816,23 @@ class InfoResponse(betterproto2.Message):
     prefix_caching: "bool" = betterproto2.field(46, betterproto2.TYPE_BOOL)
     """
     Prefix caching: off for a hybrid model (a cached prefix would skip its state layers).
+    """
+
+    takes_images: "bool" = betterproto2.field(47, betterproto2.TYPE_BOOL)
+    """
+    The model takes images (a vision-language model: docs/models.md, "Images"), as
+    vLLM's modalities ["text", "image"] say.
+    """
+
+    image_token: "str | None" = betterproto2.field(48, betterproto2.TYPE_STRING, optional=True)
+    """
+    The placeholder a GenerateRequest's `inputs` holds once per image (LLaVA's
+    "<image>"); absent for a text-only model.
+    """
+
+    max_images_per_request: "int" = betterproto2.field(49, betterproto2.TYPE_UINT32)
+    """
+    Most images in one request (--max-images-per-request); 0 for a text-only model.
     """
 
 
