@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 
 from ..engine.types import FinishInfo, TokenEvent
 from ..errors import ErrorType, anthropic_error
-from ..openai.common import StopHoldback, json_bytes, trim_stop
-from ..openai.reasoning import CONTENT, HARMONY, event_piece, parser_for, read_output
+from ..openai.chat import read_answer
+from ..openai.common import StopHoldback, json_bytes
+from ..openai.reasoning import CONTENT, event_piece, parser_for
 from ..openai.response_store import new_id
-from ..openai.tools import ToolCallParser, parse_output
+from ..openai.tools import ToolCallParser
 from .messages import MessagesRequest
 
 STOP_REASONS = {"eos_token": "end_turn", "length": "max_tokens", "stop_sequence": "stop_sequence"}
@@ -75,19 +76,13 @@ class MessageRenderer:
     def message(self, events: list[TokenEvent]) -> bytes:
         """The whole answer (stream: false)."""
         finish = events[-1].finish
-        text = trim_stop(finish.generated_text, self.request.stop)
-        content = []
-        if self.request.reasoning is not None:
-            _, thinking, text = read_output(self.request.reasoning, events, text)
-            if self.request.reasoning == HARMONY:  # read from the events: untrimmed
-                text = trim_stop(text, self.request.stop)
-            if thinking:
-                content.append(thinking_block(thinking))
+        request = self.request
+        thinking, text, calls = read_answer(events, request.stop, request.reasoning, request.tools)
+        content = [thinking_block(thinking)] if thinking else []
         reason = self.stop_reason(finish)
-        parsed = parse_output(self.request.tools, text) if self.request.tools else None
-        if parsed is not None and parsed.is_calls and parsed.calls:
-            content += [tool_use(call) for call in parsed.calls]
-            reason = tool_stop_reason(reason, parsed)
+        if calls is not None:
+            content += [tool_use(call) for call in calls.calls]
+            reason = tool_stop_reason(reason, calls)
         else:
             content.append(text_block(text))
         return json_bytes(self.envelope(content, reason, finish))

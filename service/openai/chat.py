@@ -292,26 +292,19 @@ class ChatRenderer:
         return out
 
     def _choice(self, index: int, events: list[TokenEvent]) -> dict:
-        finish = events[-1].finish
-        text = trim_stop(finish.generated_text, self.request.stop)
-        thinking = None
-        if self.request.reasoning is not None:
-            _, thinking, text = read_output(self.request.reasoning, events, text)
-            thinking = thinking or None
-            if self.request.reasoning == HARMONY:  # read from the events: untrimmed
-                text = trim_stop(text, self.request.stop)
+        request = self.request
+        thinking, text, calls = read_answer(events, request.stop, request.reasoning, request.tools)
         message = {"role": "assistant", "content": text}
-        reason = finish_reason(finish)
-        parsed = parse_output(self.request.tools, text) if self.request.tools else None
-        if parsed is not None and parsed.is_calls and parsed.calls:
+        reason = finish_reason(events[-1].finish)
+        if calls is not None:
             message = {
                 "role": "assistant",
                 "content": None,
-                "tool_calls": [_call_dict(c) for c in parsed.calls],
+                "tool_calls": [_call_dict(c) for c in calls.calls],
             }
-            reason = tool_finish_reason(reason, parsed)
-        if self.request.reasoning is not None:  # vLLM's names, old and new
-            message["reasoning_content"] = message["reasoning"] = thinking
+            reason = tool_finish_reason(reason, calls)
+        if request.reasoning is not None:  # vLLM's names, old and new
+            message["reasoning_content"] = message["reasoning"] = thinking or None
         return {
             "index": index,
             "message": message,
@@ -369,6 +362,25 @@ class ChatRenderer:
         if not self.request.logprobs:
             return None
         return {"content": [logprob_entry(e) for e in events if not e.token.special]}
+
+
+def read_answer(
+    events: list[TokenEvent], stop: tuple[str, ...], reasoning: str | None, tools: ToolPlan | None
+) -> tuple[str, str, ToolCallParser | None]:
+    """A whole choice's output (its events) -> its thinking ("" if none), its answer's
+    text (the stop sequence left out), and its tool calls (None: the answer is text)."""
+    text = trim_stop(events[-1].finish.generated_text, stop)
+    thinking = ""
+    if reasoning is not None:
+        _, thinking, text = read_output(reasoning, events, text)
+        if reasoning == HARMONY:  # read from the events: untrimmed
+            text = trim_stop(text, stop)
+    parsed = parse_output(tools, text) if tools else None
+    return (
+        thinking,
+        text,
+        parsed if parsed is not None and parsed.is_calls and parsed.calls else None,
+    )
 
 
 def reasoning_tokens(state: str | None, events: list[TokenEvent]) -> int:
