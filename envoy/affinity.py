@@ -47,9 +47,9 @@ PROMPT_PREFIX_BYTES = 512
 HASH_BALANCE_FACTOR = 125
 
 # gRPC methods whose request carries a prompt: TGI's (GenerateRequest, `inputs` is field
-# 1) and OpenAI's (google.api.HttpBody, the JSON body is `data`, field 2).
+# 1) and OpenAI's and Anthropic's (google.api.HttpBody, the JSON body is `data`, field 2).
 TGI_METHODS = ("Generate", "GenerateStream")
-OPENAI_METHODS = ("ChatCompletions", "Completions", "Responses")
+OPENAI_METHODS = ("ChatCompletions", "Completions", "Responses", "Messages")
 # Methods whose request names a stored response by its id (field 1).
 STORED_RESPONSE_METHODS = ("GetResponse", "DeleteResponse", "ListResponseInputItems")
 # A response id: this prefix, RESPONSE_ID_RANDOM_HEX random hex digits, then the replica's

@@ -48,6 +48,7 @@ from .clusters import Upstream, front_cluster, replica_cluster, socket_address
 from .contract import DESCRIPTOR, Contract, contract, tgi_body_fields
 from .docs import SwaggerUI
 from .errors import (
+    ANTHROPIC_BY_ERROR_TYPE,
     FACE_HEADER,
     FALLBACK_BY_GRPC_CODE,
     FALLBACK_ERROR,
@@ -79,9 +80,10 @@ __all__ = [
 
 SERVICE = "textgen.v1.TextGenerationService"
 # What browsers may send cross-origin (TGI's CORS layer allows GET and POST with a
-# content-type; the API key's header and the stored responses' DELETE are textgen's).
+# content-type; the API key's headers, Anthropic's version headers and the stored
+# responses' DELETE are textgen's).
 CORS_METHODS = "GET, POST, DELETE"
-CORS_HEADERS = "content-type, authorization"
+CORS_HEADERS = "content-type, authorization, x-api-key, anthropic-version, anthropic-beta"
 
 
 @dataclass(frozen=True)
@@ -262,6 +264,7 @@ def _lua_filter(api: Contract, pools: Sequence[Pool] = ()) -> dict:
                             FALLBACK_BY_GRPC_CODE,
                             FALLBACK_ERROR,
                             FACE_HEADER,
+                            ANTHROPIC_BY_ERROR_TYPE,
                         ),
                         tgi_body_fields(api),
                     ),

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from textgen.service.errors import (
+    ANTHROPIC_ERRORS,
+    ANTHROPIC_TOO_LARGE,
     FALLBACK_ERROR_TYPE,
     SERVER_ERROR_TYPES,
     TYPE_BY_GRPC_CODE,
@@ -27,6 +29,10 @@ FALLBACK_BY_GRPC_CODE: dict[int, tuple[int, str]] = {
     code.value[0]: (t.http_status, t.value) for code, t in TYPE_BY_GRPC_CODE.items()
 }
 FALLBACK_ERROR = (FALLBACK_ERROR_TYPE.http_status, FALLBACK_ERROR_TYPE.value)
+# Anthropic's status and type of each error_type, for the Messages API's face.
+ANTHROPIC_BY_ERROR_TYPE: dict[str, tuple[int, str]] = {
+    t.value: answer for t, answer in ANTHROPIC_ERRORS.items()
+}
 
 
 # Envoy's own rejections -------------------------------------------------------------
@@ -69,7 +75,8 @@ def _local_replies(payload_limit: int) -> tuple[LocalReply, ...]:
 
 
 def local_reply_config(payload_limit: int = REQUEST_BODY_LIMIT) -> dict:
-    """Typed JSON bodies for Envoy's local replies: TGI's shape, OpenAI's under /v1/."""
+    """Typed JSON bodies for Envoy's local replies: TGI's shape, OpenAI's under /v1/,
+    Anthropic's (and its statuses) under /v1/messages."""
     # No healthy replica: /health answers as TGI does when the model is down.
     mappers = [
         {
@@ -78,7 +85,13 @@ def local_reply_config(payload_limit: int = REQUEST_BODY_LIMIT) -> dict:
         }
     ]
     # A model no pool of the front proxy serves (the Lua filter's 404: pools.py): OpenAI's
-    # code `model_not_found`, the refused field `model`.
+    # code `model_not_found`, the refused field `model`; Anthropic's not_found_error.
+    mappers.append(
+        {
+            "filter": _and(_face("anthropic"), _model_not_found(), _status(404)),
+            "body_format_override": _anthropic_body("%LOCAL_REPLY_BODY%", ErrorType.NOT_FOUND),
+        }
+    )
     for openai in (True, False):
         mappers.append(
             {
@@ -91,6 +104,7 @@ def local_reply_config(payload_limit: int = REQUEST_BODY_LIMIT) -> dict:
             }
         )
     for reply in _local_replies(payload_limit):
+        mappers.append(_anthropic_mapper(reply))
         status = reply.status or reply.error_type.http_status
         for openai in (True, False):  # the first mapper that matches wins
             mapper = {
@@ -103,6 +117,12 @@ def local_reply_config(payload_limit: int = REQUEST_BODY_LIMIT) -> dict:
                 mapper["status_code"] = status
             mappers.append(mapper)
     # Anything else Envoy says on its own (a 500, a 408) is typed too.
+    mappers.append(
+        {
+            "filter": _and(_face("anthropic"), _status(400, op="GE")),
+            "body_format_override": _anthropic_body("%LOCAL_REPLY_BODY%", ErrorType.PROXY),
+        }
+    )
     for openai in (True, False):
         mappers.append(
             {
@@ -111,6 +131,31 @@ def local_reply_config(payload_limit: int = REQUEST_BODY_LIMIT) -> dict:
             }
         )
     return {"mappers": mappers}
+
+
+def _anthropic_mapper(reply: LocalReply) -> dict:
+    """A local reply on Anthropic's face: its status and type (the payload limit's 413 is
+    Anthropic's request_too_large)."""
+    status = ANTHROPIC_TOO_LARGE[0] if reply.envoy_status == 413 else None
+    status = status or ANTHROPIC_ERRORS[reply.error_type][0]
+    kind = ANTHROPIC_TOO_LARGE[1] if reply.envoy_status == 413 else None
+    mapper = {
+        "filter": _and(_face("anthropic"), _status(reply.envoy_status)),
+        "body_format_override": _anthropic_body(
+            reply.message or "%LOCAL_REPLY_BODY%", reply.error_type, kind
+        ),
+    }
+    if status != reply.envoy_status:
+        mapper["status_code"] = status
+    return mapper
+
+
+def _anthropic_body(message: str, error_type: ErrorType, kind: str | None = None) -> dict:
+    body = {
+        "type": "error",
+        "error": {"type": kind or ANTHROPIC_ERRORS[error_type][1], "message": message},
+    }
+    return {"json_format": body, "content_type": "application/json"}
 
 
 def _error_body(message: str, error_type: ErrorType, openai: bool, code: str | None = None) -> dict:

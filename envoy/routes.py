@@ -60,6 +60,9 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/chat/completions", generation=True, streaming=True),
     Route("POST", "/v1/completions", generation=True, streaming=True),
     Route("POST", "/v1/responses", generation=True, streaming=True),
+    # Anthropic's Messages API (its errors in Anthropic's shape: lua.py)
+    Route("POST", "/v1/messages", generation=True, streaming=True),
+    Route("POST", "/v1/messages/count_tokens"),
     # the store of the replica that made the response (the front proxy routes there by
     # the id: affinity.py)
     Route("GET", "/v1/responses/{response_id}"),

@@ -19,6 +19,10 @@ match), with TGI's request and response schemas kept and adjusted where textgen 
   Responses API, responses_schemas()): its request, the response object, and each of
   its stream's named events (`event: response.created` ..., no `[DONE]`); the stored
   responses' routes (retrieve, delete, input items: stored_response_schemas()).
+- Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens): the request
+  bodies service/anthropic parses (its protocol models), the message object, its stream's
+  named events and count_tokens' answer (anthropic_schemas()); errors in Anthropic's shape
+  and statuses (service/errors.py ANTHROPIC_ERRORS).
 - /tokenize also takes vLLM's body and answers vLLM's shape; /detokenize and /version
   (tokenizer_schemas()).
 - SageMaker's routes, as TGI's router serves them: GET /ping (/health's answers) and
@@ -46,7 +50,8 @@ from pathlib import Path
 
 from google.protobuf import descriptor_pb2
 from textgen.envoy.contract import DESCRIPTOR
-from textgen.service.errors import ErrorType
+from textgen.service.anthropic import protocol as anthropic_protocol
+from textgen.service.errors import ANTHROPIC_ERRORS, ANTHROPIC_TOO_LARGE, ErrorType
 from textgen.service.errors import ErrorType as E
 from textgen.service.intake.validation import (
     INT32_MAX,
@@ -622,6 +627,9 @@ OPENAI_REQUESTS = {
     "ResponsesRequest": responses_protocol.ResponsesBody,
     "VllmTokenizeRequest": protocol.VllmTokenizeBody,
     "VllmTokenizeChatRequest": protocol.VllmTokenizeChatBody,
+    # Anthropic's Messages API (service/anthropic/protocol.py)
+    "MessagesRequest": anthropic_protocol.MessagesBody,
+    "CountTokensRequest": anthropic_protocol.CountTokensBody,
 }
 
 
@@ -631,7 +639,10 @@ def openai_request_schemas() -> dict:
     s: dict = {}
     for name, model in OPENAI_REQUESTS.items():
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        s.update(schema.pop("$defs", {}))
+        for part, definition in schema.pop("$defs", {}).items():
+            # two models of one name (OpenAI's and Anthropic's `Tool`) would be one schema
+            assert s.get(part, definition) == definition, f"two schemas named {part}"
+            s[part] = definition
         s[name] = schema
     return {name: _tidy(schema) for name, schema in s.items()}
 
@@ -1132,6 +1143,216 @@ def responses_schemas() -> dict:
     return s
 
 
+# Anthropic's Messages API ---------------------------------------------------------------
+
+ANTHROPIC_STOP_REASONS = ["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+def _anthropic_event(kind: str, required: list[str], properties: dict) -> dict:
+    """One stream event's data: its `type` and fields."""
+    return {
+        "type": "object",
+        "required": ["type", *required],
+        "properties": {"type": {"type": "string", "enum": [kind]}, **properties},
+    }
+
+
+def anthropic_schemas() -> dict:
+    """/v1/messages' message object and stream events, count_tokens' answer and the face's
+    error body (its requests are protocol models: OPENAI_REQUESTS)."""
+    s: dict = {}
+    count = {"type": "integer", "minimum": 0}
+    s["AnthropicUsage"] = {
+        "type": "object",
+        "required": [
+            "input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens",
+            "output_tokens",
+        ],
+        "description": "input_tokens + cache_read_input_tokens is the prompt's length: the"
+        " tokens the prefix cache served are apart. Nothing is written to a cache at a price"
+        " (cache_creation_input_tokens is 0). In message_start: the whole prompt as"
+        " input_tokens, nothing generated yet; message_delta's are the totals.",
+        "properties": {
+            "input_tokens": count,
+            "cache_creation_input_tokens": count,
+            "cache_read_input_tokens": count,
+            "output_tokens": count,
+        },
+    }  # fmt: skip
+    s["AnthropicTextBlock"] = {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
+    }
+    s["AnthropicThinkingBlock"] = {
+        "type": "object",
+        "required": ["type", "thinking", "signature"],
+        "description": "A reasoning model's thinking (before the answer's blocks).",
+        "properties": {
+            "type": {"type": "string", "enum": ["thinking"]},
+            "thinking": {"type": "string"},
+            "signature": {"type": "string", "description": "Always empty: nothing is signed."},
+        },
+    }
+    s["AnthropicToolUseBlock"] = {
+        "type": "object",
+        "required": ["type", "id", "name", "input"],
+        "properties": {
+            "type": {"type": "string", "enum": ["tool_use"]},
+            "id": {"type": "string"},
+            "name": {"type": "string"},
+            "input": {
+                "type": "object",
+                "description": "Valid against the tool's input_schema; `{}` for a call cut short.",
+            },
+        },
+    }
+    s["AnthropicContentBlock"] = {
+        "oneOf": [
+            ref("AnthropicTextBlock"), ref("AnthropicThinkingBlock"), ref("AnthropicToolUseBlock"),
+        ]
+    }  # fmt: skip
+    s["AnthropicMessage"] = {
+        "type": "object",
+        "required": [
+            "id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage",
+        ],
+        "description": "Anthropic's message object; in message_start, without content and"
+        " stop_reason yet.",
+        "properties": {
+            "id": {"type": "string"},
+            "type": {"type": "string", "enum": ["message"]},
+            "role": {"type": "string", "enum": ["assistant"]},
+            "model": {"type": "string"},
+            "content": {"type": "array", "items": ref("AnthropicContentBlock")},
+            "stop_reason": {"type": "string", "enum": ANTHROPIC_STOP_REASONS, "nullable": True},
+            "stop_sequence": {"type": "string", "nullable": True},
+            "usage": ref("AnthropicUsage"),
+        },
+    }  # fmt: skip
+    anthropic_types = sorted(
+        {kind for _, kind in [*ANTHROPIC_ERRORS.values(), ANTHROPIC_TOO_LARGE]}
+    )
+    s["AnthropicErrorResponse"] = {
+        "type": "object",
+        "required": ["type", "error"],
+        "description": "Every error of Anthropic's face, in Anthropic's shape.",
+        "properties": {
+            "type": {"type": "string", "enum": ["error"]},
+            "error": {
+                "type": "object",
+                "required": ["type", "message"],
+                "properties": {
+                    "type": {"type": "string", "enum": anthropic_types},
+                    "message": {"type": "string"},
+                },
+            },
+        },
+    }
+    s["CountTokensResponse"] = {
+        "type": "object",
+        "required": ["input_tokens"],
+        "properties": {"input_tokens": {**count, "description": "The prompt's tokens."}},
+    }
+
+    def delta(kind: str, field: str) -> dict:
+        return {
+            "type": "object",
+            "required": ["type", field],
+            "properties": {"type": {"type": "string", "enum": [kind]}, field: {"type": "string"}},
+        }
+
+    index = {"index": count}
+    events = {
+        "AnthropicMessageStartEvent": (
+            "message_start", ["message"], {"message": ref("AnthropicMessage")},
+        ),
+        "AnthropicContentBlockStartEvent": (
+            "content_block_start", ["index", "content_block"],
+            {**index, "content_block": ref("AnthropicContentBlock")},
+        ),
+        "AnthropicPingEvent": ("ping", [], {}),
+        "AnthropicContentBlockDeltaEvent": (
+            "content_block_delta", ["index", "delta"],
+            {
+                **index,
+                "delta": {
+                    "oneOf": [
+                        delta("text_delta", "text"),
+                        delta("input_json_delta", "partial_json"),
+                        delta("thinking_delta", "thinking"),
+                        delta("signature_delta", "signature"),
+                    ]
+                },
+            },
+        ),
+        "AnthropicContentBlockStopEvent": ("content_block_stop", ["index"], index),
+        "AnthropicMessageDeltaEvent": (
+            "message_delta", ["delta", "usage"],
+            {
+                "delta": {
+                    "type": "object",
+                    "required": ["stop_reason", "stop_sequence"],
+                    "properties": {
+                        "stop_reason": {"type": "string", "enum": ANTHROPIC_STOP_REASONS},
+                        "stop_sequence": {"type": "string", "nullable": True},
+                    },
+                },
+                "usage": ref("AnthropicUsage"),
+            },
+        ),
+        "AnthropicMessageStopEvent": ("message_stop", [], {}),
+    }  # fmt: skip
+    for name, (kind, required, properties) in events.items():
+        s[name] = _anthropic_event(kind, required, properties)
+    s["AnthropicStreamEvent"] = {
+        "oneOf": [*(ref(name) for name in events), ref("AnthropicErrorResponse")],
+        "description": "`event: <type>` and `data: {json}` per event, in Anthropic's order:"
+        " message_start; per content block content_block_start, content_block_delta...,"
+        " content_block_stop (a ping after the first block's start); message_delta,"
+        " message_stop. A stream that fails after it started ends with an `error` event.",
+    }
+    return s
+
+
+# (status, Anthropic's type) of the errors Anthropic's routes answer, by status
+ANTHROPIC_ERROR_DESCRIPTIONS = {
+    400: "Invalid request (malformed JSON, a field refused by name, validation)",
+    401: "A valid API key is required (servers started with --api-key): `x-api-key` or"
+    " `authorization: Bearer`",
+    404: "The model names no served LoRA adapter (when adapters are served)",
+    413: "Payload too large: the request body is limited to 2 MB",
+    429: "The server is full (--max-concurrent-requests): come back after `retry-after`",
+    500: "Generation failed",
+    504: "The upstream did not answer in time",
+    529: "No replica can take the request now (starting, draining or down)",
+}
+ANTHROPIC_TYPE_BY_STATUS = {
+    **{status: kind for status, kind in ANTHROPIC_ERRORS.values()},
+    ANTHROPIC_TOO_LARGE[0]: ANTHROPIC_TOO_LARGE[1],
+}
+
+
+def anthropic_operation(operation_: dict, statuses) -> dict:
+    """An operation of Anthropic's face: its tag and errors (Anthropic's shape and statuses)."""
+    operation_["tags"] = ["anthropic"]
+    responses = {"200": operation_["responses"]["200"]}
+    for status in statuses:
+        description = ANTHROPIC_ERROR_DESCRIPTIONS[status]
+        example = {
+            "type": "error",
+            "error": {"type": ANTHROPIC_TYPE_BY_STATUS[status], "message": description},
+        }
+        responses[str(status)] = {
+            "description": description,
+            "content": {
+                "application/json": {"schema": ref("AnthropicErrorResponse"), "example": example}
+            },
+        }
+    operation_["responses"] = responses
+    return operation_
+
+
 # stored responses, the tokenizer routes, /version --------------------------------------
 
 
@@ -1613,6 +1834,35 @@ def paths(tgi_paths: dict) -> dict:
                 errors=QUICK_ERRORS,
             )
         },
+        "/v1/messages": {
+            "post": anthropic_operation(
+                operation(
+                    tgi_paths,
+                    "/v1/messages",
+                    "post",
+                    summary="Anthropic's Messages API: a message",
+                    request="MessagesRequest",
+                    ok=ok(
+                        "A message, or Anthropic's server-sent events when `stream` is true",
+                        {json_: ref("AnthropicMessage"), sse: sse_event("AnthropicStreamEvent")},
+                    ),
+                ),
+                (400, 401, 404, 413, 429, 500, 529),
+            )
+        },
+        "/v1/messages/count_tokens": {
+            "post": anthropic_operation(
+                operation(
+                    tgi_paths,
+                    "/v1/messages/count_tokens",
+                    "post",
+                    summary="Anthropic's token count: the tokens a message's prompt takes",
+                    request="CountTokensRequest",
+                    ok=ok("The prompt's tokens", {json_: ref("CountTokensResponse")}),
+                ),
+                (400, 401, 413, 504, 529),
+            )
+        },
         **stored_response_paths(tgi_paths, ok),
         "/v1/load_lora_adapter": {
             "post": operation(
@@ -1655,13 +1905,15 @@ def build(tgi_spec: Path = TGI_SPEC) -> dict:
         **responses_schemas(),
         **stored_response_schemas(),
         **tokenizer_schemas(),
+        **anthropic_schemas(),
     }
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "textgen",
             "description": "textgen's HTTP face, served by Envoy from the gRPC contract"
-            " (api/textgen/v1): TGI's routes and OpenAI's under /v1/. Derived from Text"
+            " (api/textgen/v1): TGI's routes, OpenAI's under /v1/ and Anthropic's Messages"
+            " API under /v1/messages. Derived from Text"
             f" Generation Inference {tgi['info']['version']}'s published API"
             " (scripts/make_openapi.py). The same port also serves native gRPC.",
             "license": {"name": "Apache 2.0", "identifier": "Apache-2.0"},
@@ -1670,6 +1922,7 @@ def build(tgi_spec: Path = TGI_SPEC) -> dict:
         "tags": [
             {"name": "tgi", "description": "Text Generation Inference's routes"},
             {"name": "openai", "description": "OpenAI's routes"},
+            {"name": "anthropic", "description": "Anthropic's Messages API"},
         ],
         "paths": paths31(paths(tgi["paths"])),
         "components": {
@@ -1679,10 +1932,16 @@ def build(tgi_spec: Path = TGI_SPEC) -> dict:
                     "type": "http",
                     "scheme": "bearer",
                     "description": "Needed only when the server runs with --api-key.",
-                }
+                },
+                "x_api_key": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "x-api-key",
+                    "description": "Anthropic's header for the same key (any route).",
+                },
             },
         },
-        "security": [{}, {"api_key": []}],
+        "security": [{}, {"api_key": []}, {"x_api_key": []}],
     }
 
 

@@ -78,3 +78,32 @@ SERVER_ERROR_TYPES = tuple(ErrorType)[:8]
 def incomplete(error_type: ErrorType) -> ErrorType:
     """A generation error after tokens were sent is an incomplete generation (TGI)."""
     return ErrorType.INCOMPLETE_GENERATION if error_type is ErrorType.GENERATION else error_type
+
+
+# Anthropic's Messages API (/v1/messages) answers every error in Anthropic's shape,
+# `{"type": "error", "error": {"type", "message"}}`, with Anthropic's status and type
+# for each error_type: a refused request is Anthropic's 400, the admission's refusal
+# (which says when to come back: `retry-after`) its 429, a server that can take nothing
+# now (draining, no replica ready) its 529, which Anthropic's clients retry.
+ANTHROPIC_ERRORS: dict[ErrorType, tuple[int, str]] = {
+    ErrorType.VALIDATION: (400, "invalid_request_error"),
+    ErrorType.OVERLOADED: (429, "rate_limit_error"),
+    ErrorType.GENERATION: (500, "api_error"),
+    ErrorType.INCOMPLETE_GENERATION: (500, "api_error"),
+    ErrorType.UNAUTHENTICATED: (401, "authentication_error"),
+    ErrorType.HEALTHCHECK: (529, "overloaded_error"),
+    ErrorType.UNAVAILABLE: (529, "overloaded_error"),
+    ErrorType.NOT_FOUND: (404, "not_found_error"),
+    ErrorType.METHOD_NOT_ALLOWED: (405, "invalid_request_error"),
+    ErrorType.TIMEOUT: (504, "timeout_error"),
+    ErrorType.UNIMPLEMENTED: (501, "api_error"),
+    ErrorType.INTERNAL: (500, "api_error"),
+    ErrorType.PROXY: (502, "api_error"),
+}
+# Envoy's payload limit (its own 413, typed `validation` on the other faces)
+ANTHROPIC_TOO_LARGE = (413, "request_too_large")
+
+
+def anthropic_error(message: str, error_type: ErrorType) -> dict:
+    """Anthropic's error body for an error of `error_type`."""
+    return {"type": "error", "error": {"type": ANTHROPIC_ERRORS[error_type][1], "message": message}}

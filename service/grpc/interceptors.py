@@ -12,6 +12,9 @@ import grpc
 from ..errors import ErrorType
 from .errors import to_status
 
+# Anthropic's header for the API key (its SDK sends it; `authorization: Bearer` works too)
+API_KEY_HEADER = "x-api-key"
+
 
 def _replace_behavior(handler: grpc.RpcMethodHandler, wrap) -> grpc.RpcMethodHandler:
     """The same handler with its behavior function wrapped (whatever its arity)."""
@@ -46,8 +49,9 @@ def _aborting(
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Every call needs `authorization: Bearer <key>` (HTTP clients send the same
-    header through Envoy) with one of the keys; `open_methods` (health, metrics) are
-    exempt. Keys are compared in constant time and never logged."""
+    header through Envoy), or Anthropic's `x-api-key: <key>`, with one of the keys;
+    `open_methods` (health, metrics) are exempt. Keys are compared in constant time and
+    never logged."""
 
     def __init__(
         self, keys: Iterable[str], open_methods: Iterable[str] = (), on_reject=None
@@ -73,17 +77,19 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         )
 
     def _authorized(self, metadata) -> bool:
-        token = b""
+        tokens = []  # each credential the call carries
         for key, value in metadata or ():
+            text = value if isinstance(value, str) else value.decode()
             if key == "authorization":
-                scheme, _, credential = (
-                    value if isinstance(value, str) else value.decode()
-                ).partition(" ")
+                scheme, _, credential = text.partition(" ")
                 if scheme.lower() == "bearer":
-                    token = credential.strip().encode()
+                    tokens.append(credential.strip().encode())
+            elif key == API_KEY_HEADER:
+                tokens.append(text.strip().encode())
         ok = False
-        for key in self._keys:  # no early exit: the time taken doesn't depend on which key
-            ok |= hmac.compare_digest(token, key)
+        for token in tokens or [b""]:
+            for key in self._keys:  # no early exit: the time taken doesn't depend on which key
+                ok |= hmac.compare_digest(token, key)
         return ok
 
 

@@ -46,7 +46,7 @@ class OpenAIRpcs:
                 await abort(context, exc.message, ErrorType.VALIDATION, exc.param)
             record.validated(valid)
             renderer = ChatRenderer(
-                _model(self, valid), f"textgen-{self.served.info.version}", chat
+                model_name(self, valid), f"textgen-{self.served.info.version}", chat
             )
             async with self.admitted(context, valid):
                 if chat.stream:
@@ -76,17 +76,17 @@ class OpenAIRpcs:
                 if event.finish is not None:
                     finishes.append(event.finish)
                 for data in streams[event.choice].chunks(event):
-                    yield _body(data)
+                    yield sse_body(data)
                     sent_any = True
         except EngineError as exc:
             if sent_any:
-                yield _body(sse_error(exc.message, exc.error_type))
+                yield sse_body(sse_error(exc.message, exc.error_type))
             await abort(context, exc.message, exc.error_type)
         record.finished(*finishes)
         if renderer.request.include_usage:
             reasoning = sum(s.reasoning_tokens for s in streams)
-            yield _body(renderer.usage_chunk(finishes, reasoning))
-        yield _body(DONE)
+            yield sse_body(renderer.usage_chunk(finishes, reasoning))
+        yield sse_body(DONE)
 
     async def Completions(self, request, context):
         async with self.request(context, "Completions") as record:
@@ -102,7 +102,9 @@ class OpenAIRpcs:
             except ValidationError as exc:  # OpenAIRequestError included
                 await abort(context, exc.message, ErrorType.VALIDATION, exc.param)
             record.validated(valid[0])
-            renderer = CompletionRenderer(_model(self, valid[0]), f"textgen-{info.version}", req)
+            renderer = CompletionRenderer(
+                model_name(self, valid[0]), f"textgen-{info.version}", req
+            )
             streams = [self.engine.generate(v.engine_request) for v in valid]
             async with self.admitted(context, *valid):
                 if req.stream:
@@ -128,27 +130,27 @@ class OpenAIRpcs:
         try:
             if req.echo:
                 for index in range(len(holdbacks)):
-                    yield _body(renderer.chunk(index, req.prompts[index // req.n]))
+                    yield sse_body(renderer.chunk(index, req.prompts[index // req.n]))
                     sent_any = True
             async for p, event in _merged(streams):
                 index = p * req.n + event.choice
                 final = event.finish is not None
                 text = holdbacks[index].feed(event.text, final)
                 if text or (req.logprobs is not None and not event.token.special):
-                    yield _body(renderer.chunk(index, text, event))
+                    yield sse_body(renderer.chunk(index, text, event))
                     sent_any = True
                 if final:
                     finishes[p].append(event.finish)
-                    yield _body(renderer.chunk(index, "", reason=finish_reason(event.finish)))
+                    yield sse_body(renderer.chunk(index, "", reason=finish_reason(event.finish)))
                     sent_any = True
         except EngineError as exc:
             if sent_any:
-                yield _body(sse_error(exc.message, exc.error_type))
+                yield sse_body(sse_error(exc.message, exc.error_type))
             await abort(context, exc.message, exc.error_type)
         record.finished(*(f for prompt in finishes for f in prompt))
         if req.include_usage:
-            yield _body(renderer.usage_chunk(finishes))
-        yield _body(DONE)
+            yield sse_body(renderer.usage_chunk(finishes))
+        yield sse_body(DONE)
 
     async def Responses(self, request, context):
         async with self.request(context, "Responses") as record:
@@ -167,7 +169,7 @@ class OpenAIRpcs:
                 await abort(context, exc.message, ErrorType.VALIDATION, exc.param)
             record.validated(valid)
             renderer = ResponseRenderer(
-                _model(self, valid), req, id=new_response_id(_replica(context))
+                model_name(self, valid), req, id=new_response_id(_replica(context))
             )
             async with self.admitted(context, valid):
                 if req.stream:
@@ -186,16 +188,16 @@ class OpenAIRpcs:
     async def _responses_stream(self, renderer: ResponseRenderer, valid, context, record):
         stream = ResponseStream(renderer)
         for data in stream.start():
-            yield _body(data)
+            yield sse_body(data)
         try:
             async for event in self.engine.generate(valid.engine_request):
                 if event.finish is not None:
                     record.finished(event.finish)
                 for data in stream.events(event):
-                    yield _body(data)
+                    yield sse_body(data)
         except EngineError as exc:
             error_type = incomplete(exc.error_type)  # response.created was sent
-            yield _body(stream.error(exc.message, error_type))
+            yield sse_body(stream.error(exc.message, error_type))
             await abort(context, exc.message, error_type)
 
     # stored responses ------------------------------------------------------------------
@@ -276,10 +278,10 @@ async def _merged(streams):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _model(servicer, valid) -> str:
+def model_name(servicer, valid) -> str:
     """The `model` an answer names: the LoRA adapter that wrote it, or the base model."""
     return valid.engine_request.adapter_id or servicer.served.info.model_id
 
 
-def _body(data: bytes) -> httpbody_pb2.HttpBody:
+def sse_body(data: bytes) -> httpbody_pb2.HttpBody:
     return httpbody_pb2.HttpBody(content_type=SSE, data=data)

@@ -24,6 +24,7 @@ from ..proto import generate_pb2 as gen_pb
 from ..proto import text_generation_service_pb2 as svc_pb
 from ..proto import text_generation_service_pb2_grpc as svc_grpc
 from . import convert
+from .anthropic_rpcs import AnthropicRpcs
 from .errors import abort, in_band_error
 from .lora_rpcs import LoraRpcs, LoraServing
 from .metrics_rpc import MetricsRpc
@@ -45,7 +46,12 @@ class ServedModel:
 
 
 class TextGenerationServicer(
-    OpenAIRpcs, TokenizeRpcs, MetricsRpc, LoraRpcs, svc_grpc.TextGenerationServiceServicer
+    OpenAIRpcs,
+    AnthropicRpcs,
+    TokenizeRpcs,
+    MetricsRpc,
+    LoraRpcs,
+    svc_grpc.TextGenerationServiceServicer,
 ):
     def __init__(
         self,
@@ -62,7 +68,7 @@ class TextGenerationServicer(
         """validation_workers: where long prompts and grammars are validated (None:
         asyncio's default executor); responses_store: the conversations /v1/responses
         keeps for previous_response_id (None: the default bounds); lora: the LoRA
-        adapters served (None: none); reasoning_parser: how chat and responses tell
+        adapters served (None: none); reasoning_parser: how chat, responses and messages tell
         thinking from the answer (openai/reasoning.resolve_parser; None: they don't)."""
         self.lora = lora
         self.reasoning_parser = reasoning_parser
@@ -185,6 +191,15 @@ class TextGenerationServicer(
         if len(request.inputs) < LONG_PROMPT_CHARS and not grammar and not request.images:
             return validate()
         return await asyncio.get_running_loop().run_in_executor(self.validation_workers, validate)
+
+    async def prompt_length(self, request: GenerateRequest) -> int:
+        """The prompt's tokens as validate() counts them (Anthropic's count_tokens), on the
+        validation workers where validate() would run there (a long prompt, images)."""
+        if len(request.inputs) < LONG_PROMPT_CHARS and not request.images:
+            return self.validator.prompt_length(request)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.validation_workers, self.validator.prompt_length, request
+        )
 
     async def _generate_best_of(self, valid: ValidRequest) -> list[list[TokenEvent]]:
         """best_of sequences run side by side with their own seeds (the engine's n

@@ -189,6 +189,11 @@ class Validator:
             validation_time=time.monotonic() - arrival,
         )
 
+    def prompt_length(self, request: GenerateRequest) -> int:
+        """The tokens `request`'s prompt takes, as validate() tokenizes it (a vision-language
+        model's image tokens included), with no other check (Anthropic's count_tokens)."""
+        return len(self._tokenize(_Checker(request), request, None)[0])
+
     # the parts, in TGI's order ----------------------------------------------------
 
     def _best_of(self, check: _Checker, p: GenerateParameters, stream: bool) -> int:

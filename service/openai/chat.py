@@ -76,28 +76,37 @@ def template_kwargs(request: ChatCompletionBody) -> dict:
     return kwargs
 
 
+# an answer of any text, as a grammar's (a thinking budget's grammar holds the thinking only)
+FREE_ANSWER = "start: answer\nanswer: TEXT\nTEXT: /(?s:.*)/\n"
+
+
 def output_grammar(
     plan: ToolPlan | None,
     answer_format: Grammar | None,
     param: str,
     state: str | None,
     tokenizer,
+    budget: int | None = None,
 ) -> tuple[Grammar | None, str | None, str | None]:
     """The output's grammar, as TGI's `grammar` or as a Lark one (tools), and where the
     reasoning parser starts (`state`: reasoning.start_state). A thinking model thinks
     freely first, then the grammar holds the answer (reasoning.with_thought); a regex
-    format applies from the first token, so its output is all answer."""
+    format applies from the first token, so its output is all answer. `budget`: the most
+    tokens the thinking may take (the closing tag forced then; Anthropic's
+    budget_tokens), which needs the tags as tokens (reasoning.tag_tokens)."""
     if plan is not None:
         lark = plan.lark(lark_answer(answer_format, param))
         if thinks(state):
-            lark = with_thought(lark, state, tag_tokens(tokenizer))
+            lark = with_thought(lark, state, tag_tokens(tokenizer), budget)
         return None, lark, state
+    if budget is not None and answer_format is None and thinks(state):
+        return None, with_thought(FREE_ANSWER, state, tag_tokens(tokenizer), budget), state
     if answer_format is None or not thinks(state):
         return answer_format, None, state
     if grammar_spec(answer_format)[0] != "json":
         return answer_format, None, CONTENT
     answer = f"start: answer\nanswer: {lark_answer(answer_format, param)}\n"
-    return None, with_thought(answer, state, tag_tokens(tokenizer)), state
+    return None, with_thought(answer, state, tag_tokens(tokenizer), budget), state
 
 
 def parse_chat_request(
@@ -283,26 +292,19 @@ class ChatRenderer:
         return out
 
     def _choice(self, index: int, events: list[TokenEvent]) -> dict:
-        finish = events[-1].finish
-        text = trim_stop(finish.generated_text, self.request.stop)
-        thinking = None
-        if self.request.reasoning is not None:
-            _, thinking, text = read_output(self.request.reasoning, events, text)
-            thinking = thinking or None
-            if self.request.reasoning == HARMONY:  # read from the events: untrimmed
-                text = trim_stop(text, self.request.stop)
+        request = self.request
+        thinking, text, calls = read_answer(events, request.stop, request.reasoning, request.tools)
         message = {"role": "assistant", "content": text}
-        reason = finish_reason(finish)
-        parsed = parse_output(self.request.tools, text) if self.request.tools else None
-        if parsed is not None and parsed.is_calls and parsed.calls:
+        reason = finish_reason(events[-1].finish)
+        if calls is not None:
             message = {
                 "role": "assistant",
                 "content": None,
-                "tool_calls": [_call_dict(c) for c in parsed.calls],
+                "tool_calls": [_call_dict(c) for c in calls.calls],
             }
-            reason = tool_finish_reason(reason, parsed)
-        if self.request.reasoning is not None:  # vLLM's names, old and new
-            message["reasoning_content"] = message["reasoning"] = thinking
+            reason = tool_finish_reason(reason, calls)
+        if request.reasoning is not None:  # vLLM's names, old and new
+            message["reasoning_content"] = message["reasoning"] = thinking or None
         return {
             "index": index,
             "message": message,
@@ -360,6 +362,25 @@ class ChatRenderer:
         if not self.request.logprobs:
             return None
         return {"content": [logprob_entry(e) for e in events if not e.token.special]}
+
+
+def read_answer(
+    events: list[TokenEvent], stop: tuple[str, ...], reasoning: str | None, tools: ToolPlan | None
+) -> tuple[str, str, ToolCallParser | None]:
+    """A whole choice's output (its events) -> its thinking ("" if none), its answer's
+    text (the stop sequence left out), and its tool calls (None: the answer is text)."""
+    text = trim_stop(events[-1].finish.generated_text, stop)
+    thinking = ""
+    if reasoning is not None:
+        _, thinking, text = read_output(reasoning, events, text)
+        if reasoning == HARMONY:  # read from the events: untrimmed
+            text = trim_stop(text, stop)
+    parsed = parse_output(tools, text) if tools else None
+    return (
+        thinking,
+        text,
+        parsed if parsed is not None and parsed.is_calls and parsed.calls else None,
+    )
 
 
 def reasoning_tokens(state: str | None, events: list[TokenEvent]) -> int:

@@ -22,19 +22,25 @@ class OpenAIRequestError(ValidationError):
 def common_parameters(request: CommonFields) -> dict:
     """What every route's sampling fields mean, as keyword arguments of
     request.GenerateParameters."""
-    params: dict = {}
-    # OpenAI samples unless temperature is 0
-    if request.temperature is None or request.temperature > 0:
-        params["do_sample"] = True
-        params["temperature"] = request.temperature
-        if request.top_p is not None and request.top_p < 1.0:
-            params["top_p"] = request.top_p
-        if request.top_k is not None and request.top_k > 0:
-            params["top_k"] = request.top_k
+    params = sampler_parameters(request.temperature, request.top_p, request.top_k)
     params["repetition_penalty"] = request.repetition_penalty
     params["ignore_eos"] = bool(request.ignore_eos)
     params["priority"] = request.priority  # vLLM's: lower is sooner
     params["model"] = request.model  # the base or a LoRA adapter
+    return params
+
+
+def sampler_parameters(temperature: float | None, top_p: float | None, top_k: int | None) -> dict:
+    """OpenAI's (and Anthropic's) sampler: sampled unless temperature is 0 (unset: 1.0),
+    with nucleus and top-k when they cut anything; keyword arguments of
+    request.GenerateParameters."""
+    if temperature is not None and temperature <= 0:
+        return {}
+    params: dict = {"do_sample": True, "temperature": temperature}
+    if top_p is not None and top_p < 1.0:
+        params["top_p"] = top_p
+    if top_k is not None and top_k > 0:
+        params["top_k"] = top_k
     return params
 
 

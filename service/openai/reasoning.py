@@ -315,17 +315,29 @@ def tag_tokens(tokenizer) -> tuple[int, int] | None:
     return ids[0], ids[1]
 
 
-def with_thought(lark: str, state: str, tags: tuple[int, int] | None) -> str:
+def with_thought(
+    lark: str, state: str, tags: tuple[int, int] | None, budget: int | None = None
+) -> str:
     """An llguidance Lark grammar (its first line `start: ...`) with the thinking first:
     any text without `</think>`, the closing tag, whitespace, then the answer's grammar.
     Opened by `<think>` unless the prompt opened it (OPENED), and optional when the output
-    may not think at all (START). `tags`: the tags' token ids (tag_tokens), None: text."""
+    may not think at all (START). `tags`: the tags' token ids (tag_tokens), None: text.
+    `budget`: the most tokens the thinking's text may take (Anthropic's
+    `thinking.budget_tokens`); at that count the closing tag is forced. It needs the tags
+    as tokens: a budget cuts the thinking lexeme wherever it stands, and only a tag that is
+    a token of its own can follow any cut."""
     first, _, rest = lark.partition("\n")
     assert first.startswith("start:"), first
     body = first[len("start:") :].strip()
+    thinking = "THOUGHT"
+    if budget is not None:
+        if tags is None:
+            raise ValueError("a thinking budget needs the think tags as tokens")
+        thinking = "thought"  # the rule the budget bounds (llguidance's max_tokens)
+        rest += f"thought[max_tokens={budget}]: THOUGHT\n"
     if tags is not None:  # the tags are tokens: the thinking, a text without them, between
         opening, closing = (f"<[{t}]>" for t in tags)
-        thought = f"THOUGHT? {closing} THOUGHT_WS?"
+        thought = f"{thinking}? {closing} THOUGHT_WS?"
         if state == START:
             thought = f"(THOUGHT_WS? {opening} THOUGHT_WS? {thought})?"
         text = "/(?s:.*)/ & ~/(?s:.*)<\\/think>(?s:.*)/"

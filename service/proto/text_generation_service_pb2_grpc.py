@@ -115,6 +115,16 @@ class TextGenerationServiceStub:
                 request_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
+        self.Messages = channel.unary_stream(
+                '/textgen.v1.TextGenerationService/Messages',
+                request_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.CountMessageTokens = channel.unary_unary(
+                '/textgen.v1.TextGenerationService/CountMessageTokens',
+                request_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
         self.GetResponse = channel.unary_unary(
                 '/textgen.v1.TextGenerationService/GetResponse',
                 request_serializer=textgen_dot_v1_dot_text__generation__service__pb2.GetResponseRequest.SerializeToString,
@@ -279,6 +289,30 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Messages(self, request, context):
+        """Anthropic's Messages API, written the same way as ChatCompletions: one
+        application/json `message` object, or text/event-stream frames of Anthropic's events
+        (`event: message_start` ... `message_stop`); errors in Anthropic's shape (Envoy's Lua
+        filter writes them for a status, the service for a failure mid-stream).
+        buf:lint:ignore RPC_REQUEST_STANDARD_NAME
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CountMessageTokens(self, request, context):
+        """The prompt tokens a Messages body would take (Anthropic's count_tokens): the same
+        rendering through the chat template and tools, answered `{"input_tokens": N}`.
+        buf:lint:ignore RPC_REQUEST_STANDARD_NAME
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetResponse(self, request, context):
         """A stored response object (OpenAI's GET /v1/responses/{id}), as it completed, from
         the store of the replica that made it: `not_found` when it is not kept there.
@@ -384,6 +418,16 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
             ),
             'Responses': grpc.unary_stream_rpc_method_handler(
                     servicer.Responses,
+                    request_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'Messages': grpc.unary_stream_rpc_method_handler(
+                    servicer.Messages,
+                    request_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'CountMessageTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.CountMessageTokens,
                     request_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
@@ -809,6 +853,60 @@ class TextGenerationService:
             request,
             target,
             '/textgen.v1.TextGenerationService/Responses',
+            google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Messages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/textgen.v1.TextGenerationService/Messages',
+            google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CountMessageTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGenerationService/CountMessageTokens',
             google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
             options,

@@ -45,11 +45,16 @@ def post(server, path: str, body: dict) -> tuple[int, object]:
 VARYING = ("id", "created", "created_at", "completed_at")  # on every call
 
 
+def refusal(path: str) -> int:
+    """The status a refused request gets: 422 (TGI's), 400 on Anthropic's face."""
+    return 400 if path.startswith(MESSAGES_PATH) else 422
+
+
 def answer(server, path: str, body: dict):
     """What a client sees, minus what changes on every call (ids, times)."""
     status, out = post(server, path, body)
-    assert status in (200, 422), (status, out)
-    if status == 422:
+    assert status in (200, refusal(path)), (status, out)
+    if status == refusal(path):
         return "refused", out
     if isinstance(out, dict):
         out = {k: v for k, v in out.items() if k not in VARYING}
@@ -78,6 +83,18 @@ def completion(**fields) -> dict:
     return {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, **fields}
 
 
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS = "/v1/messages/count_tokens"
+
+
+def message(**fields) -> dict:
+    return {"model": "tgi", "messages": MESSAGES, "max_tokens": 8, "temperature": 0, **fields}
+
+
+def counted(**fields) -> dict:
+    return {"model": "tgi", "messages": MESSAGES, **fields}
+
+
 def response(**fields) -> dict:
     return {"input": MESSAGES[0]["content"], "max_output_tokens": 8, "temperature": 0, **fields}
 
@@ -104,7 +121,7 @@ def differs(path: str, base: dict, changed: dict):
 def refused(path: str, body: dict):
     def probe(server):
         status, out = post(server, path, body)
-        assert status == 422, (status, out)
+        assert status == refusal(path), (status, out)
 
     return probe
 
@@ -285,6 +302,34 @@ def store(server):
     assert status == 200 and out["store"] is False, out
     status, refusal = post(server, RESPONSES, response(previous_response_id=out["id"]))
     assert status == 422 and refusal["error"]["param"] == "previous_response_id", refusal
+
+
+# Anthropic's /v1/messages
+
+MESSAGES_TOOL = {"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}
+
+
+def message_text(out: dict) -> str:
+    return "".join(block.get("text", "") for block in out["content"])
+
+
+def anthropic_stop(server):
+    text = message_text(accepted(server, MESSAGES_PATH, message(max_tokens=16)))
+    stop = text[len(text) // 2 :][:2]
+    out = accepted(server, MESSAGES_PATH, message(max_tokens=16, stop_sequences=[stop]))
+    assert (out["stop_reason"], out["stop_sequence"]) == ("stop_sequence", stop), out
+    assert message_text(out) == text[: text.find(stop)]
+
+
+def message_greedy_at_any_temperature(field: str, value):
+    """Sampling hot, `field` leaves only the most probable token: the greedy answer."""
+
+    def probe(server):
+        greedy = message_text(accepted(server, MESSAGES_PATH, message()))
+        hot = message(temperature=1.0, **{field: value})
+        assert message_text(accepted(server, MESSAGES_PATH, hot)) == greedy
+
+    return probe
 
 
 # vLLM's /tokenize and /detokenize
@@ -550,6 +595,56 @@ PROBES = {
         # are refused
         "reasoning": refused(RESPONSES, response(reasoning={"summary": "auto"})),
     },
+    "MessagesRequest": {
+        "model": base_model(MESSAGES_PATH, message(model="claude-sonnet-4-5")),
+        "max_tokens": checks(
+            MESSAGES_PATH, message(max_tokens=3), lambda o: o["usage"]["output_tokens"] <= 3
+        ),
+        "messages": differs(
+            MESSAGES_PATH, message(), message(messages=[{"role": "user", "content": "Hi"}])
+        ),
+        # user_id is accepted for compatibility; anything else is refused
+        "metadata": refused(MESSAGES_PATH, message(metadata={"user_id": "u", "tier": "gold"})),
+        "stop_sequences": anthropic_stop,
+        "stream": checks(
+            MESSAGES_PATH,
+            message(stream=True),
+            lambda o: json.loads(o[-1])["type"] == "message_stop",
+        ),
+        "system": differs(MESSAGES_PATH, message(), message(system="Be brief.")),
+        "temperature": differs(MESSAGES_PATH, message(), message(temperature=1.0)),
+        # the tiny model does not think (tests/integration/test_reasoning.py: one that does)
+        "thinking": refused(
+            MESSAGES_PATH, message(thinking={"type": "enabled", "budget_tokens": 4})
+        ),
+        "tool_choice": checks(
+            MESSAGES_PATH,
+            message(max_tokens=100, tools=[MESSAGES_TOOL], tool_choice={"type": "any"}),
+            lambda o: o["content"][0]["name"] == "get_weather",
+        ),
+        "tools": differs(
+            MESSAGES_PATH,
+            message(),
+            message(tools=[MESSAGES_TOOL], tool_choice={"type": "any"}),
+        ),
+        "top_k": message_greedy_at_any_temperature("top_k", 1),
+        "top_p": message_greedy_at_any_temperature("top_p", 1e-6),
+    },
+    "CountTokensRequest": {
+        "messages": differs(
+            COUNT_TOKENS, counted(), counted(messages=[{"role": "user", "content": "Hi"}])
+        ),
+        "system": differs(COUNT_TOKENS, counted(), counted(system="Be brief.")),
+        "thinking": refused(
+            COUNT_TOKENS, counted(thinking={"type": "enabled", "budget_tokens": 4})
+        ),
+        "tool_choice": differs(
+            COUNT_TOKENS,
+            counted(tools=[MESSAGES_TOOL]),
+            counted(tools=[MESSAGES_TOOL], tool_choice={"type": "none"}),
+        ),
+        "tools": differs(COUNT_TOKENS, counted(), counted(tools=[MESSAGES_TOOL])),
+    },
     "CompletionRequest": {
         "model": base_model("/v1/completions", completion(model="gpt-4o")),
         "best_of": checks(  # three sampled, the likeliest answered
@@ -680,13 +775,15 @@ def test_field_is_honoured_or_refused(server, schema, name):
         (RESPONSES, response(service_tier="auto")),
         (RESPONSES, response(background=False)),
         (RESPONSES, response(stop=["."])),
+        (MESSAGES_PATH, message(service_tier="auto")),
+        (MESSAGES_PATH, message(frequency_penalty=1.0)),
+        (COUNT_TOKENS, counted(max_tokens=8)),
     ],
 )
 def test_undeclared_openai_fields_are_refused_by_name(server, path, body):
     status, out = post(server, path, body)
-    assert status == 422
-    base = ("messages", "prompt", "input", "max_tokens", "max_output_tokens", "temperature")
-    field = next(k for k in body if k not in base)
+    assert status == refusal(path)
+    field = list(body)[-1]  # the one each case adds to its base request
     assert f"`{field}`" in out["error"]["message"]
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib.resources
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -56,6 +57,7 @@ from schemathesis.specs.openapi.checks import (
 from support.servers import ServerThread, tiny_settings
 from support.tiers import server_fixture
 from textgen.envoy.config import HTTP_STATUS_BY_ERROR_TYPE, ROUTES
+from textgen.service.errors import ANTHROPIC_ERRORS, ANTHROPIC_TOO_LARGE
 from textgen.service.grpc.errors import DOMAIN, STATUS_BY_ERROR_TYPE
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
@@ -74,6 +76,13 @@ REFUSALS_GRPC = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
 }
 REFUSALS_HTTP = {(422, "validation"), (413, "validation"), (429, "overloaded")}
+# ... on Anthropic's face (/v1/messages), in Anthropic's statuses and types
+REFUSALS_ANTHROPIC = {
+    (400, "invalid_request_error"),
+    ANTHROPIC_TOO_LARGE,
+    (429, "rate_limit_error"),
+}
+ANTHROPIC = "/v1/messages"
 # A stored response's routes answer a random id with 404 `not_found`.
 STORED = "{response_id}"
 FINISH_REASONS = {"length", "eos_token", "stop_sequence", "time_limit"}
@@ -172,6 +181,7 @@ def test_openapi_is_generated_and_covers_the_routes():
     assert {(m, p) for p, m in HTTP_OPERATIONS} == served
     # every declared error status is one the HTTP face can send
     statuses = set(HTTP_STATUS_BY_ERROR_TYPE.values()) | {413, 504}
+    statuses |= {status for status, _ in ANTHROPIC_ERRORS.values()}  # Anthropic's face
     for path, item in json.loads(OPENAPI.read_text())["paths"].items():
         for method, op in item.items():
             codes = {int(c) for c in op["responses"]} - {200}
@@ -664,6 +674,8 @@ HTTP_EXAMPLES = {
     "/v1/chat/completions": GENERATING,
     "/v1/completions": GENERATING,
     "/v1/responses": GENERATING,
+    "/v1/messages": GENERATING,
+    "/v1/messages/count_tokens": (25, 25),
     "/invocations": (12, 12),  # routed to /, chat or completions by its body (lua.py)
 }
 HTTP_TARGETS = [
@@ -683,11 +695,19 @@ def curl(case, base_url: str) -> str:
 
 
 def typed_error(path: str, raw: bytes) -> tuple[str, str]:
-    """(error_type, message) of a typed error body in the route's face; fails otherwise."""
+    """(error_type, message) of a typed error body in the route's face; fails otherwise
+    (on Anthropic's face, Anthropic's type)."""
     try:
         body = json.loads(raw)
     except ValueError:
         raise AssertionError(f"error body is not JSON: {raw[:300]!r}") from None
+    if path.startswith(ANTHROPIC):
+        error = body.get("error") if isinstance(body, dict) else None
+        assert body.get("type") == "error" and isinstance(error, dict), (
+            f"not Anthropic's error shape: {body}"
+        )
+        assert set(error) == {"type", "message"} and error["message"], f"untyped error: {body}"
+        return error["type"], error["message"]
     # SageMaker's /invocations answers in the face of the body it was sent (lua.py)
     sagemaker_openai = (
         path == "/invocations" and isinstance(body, dict) and isinstance(body.get("error"), dict)
@@ -735,12 +755,41 @@ def check_responses_stream(raw: bytes, what: str) -> None:
     assert events[-1]["type"] in RESPONSE_ENDS, f"stream ended early: {events[-1]}: {what}"
 
 
+ANTHROPIC_ORDER = {
+    "message_start": ("content_block_start", "message_delta"),
+    "content_block_start": ("ping", "content_block_delta", "content_block_stop"),
+    "ping": ("content_block_delta", "content_block_stop"),
+    "content_block_delta": ("content_block_delta", "content_block_stop"),
+    "content_block_stop": ("content_block_start", "message_delta"),
+    "message_delta": ("message_stop",),
+}
+
+
+def check_anthropic_stream(raw: bytes, what: str) -> None:
+    """Anthropic's events: each named (`event:`) as its data's type, from message_start to
+    message_stop in Anthropic's order, none an `error`."""
+    frames = [f for f in raw.decode().split("\n\n") if f.strip()]
+    kinds = []
+    for i, frame in enumerate(frames):
+        fields = dict(line.split(": ", 1) for line in frame.splitlines())
+        event = json.loads(fields["data"])
+        assert fields.get("event") == event.get("type"), f"event {i} misnamed: {frame}: {what}"
+        assert event["type"] != "error", f"in-band error: accepted input failed: {event}: {what}"
+        kinds.append(event["type"])
+    assert kinds and kinds[0] == "message_start", what
+    assert kinds[-1] == "message_stop", f"stream ended early: {kinds[-3:]}: {what}"
+    for kind, after in itertools.pairwise(kinds):
+        assert after in ANTHROPIC_ORDER[kind], f"{after} after {kind}: {kinds}: {what}"
+
+
 def check_stream(path: str, raw: bytes, what: str) -> None:
     """Every `data:` line is JSON: an event of the stream or a typed error; OpenAI's
-    streams end with `data: [DONE]` (the Responses API's with response.completed), TGI's
-    with the event that has details."""
+    streams end with `data: [DONE]` (the Responses API's with response.completed,
+    Anthropic's with message_stop), TGI's with the event that has details."""
     if path == "/v1/responses":
         return check_responses_stream(raw, what)
+    if path == ANTHROPIC:
+        return check_anthropic_stream(raw, what)
     events = sse_events(raw)
     assert events, f"empty event stream: {what}"
     openai = path.startswith("/v1/")
@@ -780,11 +829,14 @@ def check_http(
     if status >= 300:
         error_type, _ = typed_error(path, response.content)
         refusals = REFUSALS_HTTP | ({(404, "not_found")} if STORED in path else set())
+        if path.startswith(ANTHROPIC):
+            refusals = REFUSALS_ANTHROPIC
         assert (status, error_type) in refusals, (
             f"{status} {error_type}: not a refusal of bad input "
             f"(a crash or an engine failure): {what}"
         )
-        assert HTTP_STATUS_BY_ERROR_TYPE[error_type] == status or status == 413
+        if not path.startswith(ANTHROPIC):
+            assert HTTP_STATUS_BY_ERROR_TYPE[error_type] == status or status == 413
     elif media_type == "text/event-stream":
         check_stream(path, response.content, what)
     case.validate_response(response, checks=SCHEMA_CHECKS)
@@ -924,6 +976,39 @@ HOSTILE_BODIES = [
             ' "max_output_tokens": 2, "stream": true}'
         ),
     ),
+    # Anthropic's Messages API: loose blocks, turns in the wrong role, NaN, huge numbers
+    ("/v1/messages", '{"model": "m", "max_tokens": 2, "messages": [], "temperature": NaN}'),
+    ("/v1/messages", '{"model": "m", "max_tokens": 1099511627776, "messages": []}'),
+    ("/v1/messages", '{"model": "m", "max_tokens": 2, "messages": [null, 3, "x"]}'),
+    (
+        "/v1/messages",
+        '{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": [{}]}]}',
+    ),
+    (
+        "/v1/messages",
+        (
+            '{"model": "m", "max_tokens": 2, "stream": true, "messages": [{"role": "user",'
+            ' "content": [{"type": "tool_result", "tool_use_id": "t", "content": "ok"}]}]}'
+        ),
+    ),
+    (
+        "/v1/messages",
+        (
+            '{"model": "m", "max_tokens": 2, "messages": [{"role": "assistant",'
+            ' "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}'
+        ),
+    ),
+    (
+        "/v1/messages",
+        (
+            '{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],'
+            ' "tools": [{"name": "f", "input_schema": {"type": "nonsense"}}]}'
+        ),
+    ),
+    (
+        "/v1/messages/count_tokens",
+        '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}',
+    ),
 ]
 
 
@@ -949,7 +1034,8 @@ def test_http_hostile_body(replica, path, body):
     assert replica.alive, f"the request killed the engine (every later request fails): {what}"
     if response.status_code >= 300:
         error_type, _ = typed_error(path, response.content)
-        assert (response.status_code, error_type) in REFUSALS_HTTP, (
+        refusals = REFUSALS_ANTHROPIC if path.startswith(ANTHROPIC) else REFUSALS_HTTP
+        assert (response.status_code, error_type) in refusals, (
             f"{response.status_code} {error_type}: not a refusal of bad input: {what}"
         )
     elif response.headers.get("content-type", "").startswith("text/event-stream"):

@@ -1,15 +1,17 @@
 """Images in, through a real server and Envoy (issue 47's first family, a tiny LLaVA):
-OpenAI chat with `image_url` data: URIs, and TGI's /generate with markdown images, give
-transformers' processor + `generate` on the same folder, greedy, in float32; another
-image changes the answer as it changes the reference; two requests with the same text and
-different images in one batch each get their own answer (the prefix cache keeps their
-blocks apart); a bad image is a 422 naming its part, and the server keeps serving; a
-text-only model refuses images by name (and reads TGI's markdown as text, as TGI does).
-http(s) image URLs, served by a local http.server, give the same answers as data: URIs;
-a private address the server isn't allowed, a 404 and too many images are 422s."""
+OpenAI chat with `image_url` data: URIs, Anthropic's image blocks, and TGI's /generate
+with markdown images, give transformers' processor + `generate` on the same folder,
+greedy, in float32; another image changes the answer as it changes the reference; two
+requests with the same text and different images in one batch each get their own answer
+(the prefix cache keeps their blocks apart); a bad image is a 422 naming its part, and the
+server keeps serving; a text-only model refuses images by name (and reads TGI's markdown
+as text, as TGI does). http(s) image URLs, served by a local http.server, give the same
+answers as data: URIs; a private address the server isn't allowed, a 404 and too many
+images are 422s."""
 
 from __future__ import annotations
 
+import base64
 import io
 import ipaddress
 import struct
@@ -19,6 +21,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import anthropic
 import openai
 import pytest
 import requests
@@ -119,6 +122,27 @@ def test_openai_sdk_image_equals_generate(llava_server, reference):
     assert out.usage.completion_tokens == expected_tokens
     # 16 image tokens, counted in the prompt
     assert out.usage.prompt_tokens > 16
+
+
+def test_anthropic_sdk_image_block_equals_generate(llava_server, reference):
+    """Anthropic's image block (base64 source) reaches the model as chat's image part; its
+    count_tokens counts the image's tokens as create does."""
+    client = anthropic.Anthropic(base_url=llava_server.http_url, api_key="unused", max_retries=0)
+    image = png(RED, stripes=True)
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(image).decode()}
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "source": source}, {"type": "text", "text": TEXT}],
+        }
+    ]
+    out = client.messages.create(
+        model="tgi", max_tokens=MAX_NEW, messages=messages, extra_body={"temperature": 0}
+    )
+    expected_text, expected_tokens = reference(image)
+    assert (out.content[0].text, out.usage.output_tokens) == (expected_text, expected_tokens)
+    counted = client.messages.count_tokens(model="tgi", messages=messages)
+    assert counted.input_tokens == out.usage.input_tokens + out.usage.cache_read_input_tokens > 16
 
 
 def test_another_image_changes_the_answer_as_the_reference(llava_server, reference):

@@ -1,8 +1,9 @@
 """LoRA adapters through a real server and a real Envoy: three random adapters made with
 peft on the tiny model (ranks 8, 16, 64 on other layers each), picked by TGI's
-`adapter_id`, OpenAI's `model` (chat, completions, responses) and the SDK, each answer
-equal to peft's merged model's `generate`; a concurrent mix of them and the base model;
-/v1/models and /info; loads and unloads at run time under load, behind the API key."""
+`adapter_id`, OpenAI's `model` (chat, completions, responses), Anthropic's `model` and
+the SDK, each answer equal to peft's merged model's `generate`; a concurrent mix of them
+and the base model; /v1/models and /info; loads and unloads at run time under load,
+behind the API key."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import copy
 import json
 import threading
 
+import anthropic
 import openai
 import pytest
 import requests
@@ -162,6 +164,28 @@ def test_openai_model_picks_the_adapter_on_every_route(server, expected, tiny_mo
         client.chat.completions.create(model="r9", messages=messages, max_tokens=2)
     assert info.value.body["param"] == "model"
     assert "unknown LoRA adapter 'r9'" in info.value.body["message"]
+
+
+def test_anthropic_model_picks_the_adapter_and_an_unknown_one_is_not_found(server):
+    """Anthropic's `model` picks an adapter as OpenAI's does (the same prompt: chat's
+    answer); a name nothing serves is Anthropic's 404 not_found_error."""
+    claude = anthropic.Anthropic(base_url=server.http_url, api_key=KEY, max_retries=0)
+    chat = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key=KEY, max_retries=0)
+    messages = [{"role": "user", "content": PROMPT}]
+    message = claude.messages.create(
+        model="r8", max_tokens=6, messages=messages, extra_body={"temperature": 0}
+    )
+    reference = chat.chat.completions.create(
+        model="r8", messages=messages, max_tokens=6, temperature=0
+    )
+    assert (message.model, message.content[0].text) == (
+        "r8",
+        reference.choices[0].message.content,
+    )
+    with pytest.raises(anthropic.NotFoundError) as info:
+        claude.messages.create(model="r9", max_tokens=2, messages=messages)
+    assert info.value.body["error"]["type"] == "not_found_error"
+    assert "unknown LoRA adapter 'r9'" in info.value.body["error"]["message"]
 
 
 def test_tgi_refuses_an_unknown_adapter_naming_it(server):

@@ -1,7 +1,8 @@
 """Several models behind one `textgen proxy` (README "Several models"): two replicas of two
 different tiny models (`serve --no-envoy`), one proxy with a pool for each. Through the
 proxy, each model answers as its own replica does asked directly (and the two differ):
-OpenAI's routes by the body's `model` (the `openai` SDK; a LoRA adapter's name too), TGI's
+OpenAI's routes by the body's `model` (the `openai` SDK; a LoRA adapter's name too) and
+Anthropic's /v1/messages (the `anthropic` SDK), TGI's
 by the x-model-id header, native gRPC by that metadata; /v1/models lists both; an unknown
 model is a 404 naming it; a stored response is found in its model's pool."""
 
@@ -11,6 +12,7 @@ import json
 import subprocess
 import sys
 
+import anthropic
 import grpc
 import openai
 import pytest
@@ -112,6 +114,29 @@ def test_chat_goes_by_the_body_model(pools):
             expected = direct.chat_completions({**body, "model": name})
         answer = client.chat.completions.create(model=name, **body)
         assert answer.choices[0].message.content == expected["choices"][0]["message"]["content"]
+
+
+def test_anthropic_messages_go_by_the_body_model(pools):
+    """Anthropic's /v1/messages by its body's `model` too; one no pool serves is
+    Anthropic's 404 not_found_error."""
+    replicas, names, proxy = pools
+    claude = anthropic.Anthropic(
+        base_url=f"http://127.0.0.1:{proxy.http_port}", api_key="-", timeout=60, max_retries=0
+    )
+    messages = [{"role": "user", "content": PROMPT}]
+    body = {"messages": messages, "max_tokens": TOKENS, "temperature": 0}
+    for replica, name in zip(replicas, names):
+        with Client(replica.target, timeout=60) as direct:
+            expected = direct.chat_completions({**body, "model": name})
+        answer = claude.messages.create(
+            model=name, max_tokens=TOKENS, messages=messages, extra_body={"temperature": 0}
+        )
+        assert answer.content[0].text == expected["choices"][0]["message"]["content"]
+    with pytest.raises(anthropic.NotFoundError) as raised:
+        claude.messages.create(model="no-such-model", max_tokens=2, messages=messages)
+    assert raised.value.body["type"] == "error"
+    assert raised.value.body["error"]["type"] == "not_found_error"
+    assert "no-such-model" in raised.value.body["error"]["message"]
 
 
 def test_models_lists_every_pool(pools):

@@ -1,17 +1,19 @@
-"""Reasoning models through the real server, Envoy and the unmodified openai SDK: a tiny
-random model whose chat template writes Qwen3.5's thinking prompt (the generation prompt
-opens `<think>\\n`; `enable_thinking: false` closes an empty block instead), with
-`<think>` and `</think>` as tokens of its own, and `</think>`'s output row made a little
-longer than the row of the token its greedy output writes a few steps in: the greedy
-output thinks for those steps, closes the thinking once, and answers. What chat
-completions and the Responses API answer (the reasoning, the content, reasoning_tokens;
-streamed and not) is checked against the same greedy output taken raw through
-/v1/completions and split by hand."""
+"""Reasoning models through the real server, Envoy and the unmodified openai SDK (and
+anthropic's, for the Messages API's thinking blocks): a tiny random model whose chat
+template writes Qwen3.5's thinking prompt (the generation prompt opens `<think>\\n`;
+`enable_thinking: false` closes an empty block instead), with `<think>` and `</think>` as
+tokens of its own, and `</think>`'s output row made a little longer than the row of the
+token its greedy output writes a few steps in: the greedy output thinks for those steps,
+closes the thinking once, and answers. What chat completions, the Responses API and the
+Messages API answer (the reasoning, the content, reasoning_tokens; streamed and not) is
+checked against the same greedy output taken raw through /v1/completions and split by
+hand."""
 
 from __future__ import annotations
 
 import json
 
+import anthropic
 import openai
 import pytest
 from support.servers import ServerThread, tiny_settings
@@ -333,3 +335,69 @@ def test_json_after_the_thinking(client, thought):
     assert message.reasoning_content == split(text)[0]
     assert out.choices[0].finish_reason == "stop", message.content
     assert json.loads(message.content)["a"] in (1, 2, 3)
+
+
+# Anthropic's Messages API -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.http_url, api_key="unused", max_retries=0)
+
+
+def message(claude, **fields):
+    body = {"model": "tgi", "max_tokens": MAX_TOKENS, "messages": MESSAGES, **fields}
+    return claude.messages.create(**body, extra_body={"temperature": 0})
+
+
+def test_message_thinking_block_before_the_text(claude, client):
+    """The thinking is a `thinking` block (its signature empty), the answer a text block,
+    as chat's reasoning_content and content of the same greedy output."""
+    out = message(claude)
+    reference = chat(client, extra_body={}).choices[0].message
+    assert [block.type for block in out.content] == ["thinking", "text"]
+    thinking, text = out.content
+    assert (thinking.thinking, thinking.signature) == (reference.reasoning_content, "")
+    assert text.text == reference.content
+    assert "think>" not in thinking.thinking + text.text
+
+
+def test_message_thinking_streamed(claude):
+    whole = message(claude)
+    with claude.messages.stream(
+        model="tgi", max_tokens=MAX_TOKENS, messages=MESSAGES, extra_body={"temperature": 0}
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+    assert deltas == sorted(deltas, key=["thinking_delta", "signature_delta", "text_delta"].index)
+    assert "thinking_delta" in deltas and "signature_delta" in deltas
+    assert [(b.type, b.model_dump(exclude={"parsed_output"})) for b in final.content] == [
+        (b.type, b.model_dump()) for b in whole.content
+    ]
+
+
+def test_message_thinking_on_and_off(claude, client, tokenizer):
+    """`disabled` reaches the template as enable_thinking: false (an empty thinking block
+    ends the prompt: no thinking); `enabled` holds the thinking to budget_tokens, then the
+    closing tag is forced."""
+    off = message(claude, thinking={"type": "disabled"})
+    reference = (
+        chat(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        .choices[0]
+        .message
+    )
+    assert [(b.type, b.text) for b in off.content] == [("text", reference.content)]
+    counted = claude.messages.count_tokens(
+        model="tgi", messages=MESSAGES, thinking={"type": "disabled"}
+    )
+    off_prompt = prompt_of(tokenizer, enable_thinking=False)
+    assert counted.input_tokens == len(tokenizer(off_prompt).input_ids)
+
+    _, tokens = raw(client, prompt_of(tokenizer))  # the free thinking's first tokens
+    budget = closing(tokens) - 1
+    held = message(claude, thinking={"type": "enabled", "budget_tokens": budget})
+    assert [block.type for block in held.content] == ["thinking", "text"]
+    assert held.content[0].thinking == "".join(tokens[:budget]).strip()
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+        message(claude, max_tokens=4, thinking={"type": "enabled", "budget_tokens": 4})

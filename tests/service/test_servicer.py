@@ -15,6 +15,7 @@ from google.api import httpbody_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from support.tiny_model import build_tokenizer
+from textgen.service.anthropic.messages import parse_messages_request
 from textgen.service.engine.types import (
     EngineError,
     EngineRequest,
@@ -287,3 +288,57 @@ async def test_responses_refusals_name_the_field(served):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error_info(info.value).metadata["param"] == "tools"
     assert engine.requests == []
+
+
+# /v1/messages -----------------------------------------------------------------------
+
+
+def messages_body(**fields) -> httpbody_pb2.HttpBody:
+    body = {
+        "model": "m",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        **fields,
+    }
+    return httpbody_pb2.HttpBody(content_type="application/json", data=json.dumps(body).encode())
+
+
+async def test_messages_failure_mid_stream_is_an_error_event_then_aborted(served):
+    engine, _, stub = served
+    engine.script = lambda r: [*events(["a", "b"])[:1], EngineError("boom")]
+    received = []
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for body in stub.Messages(messages_body()):
+            received.append(body)
+    sent = sse_events(received)
+    assert [e["type"] for e in sent] == [
+        "message_start", "content_block_start", "ping", "content_block_delta", "error",
+    ]  # fmt: skip
+    assert sent[-1]["error"] == {"type": "api_error", "message": "boom"}
+    assert error_info(info.value).reason == "incomplete_generation"
+
+
+async def test_messages_failure_before_any_token_is_the_status_alone(served):
+    """Nothing was sent: the status is the answer (Envoy's Lua filter makes it Anthropic's
+    529 overloaded_error here), not an event after a 200."""
+    engine, _, stub = served
+    engine.script = lambda r: [EngineError("engine down", ErrorType.UNAVAILABLE)]
+    received = []
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for body in stub.Messages(messages_body()):
+            received.append(body)
+    assert received == []
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_info(info.value).reason == "unavailable"
+
+
+async def test_count_tokens_is_validations_count(served):
+    _, servicer, stub = served
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    answer = await stub.CountMessageTokens(
+        httpbody_pb2.HttpBody(content_type="application/json", data=json.dumps(body).encode())
+    )
+    created = parse_messages_request(messages_body().data, servicer.validator.tokenizer)
+    valid = servicer.validator.validate(created.generate, stream=True)
+    assert json.loads(answer.data) == {"input_tokens": len(valid.engine_request.prompt_ids)}
