@@ -113,6 +113,8 @@ class PagedCore:
         self.shards = shards
         if shards is not None:
             self.runner = ShardedRunner(self.runner, shards)
+        # the eager runner of a vision-language model, which times its image encodes
+        self._encoder_runner = _eager_with_images(self.runner)
         self.adapters = adapters
         if lora is not None:
             self.runner.slot_table = SlotTable(lora.num_slots)
@@ -239,14 +241,10 @@ class PagedCore:
             self.runner.stop()
 
     def take_encode_seconds(self) -> list[float]:
-        """Seconds per image the vision encoder ran since the last call (metrics); the
-        eager runner keeps them, under whatever strategy wraps it."""
-        runner = self.runner
-        while not hasattr(runner, "encode_seconds"):
-            wrapped = [getattr(runner, name) for name in _WRAPPED if hasattr(runner, name)]
-            if not wrapped:
-                return []
-            runner = wrapped[0]
+        """Seconds per image the vision encoder ran since the last call (metrics)."""
+        runner = self._encoder_runner
+        if runner is None or not runner.encode_seconds:
+            return []
         taken, runner.encode_seconds = runner.encode_seconds, []
         return taken
 
@@ -424,6 +422,16 @@ class PagedCore:
 
 # where each strategy keeps the runner it wraps (ShardedRunner, GraphedRunner, CompiledRunner)
 _WRAPPED = ("inner", "runner", "eager")
+
+
+def _eager_with_images(runner) -> ModelRunner | None:
+    """The eager runner under whatever strategies wrap it, if its model takes images."""
+    while not isinstance(runner, ModelRunner):
+        wrapped = [getattr(runner, name) for name in _WRAPPED if hasattr(runner, name)]
+        if not wrapped:
+            return None
+        runner = wrapped[0]
+    return runner if runner.images is not None else None
 
 
 def build_runner(

@@ -24,13 +24,7 @@ class AnthropicRpcs:
     async def Messages(self, request, context):
         async with self.request(context, "Messages") as record:
             try:
-                req = await self.parse(
-                    parse_messages_request,
-                    request.data,
-                    self.validator.tokenizer,
-                    self.reasoning_parser,
-                    self.validator.image_limits,
-                )
+                req = await self.parse(parse_messages_request, request.data)
             except ValidationError as exc:  # OpenAIRequestError included
                 await abort(context, exc.message, exc.error_type, exc.param)
             try:
@@ -74,13 +68,7 @@ class AnthropicRpcs:
 
     async def CountMessageTokens(self, request, context):
         try:
-            generate = await self.parse(
-                parse_count_tokens_request,
-                request.data,
-                self.validator.tokenizer,
-                self.reasoning_parser,
-                self.validator.image_limits,
-            )
+            generate = await self.parse(parse_count_tokens_request, request.data)
             count = await self.prompt_length(generate)
         except ValidationError as exc:  # OpenAIRequestError included
             await abort(context, exc.message, exc.error_type, exc.param)

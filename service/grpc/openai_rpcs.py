@@ -32,13 +32,7 @@ class OpenAIRpcs:
     async def ChatCompletions(self, request, context):
         async with self.request(context, "ChatCompletions") as record:
             try:
-                chat = await self.parse(
-                    parse_chat_request,
-                    request.data,
-                    self.validator.tokenizer,
-                    self.reasoning_parser,
-                    self.validator.image_limits,
-                )
+                chat = await self.parse(parse_chat_request, request.data)
                 valid = await self.validate(
                     chat.generate, stream=chat.stream, arrival=record.arrival, context=context
                 )
@@ -60,9 +54,11 @@ class OpenAIRpcs:
                 record.finished(*(run[-1].finish for run in runs))
                 yield httpbody_pb2.HttpBody(content_type=JSON, data=renderer.completion(runs))
 
-    async def parse(self, parse, *args):
-        """A face's parse; a vision-language model's on a worker thread, since it may fetch
-        its images (blocking, up to --image-fetch-timeout) and decodes them."""
+    async def parse(self, parse, body: bytes):
+        """A face's parse of `body`, with the server's tokenizer, reasoning parser and image
+        limits; a vision-language model's on a worker thread, since it may fetch its images
+        (blocking, up to --image-fetch-timeout) and decodes them."""
+        args = (body, self.validator.tokenizer, self.reasoning_parser, self.validator.image_limits)
         if self.validator.image_limits is None:
             return parse(*args)
         return await asyncio.to_thread(parse, *args)

@@ -87,7 +87,6 @@ def _save(path: Path, model, processor, tokenizer, projector: str = "multi_modal
 
 def build_tiny_llava(path: Path, *, seed: int = 0) -> Path:
     """Save a tiny random LLaVA (float32) with its processor into `path`."""
-    import torch
     from transformers import (
         CLIPImageProcessorPil,
         LlavaConfig,
@@ -95,28 +94,8 @@ def build_tiny_llava(path: Path, *, seed: int = 0) -> Path:
         LlavaProcessor,
     )
 
-    tokenizer = _tokenizer(IMAGE_TOKEN)
-    config = LlavaConfig(
-        vision_config=_clip(),
-        text_config=_llama(tokenizer),
-        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        vision_feature_layer=-1,
-        vision_feature_select_strategy="default",
-    )
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config)
-    images = CLIPImageProcessorPil(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
-    )
-    processor = LlavaProcessor(
-        image_processor=images,
-        tokenizer=tokenizer,
-        patch_size=PATCH,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
-        chat_template=tokenizer.chat_template,
-    )
-    return _save(path, model, processor, tokenizer)
+    classes = (LlavaConfig, LlavaForConditionalGeneration, CLIPImageProcessorPil, LlavaProcessor)
+    return _build_llava_like(path, seed, *classes)
 
 
 # LLaVA-Next's tiles: an image is resized to the pinpoint nearest its aspect, cut into
@@ -126,7 +105,6 @@ PINPOINTS = [[16, 32], [32, 16], [32, 32]]
 
 def build_tiny_llava_next(path: Path, *, seed: int = 0) -> Path:
     """A tiny random LLaVA-Next ("anyres" tiles, `image_sizes`) with its processor."""
-    import torch
     from transformers import (
         LlavaNextConfig,
         LlavaNextForConditionalGeneration,
@@ -134,23 +112,39 @@ def build_tiny_llava_next(path: Path, *, seed: int = 0) -> Path:
         LlavaNextProcessor,
     )
 
+    classes = (
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessorPil,
+        LlavaNextProcessor,
+    )
+    return _build_llava_like(path, seed, *classes, image_grid_pinpoints=PINPOINTS)
+
+
+def _build_llava_like(
+    path: Path, seed: int, config_class, model_class, images_class, processor_class, **tiles
+) -> Path:
+    """A tiny LLaVA-layout model (CLIP tower, projector, Llama) and its processor; `tiles`:
+    LLaVA-Next's image_grid_pinpoints, for its config and its image processor."""
+    import torch
+
     tokenizer = _tokenizer(IMAGE_TOKEN)
-    config = LlavaNextConfig(
+    config = config_class(
         vision_config=_clip(),
         text_config=_llama(tokenizer),
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        image_grid_pinpoints=PINPOINTS,
         vision_feature_layer=-1,
         vision_feature_select_strategy="default",
+        **tiles,
     )
     torch.manual_seed(seed)
-    model = LlavaNextForConditionalGeneration(config)
-    images = LlavaNextImageProcessorPil(
+    model = model_class(config)
+    images = images_class(
         size={"shortest_edge": IMAGE_SIZE},
         crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
-        image_grid_pinpoints=PINPOINTS,
+        **tiles,
     )
-    processor = LlavaNextProcessor(
+    processor = processor_class(
         image_processor=images,
         tokenizer=tokenizer,
         patch_size=PATCH,
