@@ -10,6 +10,7 @@ them (`<` and `>`, controls, a few invisible code points as \\uXXXX; other non-A
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -19,6 +20,7 @@ from google.protobuf import json_format
 from ..errors import ErrorType
 from ..intake.validation import ValidationError
 from ..openai.vllm_tokenize import (
+    VllmTokenize,
     check_token_ids,
     is_vllm_tokenize,
     parse_vllm_tokenize,
@@ -48,12 +50,24 @@ class TokenizeRpcs:
             return _json(tgi_tokens_json((await self._tgi_request(request.data, context)).tokens))
         tokenizer = self.validator.tokenizer
         try:
-            req = parse_vllm_tokenize(data, tokenizer)
+            ids, req = await self._vllm_tokens(data)
         except ValidationError as exc:  # OpenAIRequestError included
             await abort(context, exc.message, ErrorType.VALIDATION, exc.param)
-        ids = tokenizer(req.text, add_special_tokens=req.add_special_tokens)["input_ids"]
         strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return _json(tokenize_answer(ids, self.served.info.max_total_tokens, strs))
+
+    async def _vllm_tokens(self, data: dict) -> tuple[list[int], VllmTokenize]:
+        """vLLM's body, parsed, and its token ids; a vision-language model's on a worker
+        thread, since it may fetch and decode images and its processor resizes them."""
+        validator = self.validator
+
+        def tokens() -> tuple[list[int], VllmTokenize]:
+            req = parse_vllm_tokenize(data, validator.tokenizer, validator.image_limits)
+            return _vllm_ids(req, validator), req
+
+        if validator.images is None:
+            return tokens()
+        return await asyncio.to_thread(tokens)
 
     async def Detokenize(self, request, context):
         tokenizer = self.validator.tokenizer
@@ -127,3 +141,14 @@ def _escape(match: re.Match) -> str:
 
 def _json(data: bytes) -> httpbody_pb2.HttpBody:
     return httpbody_pb2.HttpBody(content_type=JSON, data=data)
+
+
+def _vllm_ids(req: VllmTokenize, validator) -> list[int]:
+    """The prompt's ids: through the processor where it has images (each placeholder
+    expanded, as the chat's prompt is), else the tokenizer."""
+    if req.images:
+        ids, _ = validator.images.tokenize(
+            req.text, req.images, "messages", add_special_tokens=req.add_special_tokens
+        )
+        return ids
+    return validator.tokenizer(req.text, add_special_tokens=req.add_special_tokens)["input_ids"]

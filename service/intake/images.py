@@ -196,10 +196,16 @@ class ImagePrompts:
         self.max_chunk = max_chunk
 
     def tokenize(
-        self, prompt: str, parts: tuple[ImagePart, ...], inputs_name: str
+        self,
+        prompt: str,
+        parts: tuple[ImagePart, ...],
+        inputs_name: str,
+        add_special_tokens: bool = True,
     ) -> tuple[list[int], tuple[ImageInput, ...]]:
         """The prompt's token ids, each image's placeholder expanded, and the images as the
-        engine takes them. The prompt holds one placeholder per image, no more."""
+        engine takes them. The prompt holds one placeholder per image, no more.
+        add_special_tokens: the tokenizer's (the engine's prompts take them; vLLM's
+        /tokenize of a conversation doesn't, by default)."""
         placeholders = prompt.count(self.image_token)
         if placeholders != len(parts):
             raise ValidationError(
@@ -211,7 +217,7 @@ class ImagePrompts:
             # the prompt's ids with every placeholder expanded; then each image alone: its
             # pixels and other inputs unpadded by the others' (LLaVA-Next pads every image
             # to the most tiles), so its digest is its own, and its count of tokens
-            out = self._process(prompt, [p.image for p in parts])
+            out = self._process(prompt, [p.image for p in parts], add_special_tokens)
             if len(parts) > 1:
                 alone = [self._process(self.image_token, [p.image]) for p in parts]
             else:
@@ -222,8 +228,10 @@ class ImagePrompts:
         ids = out["input_ids"][0].tolist()
         return ids, self._inputs(ids, alone, parts) if parts else ()
 
-    def _process(self, text: str, images: list) -> dict:
-        return self.processor(images=images or None, text=text, return_tensors="np")
+    def _process(self, text: str, images: list, add_special_tokens: bool = True) -> dict:
+        # the processor's own default unless told otherwise (PaliGemma's writes its bos)
+        special = {} if add_special_tokens else {"add_special_tokens": False}
+        return self.processor(images=images or None, text=text, return_tensors="np", **special)
 
     def _inputs(self, ids: list[int], alone: list[dict], parts) -> tuple[ImageInput, ...]:
         """Each image's pixels, other inputs, content hash and prompt positions: the

@@ -5,7 +5,10 @@ counting, prompt budgeting), and vLLM's answers.
 [...]}` through the same chat template and tool descriptions as /v1/chat/completions
 (`add_generation_prompt` true, `continue_final_message` and `add_special_tokens` false by
 default), with `return_token_strs`; the answer is `{"count", "max_model_len", "tokens",
-"token_strs"}`. /detokenize: `{"tokens": [...]}` -> `{"prompt": ...}`. What vLLM reads
+"token_strs"}`. A vision-language model's conversation goes through its processor, as the
+chat's prompt does: each image part's placeholder expanded to its image tokens, so the
+count is what the image costs (vLLM's answer since it runs the multimodal processor there).
+/detokenize: `{"tokens": [...]}` -> `{"prompt": ...}`. What vLLM reads
 and this can't honour (`chat_template`, `chat_template_kwargs`, `mm_processor_kwargs`)
 is refused by name.
 """
@@ -14,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .chat import chat_messages, image_parts, render_prompt
+from ..intake.images import ImageLimits, ImagePart
+from .chat import chat_images, chat_messages, render_prompt
 from .common import OpenAIRequestError, json_bytes
 from .parse import parse_value
 from .protocol import VllmTokenizeBody, VllmTokenizeChatBody
@@ -26,6 +30,7 @@ class VllmTokenize:
     text: str  # the prompt, or the conversation through the chat template
     add_special_tokens: bool
     return_token_strs: bool
+    images: tuple[ImagePart, ...] = ()  # the conversation's, read (chat.chat_images)
 
 
 def is_vllm_tokenize(data) -> bool:
@@ -35,12 +40,15 @@ def is_vllm_tokenize(data) -> bool:
     )
 
 
-def parse_vllm_tokenize(data: dict, tokenizer) -> VllmTokenize:
-    """A decoded vLLM body (is_vllm_tokenize): the prompt, or the conversation templated."""
+def parse_vllm_tokenize(
+    data: dict, tokenizer, image_limits: ImageLimits | None = None
+) -> VllmTokenize:
+    """A decoded vLLM body (is_vllm_tokenize): the prompt, or the conversation templated
+    with its images read within `image_limits` (None: the model takes none; blocking where
+    it fetches a URL)."""
     if "messages" in data:
         request = parse_value(VllmTokenizeChatBody, data)
-        if names := list(image_parts(request.messages)):  # its count would leave them out
-            raise OpenAIRequestError(f"`{names[0]}`: /tokenize takes no images yet", names[0])
+        images = chat_images(request.messages, image_limits)
         text = render_prompt(
             tokenizer,
             chat_messages(request.messages),
@@ -48,7 +56,9 @@ def parse_vllm_tokenize(data: dict, tokenizer) -> VllmTokenize:
             add_generation_prompt=request.add_generation_prompt is not False,
             continue_final_message=bool(request.continue_final_message),
         )
-        return VllmTokenize(text, bool(request.add_special_tokens), bool(request.return_token_strs))
+        return VllmTokenize(
+            text, bool(request.add_special_tokens), bool(request.return_token_strs), images
+        )
     request = parse_value(VllmTokenizeBody, data)
     return VllmTokenize(
         request.prompt, request.add_special_tokens is not False, bool(request.return_token_strs)

@@ -272,13 +272,50 @@ def test_tgi_markdown_to_a_text_model_is_text(http_server):
     assert resp.status_code == 200, resp.text
 
 
-def test_vllm_tokenize_with_an_image_is_refused_by_name(llava_server):
+def tokenize(server, body: dict) -> requests.Response:
+    return requests.post(f"{server.http_url}/tokenize", json=body, timeout=60)
+
+
+@pytest.mark.parametrize("add_special_tokens", [None, True])
+def test_vllm_tokenize_counts_the_image_tokens(llava_server, llava_dir, add_special_tokens):
+    """vLLM's /tokenize of a conversation with an image: the processor's ids for the
+    templated prompt (the image's placeholder expanded to its 16 tokens), as many as the
+    chat's usage counts for the same messages."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
     request = body(data_uri(png(RED)))
-    resp = requests.post(
-        f"{llava_server.http_url}/tokenize", json={"messages": request["messages"]}, timeout=60
+    extra = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+    resp = tokenize(llava_server, {"messages": request["messages"], **extra})
+    assert resp.status_code == 200, resp.text
+    tokens = resp.json()["tokens"]
+    processor = AutoProcessor.from_pretrained(llava_dir)
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXT}]}],
+        add_generation_prompt=True,
     )
+    picture = Image.open(io.BytesIO(png(RED))).convert("RGB")
+    expected = processor(
+        images=[picture], text=prompt, add_special_tokens=bool(add_special_tokens)
+    )["input_ids"][0]
+    assert tokens == list(expected)
+    assert tokens.count(processor.image_token_id) == 16
+    assert resp.json()["count"] == len(tokens)
+    if add_special_tokens:  # what the chat's prompt is: the engine's prompts take them
+        usage = chat(llava_server, request).json()["usage"]
+        assert usage["prompt_tokens"] == len(tokens)
+
+
+def test_vllm_tokenize_bad_image_is_a_422_naming_it(llava_server):
+    resp = tokenize(llava_server, {"messages": body("data:image/png;base64,AAAA")["messages"]})
     assert resp.status_code == 422, resp.text
-    assert "/tokenize takes no images yet" in resp.text and NAME in resp.text
+    assert NAME in resp.text
+
+
+def test_vllm_tokenize_image_to_a_text_model_is_refused_by_name(http_server):
+    resp = tokenize(http_server, {"messages": body(data_uri(png(RED)))["messages"]})
+    assert resp.status_code == 422, resp.text
+    assert "text-only" in resp.text and NAME in resp.text
 
 
 # Past LLaVA (issue 47, step 2): each family's tiny model through a real server, OpenAI
