@@ -121,6 +121,33 @@ def test_one_image_equals_generate(llava, prefill_tokens):
     assert runner.images.encoded == 2  # once per image, whatever the chunks
 
 
+def test_one_step_encodes_its_images_in_one_batch(llava):
+    """Two requests' images of one size, prefilled in one step: one forward of the vision
+    tower for both, their features those of each image encoded alone, and each answer
+    generate's; the same image again in a later step comes from the cache."""
+    from textgen.service.engine.runners.image_encoder import ImageEncoder
+
+    model, processor = llava
+    text = prompt(processor)
+    core = make_core(model, prefill_tokens=512, block_size=4)
+    seqs = [sequence(processor, text, [picture(c)], str(c)) for c in (RED, BLUE)]
+    for seq in seqs:
+        core.add(seq)
+    run_to_completion(core)
+    encoder = core.runner.images
+    assert (encoder.encoded, encoder.batches) == (2, 1)
+    for seq, color in zip(seqs, (RED, BLUE), strict=True):
+        assert seq.output_ids == reference(model, processor, text, [picture(color)])
+        image = seq.request.images[0]
+        alone = ImageEncoder(model).features([image])[image.digest]
+        torch.testing.assert_close(encoder.cache[image.digest], alone)
+    again = sequence(processor, text, [picture(RED)], "again")
+    core.add(again)
+    run_to_completion(core)
+    assert (encoder.encoded, encoder.batches) == (2, 1)
+    assert again.output_ids == seqs[0].output_ids
+
+
 def test_two_images_in_one_prompt(llava):
     model, processor = llava
     text = prompt(processor, images=2)
@@ -216,6 +243,7 @@ def test_family_images_of_other_sizes_equal_generate(family, family_name, small)
         assert seq.output_ids == reference(model, processor, text, images)
     assert [[i.num_tokens for i in s.request.images] for s in seqs] == TOKENS[family_name]
     assert seqs[0].output_ids != seqs[1].output_ids  # the image reaches the answer
+    assert core.runner.images.encoded == 4
 
 
 def test_image_attended_both_ways_must_fit_one_chunk(tmp_path):

@@ -7,12 +7,19 @@ Chunked prefill: a chunk may cover part of an image's placeholders. Each image i
 encoded once and its features kept in a small LRU keyed by the image's content hash, so
 the request's later chunks (and a recompute after preemption, or another request with
 the same image) slice the rows they cover instead of encoding again.
+
+Batching: the images a step needs that the LRU doesn't hold, across its requests, go
+through the vision tower together, one batch per shape of their inputs (images of one
+size, the usual case behind one processor, are one batch; LLaVA-Next's and Idefics 3's
+tile counts vary with the image, so theirs group by it): one forward per shape instead
+of one per image.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,42 +83,81 @@ class ImageEncoder:
         self.dtype = model.get_input_embeddings().weight.dtype
         self.cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.encoded = 0  # images run through the vision tower so far (tests, metrics)
+        self.batches = 0  # the vision tower's forwards that ran them
 
     def embeddings(self, ids: torch.Tensor, slices: list[ImageSlice]) -> torch.Tensor:
         """`inputs_embeds` [1, T, hidden] for the flattened batch `ids` [1, T]."""
         embeds = self.model.get_input_embeddings()(ids)
+        features = self.features(part.image for part in slices)
         for part in slices:
-            rows = self.features(part.image)[part.first_row : part.first_row + len(part.targets)]
+            rows = features[part.image.digest]
+            rows = rows[part.first_row : part.first_row + len(part.targets)]
             targets = torch.tensor(part.targets, device=embeds.device)
             embeds[0, targets] = rows.to(embeds.dtype)
         return embeds
 
-    def features(self, image: ImageInput) -> torch.Tensor:
-        """The image's feature rows [num_tokens, hidden], from the cache or encoded now."""
-        cached = self.cache.get(image.digest)
-        if cached is not None:
-            self.cache.move_to_end(image.digest)
-            return cached
-        out = self.model.get_image_features(**self._inputs(image), return_dict=True)
-        # one [rows, hidden] per image (LLaVA) or per tile (Idefics 3): the image's rows
-        features = torch.cat([f.reshape(-1, f.shape[-1]) for f in out.pooler_output])
-        if features.shape[0] != image.num_tokens:
+    def features(self, images: Iterable[ImageInput]) -> dict[bytes, torch.Tensor]:
+        """Each image's feature rows [num_tokens, hidden] by digest: from the cache, the
+        others encoded now, a batch per shape of their inputs."""
+        out: dict[bytes, torch.Tensor] = {}
+        missing: dict[bytes, ImageInput] = {}
+        for image in images:
+            if image.digest in out or image.digest in missing:
+                continue
+            cached = self.cache.get(image.digest)
+            if cached is None:
+                missing[image.digest] = image
+            else:
+                self.cache.move_to_end(image.digest)
+                out[image.digest] = cached
+        for batch in _same_shapes(missing.values()):
+            for image, rows in zip(batch, self._encode(batch), strict=True):
+                out[image.digest] = rows
+                self._keep(image.digest, rows)
+        return out
+
+    def _encode(self, batch: list[ImageInput]) -> list[torch.Tensor]:
+        """The vision tower and projector over images of one input shape, in one forward."""
+        out = self.model.get_image_features(**self._inputs(batch), return_dict=True)
+        # one [rows, hidden] per image (LLaVA) or per tile (Idefics 3), in order
+        rows = torch.cat([f.reshape(-1, f.shape[-1]) for f in out.pooler_output])
+        counts = [image.num_tokens for image in batch]
+        if rows.shape[0] != sum(counts):
             raise RuntimeError(
-                f"the vision tower gave {features.shape[0]} feature rows for an image of "
-                f"{image.num_tokens} tokens"
+                f"the vision tower gave {rows.shape[0]} feature rows for {len(batch)} images "
+                f"of {sum(counts)} tokens"
             )
-        self.encoded += 1
-        self.cache[image.digest] = features
+        self.encoded += len(batch)
+        self.batches += 1
+        return list(rows.split(counts))
+
+    def _keep(self, digest: bytes, rows: torch.Tensor) -> None:
+        self.cache[digest] = rows
         if len(self.cache) > self.capacity:
             self.cache.popitem(last=False)
-        return features
 
-    def _inputs(self, image: ImageInput) -> dict[str, torch.Tensor]:
-        """get_image_features' inputs for the one image: a batch of one, floats in the
-        model's dtype (pixels), the rest as they are (sizes, masks)."""
-        rows = {"pixel_values": image.pixel_values, **image.extra}
+    def _inputs(self, batch: list[ImageInput]) -> dict[str, torch.Tensor]:
+        """get_image_features' inputs for the batch: each input's rows stacked, floats in
+        the model's dtype (pixels), the rest as they are (sizes, masks)."""
+        names = ["pixel_values", *batch[0].extra]
         out = {}
-        for name, row in rows.items():
-            value = torch.from_numpy(np.asarray(row)).unsqueeze(0).to(self.device)
+        for name in names:
+            rows = [_row(image, name) for image in batch]
+            value = torch.from_numpy(np.stack(rows)).to(self.device)
             out[name] = value.to(self.dtype) if value.is_floating_point() else value
         return out
+
+
+def _row(image: ImageInput, name: str):
+    return np.asarray(image.pixel_values if name == "pixel_values" else image.extra[name])
+
+
+def _same_shapes(images: Iterable[ImageInput]) -> list[list[ImageInput]]:
+    """The images grouped by the names, shapes and dtypes of their inputs: those that
+    stack into one batch."""
+    groups: dict[tuple, list[ImageInput]] = defaultdict(list)
+    for image in images:
+        names = ("pixel_values", *sorted(image.extra))
+        key = tuple((n, _row(image, n).shape, str(_row(image, n).dtype)) for n in names)
+        groups[key].append(image)
+    return list(groups.values())
