@@ -380,6 +380,36 @@ def test_family_chat_images_equal_generate(family_server, family_dir, images):
     assert resp.json()["choices"][0]["message"]["content"] == family_reference(family_dir, images)
 
 
+def test_family_tgi_markdown_and_grpc_images_equal_generate(family_server, family_dir):
+    """The family's image through TGI's /generate (a markdown image where the template
+    writes the placeholder /info names) and gRPC's typed images (the SDK): the reference's
+    answer on both faces."""
+    from textgen.sdk import Client
+    from transformers import AutoProcessor
+
+    image = png(RED, stripes=True)
+    processor = AutoProcessor.from_pretrained(family_dir)
+    content = [{"type": "image"}, {"type": "text", "text": TEXT}]
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True
+    )
+    info = requests.get(f"{family_server.http_url}/info", timeout=30).json()
+    placeholder = info["image_token"]
+    assert prompt.count(placeholder) == 1
+    expected = family_reference(family_dir, [image])
+    markdown = prompt.replace(placeholder, f"![]({data_uri(image)})")
+    resp = requests.post(
+        f"{family_server.http_url}/generate",
+        json={"inputs": markdown, "parameters": {"max_new_tokens": MAX_NEW}},
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["generated_text"] == expected
+    with Client(family_server.target, timeout=60) as sdk:
+        out = sdk.generate(prompt, images=[image], max_new_tokens=MAX_NEW)
+    assert out.generated_text == expected
+
+
 # image URLs -----------------------------------------------------------------------------
 
 IMAGES = {"/red.png": png(RED, stripes=True), "/blue.png": png(BLUE)}
