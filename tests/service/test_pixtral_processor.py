@@ -1,7 +1,8 @@
 """Mistral 3's processor without torchvision (models/pixtral_processor.py) gives what
 transformers' own PixtralProcessor gives on the same folder (support/tiny_vlm.py runs that
 class here from its own source): the same token ids, pixels and image sizes for images of
-three sizes, alone and together; each image written as rows of [IMG] per merged patch row,
+four sizes (one of a single patch row), alone and together, and at Mistral Small 3.1's
+settings; each image written as rows of [IMG] per merged patch row,
 [IMG_BREAK] after each row, [IMG_END] after the last. Where torchvision is installed,
 transformers' own class is the one loaded."""
 
@@ -17,6 +18,7 @@ from support.tiny_vlm import (
     build_tiny_llava,
     build_tiny_mistral3,
     png,
+    transformers_pixtral_processor,
     transformers_processor,
 )
 from textgen.service.models import pixtral_processor
@@ -68,7 +70,7 @@ def test_other_families_load_transformers_own(tmp_path):
 
 @pytest.mark.parametrize("sizes", [[s] for s in SIZES] + [SIZES], ids=str)
 def test_equals_transformers_pixtral_processor(folder, sizes):
-    ours, theirs = load_processor(folder, "mistral3"), transformers_processor(folder)
+    ours, theirs = PixtralProcessorPil.from_pretrained(folder), transformers_processor(folder)
     assert type(theirs).__name__ == "PixtralProcessor"
     text = "".join(f"image {k}: [IMG]\n" for k in range(len(sizes)))
     images = [picture(size) for size in sizes]
@@ -82,7 +84,7 @@ def test_equals_transformers_pixtral_processor(folder, sizes):
 def test_an_image_is_rows_of_img_tokens(folder):
     """An image resized to 24 x 24 pixels: 3 x 3 merged patches of 8 pixels, so three rows
     of three [IMG], the first two ended by [IMG_BREAK], the last by [IMG_END]."""
-    processor = load_processor(folder, "mistral3")
+    processor = PixtralProcessorPil.from_pretrained(folder)
     out = processor(images=[picture((20, 24))], text="[IMG]", return_tensors="np")
     assert out["image_sizes"].tolist() == [[24, 24]]
     cell = PATCH * MISTRAL3_MERGE
@@ -90,3 +92,27 @@ def test_an_image_is_rows_of_img_tokens(folder):
     row = "[IMG]" * 3
     expected = f"{row}[IMG_BREAK]{row}[IMG_BREAK]{row}[IMG_END]"
     assert processor.tokenizer.decode(out["input_ids"][0]) == expected
+
+
+def test_equals_transformers_at_mistral_small_settings(folder):
+    """Mistral Small 3.1's processor settings (14-pixel patches merged 2 x 2, longest edge
+    1540): a photo-sized image and a wide one, alone and together."""
+    from transformers import PixtralImageProcessorPil
+
+    tokenizer = PixtralProcessorPil.from_pretrained(folder).tokenizer
+    settings = {"patch_size": 14, "spatial_merge_size": 2}
+
+    def images():
+        return PixtralImageProcessorPil(
+            size={"longest_edge": 1540}, patch_size={"height": 14, "width": 14}
+        )
+
+    ours = PixtralProcessorPil(images(), tokenizer, **settings)
+    theirs = transformers_pixtral_processor()(images(), tokenizer, **settings)
+    pictures = [picture((800, 600)), picture((2000, 300))]
+    for shown in ([pictures[0]], [pictures[1]], pictures):
+        text = "look: " + "[IMG]" * len(shown)
+        expected = theirs(images=shown, text=text, return_tensors="np")
+        got = ours(images=shown, text=text, return_tensors="np")
+        for name in expected:
+            np.testing.assert_array_equal(got[name], expected[name], err_msg=name)

@@ -348,25 +348,30 @@ BUILDERS = {
 
 
 def transformers_processor(path: Path):
-    """transformers' own processor of a model folder, the tests' reference: AutoProcessor's;
-    for Mistral 3 where torchvision isn't installed, transformers' PixtralProcessor itself,
-    its module compiled from its own source with its one torchvision import (a helper only
+    """transformers' own processor of a model folder, the tests' reference: AutoProcessor's,
+    but transformers' PixtralProcessor for Mistral 3 where torchvision isn't installed."""
+    from transformers import AutoConfig, AutoProcessor
+
+    if AutoConfig.from_pretrained(path).model_type == "mistral3":
+        return transformers_pixtral_processor().from_pretrained(path)
+    return AutoProcessor.from_pretrained(path)
+
+
+def transformers_pixtral_processor():
+    """transformers' PixtralProcessor class; where torchvision isn't installed, its module
+    run from its own source with its one torchvision import (a helper only
     `_get_num_multimodal_tokens` calls) read from the PIL image processor's module, which
     has the same helper."""
-    from transformers import AutoConfig, AutoProcessor
-    from transformers.utils import is_torchvision_available
-
-    if AutoConfig.from_pretrained(path).model_type != "mistral3" or is_torchvision_available():
-        return AutoProcessor.from_pretrained(path)
-    return _pixtral_processor_class().from_pretrained(path)
-
-
-def _pixtral_processor_class():
     import importlib.util
     import sys
 
     from transformers.models import pixtral
+    from transformers.utils import is_torchvision_available
 
+    if is_torchvision_available():
+        from transformers import PixtralProcessor
+
+        return PixtralProcessor
     name = "transformers.models.pixtral.processing_pixtral_reference"
     if name not in sys.modules:
         source = str(Path(pixtral.__path__[0]) / "processing_pixtral.py")
