@@ -61,7 +61,7 @@ _SINKS = re.compile(r"self\.sinks\s*=\s*nn\.Parameter")
 # prefill, engine/runners/image_encoder.py); other image-text-to-text families are refused
 # until they are (issue 47). Those transformers also loads as a causal LM (Llama 4, Mllama,
 # Qwen3.5) keep being served as text.
-IMAGE_FAMILIES = frozenset({"llava", "llava_next", "idefics3", "gemma3"})
+IMAGE_FAMILIES = frozenset({"llava", "llava_next", "idefics3", "gemma3", "mistral3"})
 # those whose image tokens attend to each other both ways (transformers' token_type_ids
 # mask): the attention's key_limits (attention/paged.py), and one prefill chunk computes an
 # image's tokens (scheduler.py)

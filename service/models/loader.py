@@ -219,7 +219,7 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(
         resolved.path, local_files_only=True, trust_remote_code=options.trust_remote_code
     )
-    processor = _processor(resolved.path, options) if images else None
+    processor = _processor(resolved.path, own_config.get("model_type"), options) if images else None
     if options.chat_template is not None:
         tokenizer.chat_template = options.chat_template
     elif processor is not None and tokenizer.chat_template is None:
@@ -298,14 +298,13 @@ def load_model(
     )
 
 
-def _processor(path: Path, options: LoadOptions):
-    """A vision-language model's processor, from the folder's own files."""
-    from transformers import AutoProcessor
+def _processor(path: Path, model_type: str | None, options: LoadOptions):
+    """A vision-language model's processor, from the folder's own files (Mistral 3's
+    without torchvision: pixtral_processor.py)."""
+    from .pixtral_processor import load_processor
 
     try:
-        return AutoProcessor.from_pretrained(
-            path, local_files_only=True, trust_remote_code=options.trust_remote_code
-        )
+        return load_processor(path, model_type, options.trust_remote_code)
     except (OSError, ValueError, ImportError) as exc:
         raise ModelError(f"cannot load the image processor of {path}: {exc}") from exc
 

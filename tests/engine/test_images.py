@@ -1,5 +1,5 @@
-"""Vision-language models (a tiny LLaVA; LLaVA-Next and Idefics 3 too) through the
-engine core: the images' features merged at prefill equal transformers' own merge token
+"""Vision-language models (a tiny LLaVA; LLaVA-Next, Idefics 3, Gemma 3 and Mistral 3 too)
+through the engine core: the images' features merged at prefill equal transformers' own merge token
 for token, through prefill chunks that cut an image, and the prefix cache never shares an
 image's blocks with a request of another image (block hashes salted with the images'
 content hashes)."""
@@ -10,10 +10,11 @@ import io
 
 import pytest
 import torch
-from support.tiny_vlm import BUILDERS, build_tiny_llava, png
+from support.tiny_vlm import BUILDERS, build_tiny_llava, png, transformers_processor
 from textgen.service.engine.sequence import Sequence
 from textgen.service.engine.types import EngineRequest, SamplingParams, StoppingParams
 from textgen.service.intake.images import ImagePrompts, decode_image
+from textgen.service.models.pixtral_processor import load_processor
 from textgen.service.replica.lifecycle import image_prompts
 
 from .factories import make_core, run_to_completion
@@ -23,11 +24,11 @@ TEXT = "What is in the picture?"
 
 
 def load(path):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    """The model, and its processor as the server loads it (models/loader.py)."""
+    from transformers import AutoModelForImageTextToText
 
-    processor = AutoProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    return model, processor
+    return model, load_processor(path, model.config.model_type)
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,9 @@ TOKENS = {
     "llava_next": [[72], [52], [56, 72]],
     "idefics3": [[20], [12], [12, 20]],
     "gemma3": [[16], [16], [16, 16]],
+    # [IMG] per 8-pixel cell: 24 x 24 (20 x 24 rounded up), 12 x 32 (40 x 16 at an edge of
+    # 32) padded to 16 x 32, 32 x 16; the [IMG_BREAK] and [IMG_END] among them are no rows
+    "mistral3": [[9], [8], [8, 9]],
 }
 # the small prefill budget: 7 cuts every image; Gemma 3's 16 tokens attend to each other
 # both ways and take one chunk, so 20 cuts the prompt around them
@@ -239,8 +243,9 @@ def test_family_images_of_other_sizes_equal_generate(family, family_name, small)
     for seq in seqs:
         core.add(seq)
     run_to_completion(core)
+    own = transformers_processor(model.name_or_path)  # (Mistral 3's: transformers' own class)
     for seq, (text, images) in zip(seqs, cases, strict=True):
-        assert seq.output_ids == reference(model, processor, text, images)
+        assert seq.output_ids == reference(model, own, text, images)
     assert [[i.num_tokens for i in s.request.images] for s in seqs] == TOKENS[family_name]
     assert seqs[0].output_ids != seqs[1].output_ids  # the image reaches the answer
     assert core.runner.images.encoded == 4

@@ -29,7 +29,7 @@ import torch
 from support.replica_processes import wait_until
 from support.servers import ServerThread, tiny_settings
 from support.tiers import server_fixture
-from support.tiny_vlm import BUILDERS, build_tiny_llava, data_uri, png
+from support.tiny_vlm import BUILDERS, build_tiny_llava, data_uri, png, transformers_processor
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -320,7 +320,7 @@ def test_vllm_tokenize_image_to_a_text_model_is_refused_by_name(http_server):
 
 # Past LLaVA (issue 47, step 2): each family's tiny model through a real server, OpenAI
 # chat with images of other sizes (other token counts), chunks of 12 cutting them
-FAMILIES = ["llava_next", "idefics3", "gemma3"]
+FAMILIES = ["llava_next", "idefics3", "gemma3", "mistral3"]
 # Gemma 3's 16 image tokens attend to each other both ways: one chunk holds them
 PREFILL_TOKENS = {"gemma3": 20}
 
@@ -347,9 +347,10 @@ def family_server(family, family_dir):
 @torch.inference_mode()
 def family_reference(family_dir, images: list[bytes]) -> str:
     from PIL import Image
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
-    processor = AutoProcessor.from_pretrained(family_dir)
+    # transformers' own (Mistral 3's without torchvision: its PixtralProcessor, from source)
+    processor = transformers_processor(family_dir)
     model = AutoModelForImageTextToText.from_pretrained(family_dir, dtype=torch.float32).eval()
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": TEXT}]
     prompt = processor.apply_chat_template(

@@ -1,11 +1,13 @@
-"""Tiny random vision-language models, one per served family (LLaVA, LLaVA-Next, Idefics 3:
-a vision tower, a projector, a Llama language model) with their processors (each image
-processor's PIL/numpy class, no torchvision), built at test time and saved as normal
-Hugging Face folders; and small PNGs as data: URIs."""
+"""Tiny random vision-language models, one per served family (LLaVA, LLaVA-Next, Idefics 3,
+Gemma 3, Mistral 3: a vision tower, a projector, a language model) with their processors
+(each image processor's PIL/numpy class, no torchvision), built at test time and saved as
+normal Hugging Face folders; transformers' own processor of such a folder (the tests'
+reference); and small PNGs as data: URIs."""
 
 from __future__ import annotations
 
 import base64
+import importlib.machinery
 import io
 from pathlib import Path
 
@@ -273,12 +275,127 @@ def build_tiny_gemma3(path: Path, *, seed: int = 0) -> Path:
     return _save(path, model, processor, tokenizer)
 
 
+# Mistral 3: a Pixtral tower's 4-pixel patches merged 2 x 2, so an image is resized to
+# whole 8-pixel cells, its longest edge at most MISTRAL3_EDGE, and written as a row of [IMG]
+# per cell row, each ended by [IMG_BREAK], the last by [IMG_END]
+MISTRAL3_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+MISTRAL3_MERGE = 2
+MISTRAL3_EDGE = 32
+
+
+def build_tiny_mistral3(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random Mistral 3 (Pixtral tower, patch merger, Mistral text) with its
+    processor: PixtralProcessor's files (models/pixtral_processor.py's equivalent writes
+    them here, where torchvision is missing), its image processor PixtralImageProcessorPil."""
+    import json
+
+    import torch
+    from textgen.service.models.pixtral_processor import PixtralProcessorPil
+    from transformers import (
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        MistralConfig,
+        PixtralImageProcessorPil,
+        PixtralVisionConfig,
+    )
+
+    tokenizer = _tokenizer(*MISTRAL3_TOKENS)
+    vision = PixtralVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        head_dim=16,
+        image_size=MISTRAL3_EDGE,
+        patch_size=PATCH,
+    )
+    text = MistralConfig(**{**_llama(tokenizer).to_dict(), "sliding_window": None})
+    config = Mistral3Config(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=tokenizer.convert_tokens_to_ids(MISTRAL3_TOKENS[0]),
+        spatial_merge_size=MISTRAL3_MERGE,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Mistral3ForConditionalGeneration(config)
+    images = PixtralImageProcessorPil(
+        size={"longest_edge": MISTRAL3_EDGE}, patch_size={"height": PATCH, "width": PATCH}
+    )
+    processor = PixtralProcessorPil(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=PATCH,
+        spatial_merge_size=MISTRAL3_MERGE,
+        chat_template=tokenizer.chat_template,
+    )
+    _save(path, model, processor, tokenizer)
+    # named as Mistral's own folders name it, so that transformers' AutoProcessor loads its
+    # PixtralProcessor where torchvision is installed
+    processor_config = path / "processor_config.json"
+    saved = json.loads(processor_config.read_text())
+    processor_config.write_text(json.dumps({**saved, "processor_class": "PixtralProcessor"}))
+    return path
+
+
 BUILDERS = {
     "llava": build_tiny_llava,
     "llava_next": build_tiny_llava_next,
     "idefics3": build_tiny_idefics3,
     "gemma3": build_tiny_gemma3,
+    "mistral3": build_tiny_mistral3,
 }
+
+
+def transformers_processor(path: Path):
+    """transformers' own processor of a model folder, the tests' reference: AutoProcessor's,
+    but transformers' PixtralProcessor for Mistral 3 where torchvision isn't installed."""
+    from transformers import AutoConfig, AutoProcessor
+
+    if AutoConfig.from_pretrained(path).model_type == "mistral3":
+        return transformers_pixtral_processor().from_pretrained(path)
+    return AutoProcessor.from_pretrained(path)
+
+
+def transformers_pixtral_processor():
+    """transformers' PixtralProcessor class; where torchvision isn't installed, its module
+    run from its own source with its one torchvision import (a helper only
+    `_get_num_multimodal_tokens` calls) read from the PIL image processor's module, which
+    has the same helper."""
+    import importlib.util
+    import sys
+
+    from transformers.models import pixtral
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        from transformers import PixtralProcessor
+
+        return PixtralProcessor
+    name = "transformers.models.pixtral.processing_pixtral_reference"
+    if name not in sys.modules:
+        source = str(Path(pixtral.__path__[0]) / "processing_pixtral.py")
+        spec = importlib.util.spec_from_file_location(name, source, loader=_PilImport(name, source))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # (auto_docstring reads the class's module)
+        spec.loader.exec_module(module)
+    return sys.modules[name].PixtralProcessor
+
+
+class _PilImport(importlib.machinery.SourceFileLoader):
+    """transformers' processing_pixtral.py, its one torchvision import read from the PIL
+    image processor's module."""
+
+    TORCHVISION = b"from .image_processing_pixtral import get_resize_output_image_size"
+    PIL = TORCHVISION.replace(b"image_processing_", b"image_processing_pil_")
+
+    def get_data(self, path):
+        source = super().get_data(path)
+        assert source.count(self.TORCHVISION) == 1, "transformers' processing_pixtral.py changed"
+        return source.replace(self.TORCHVISION, self.PIL)
+
+    def path_stats(self, path):
+        raise OSError("no stats: never the unchanged file's cached bytecode")
 
 
 def png(color: tuple[int, int, int], size: tuple[int, int] = (20, 24), *, stripes=False) -> bytes:
