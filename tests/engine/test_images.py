@@ -332,3 +332,14 @@ def test_prompt_attended_both_ways_must_fit_one_chunk(paligemma):
         text, (part,), "inputs"
     )
     assert both_ways == ((0, 32),) and len(ids) == 33
+
+
+def test_prompt_without_image_is_refused_by_paligemmas_processor(paligemma):
+    """PaliGemma's processor takes no prompt without an image (transformers' refusal): a
+    422 naming the prompt, not a prompt attended otherwise than the model's."""
+    from textgen.service.intake.validation import ValidationError
+
+    model, processor = paligemma
+    with pytest.raises(ValidationError, match="processor refused `inputs`") as refused:
+        image_prompts(processor, model.config).tokenize(TEXT, (), "inputs")
+    assert refused.value.param == "inputs"
