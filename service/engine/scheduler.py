@@ -264,7 +264,7 @@ class Scheduler:
             num_new = whole_images(
                 seq, min(num_to_compute, budget), seq.num_tokens - num_to_compute
             )
-            if num_new == 0:  # an image attended both ways waits for a whole budget
+            if num_new == 0:  # a span attended both ways waits for a whole budget
                 break
             # Admit only when the whole rest of the prompt fits in the free blocks (not just
             # this chunk): a sequence admitted on a sliver would stall mid-prompt and be
