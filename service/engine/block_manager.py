@@ -7,7 +7,9 @@ block ids are kv_pool.py's.
 Prefix caching: once a block is full of computed tokens it gets a hash chained over the
 previous block's hash and its own token ids, so equal hashes mean equal prefixes. The chain
 starts from the sequence's LoRA adapter (its uid; nothing for the base model): K/V
-computed under one adapter never serve another. A new
+computed under one adapter never serve another. A vision-language request's images salt
+the chain where they start (their content hashes), and a span of tokens attended both ways
+where it starts (its tokens: their K/V depend on the span's later ones). A new
 sequence whose leading full blocks hash to cached blocks shares them (ref count) instead of
 recomputing them. A block whose ref count drops to zero goes back to the free list but keeps
 its hash, so it is still reusable until the allocator evicts it (LRU over free blocks).
@@ -336,11 +338,19 @@ class BlockManager:
         """The parent hash block `index` chains from, salted with the request's images'
         content hashes at the block holding its first image token: the blocks before it
         are shared with any request of the same text, that block and (through the chain)
-        every later one only with requests of the same images too."""
-        images = seq.request.images
-        if not images or index != images[0].offset // self.block_size:
-            return parent
-        return parent + b"".join(image.digest for image in images)
+        every later one only with requests of the same images too. A span attended both
+        ways salts the block holding its first token with all of its tokens: a token's K/V
+        there depends on the span's later tokens (PaliGemma's prompt), so its blocks are
+        shared only by requests of the same whole span."""
+        bs = self.block_size
+        request = seq.request
+        salt = b""
+        if request.images and index == request.images[0].offset // bs:
+            salt += b"".join(image.digest for image in request.images)
+        for span in request.both_ways:
+            if index == span.first // bs:
+                salt += _block_hash(b"both ways", seq.token_ids[span.first : span.last + 1])
+        return parent + salt
 
     def _full_blocks(self, token_ids: list[int], num_blocks: int):
         bs = self.block_size

@@ -264,7 +264,7 @@ class Scheduler:
             num_new = whole_images(
                 seq, min(num_to_compute, budget), seq.num_tokens - num_to_compute
             )
-            if num_new == 0:  # an image attended both ways waits for a whole budget
+            if num_new == 0:  # a span attended both ways waits for a whole budget
                 break
             # Admit only when the whole rest of the prompt fits in the free blocks (not just
             # this chunk): a sequence admitted on a sliver would stall mid-prompt and be
@@ -342,15 +342,15 @@ def _insert(ranked: list[Sequence], seq: Sequence) -> None:
 
 def whole_images(seq: Sequence, num_new: int, start: int | None = None) -> int:
     """`num_new` cut so that the chunk from `start` (the sequence's computed tokens) ends
-    in no image whose tokens attend each other both ways (Gemma 3): it ends before the
-    image, or 0 where the chunk starts in it (the image waits for a budget that holds
-    the rest of it; validation keeps each such image within max_batch_prefill_tokens)."""
+    in no span of tokens that attend to each other both ways (Gemma 3's images,
+    PaliGemma's prompt): it ends before the span, or 0 where the chunk starts in it (the
+    span waits for a budget that holds the rest of it; validation keeps each span within
+    max_batch_prefill_tokens)."""
     start = seq.num_computed_tokens if start is None else start
     end = start + num_new
-    for image in seq.request.images:
-        first, last = image.offset, image.positions[-1]
-        if image.both_ways and first < end <= last:
-            return max(first - start, 0)
+    for span in seq.request.both_ways:
+        if span.first < end <= span.last:
+            return max(span.first - start, 0)
     return num_new
 
 

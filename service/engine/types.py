@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from ..errors import ErrorType
 
@@ -46,6 +47,13 @@ class StoppingParams:
     deadline: float | None = None  # monotonic time after which generation ends (max_time)
 
 
+class BothWays(NamedTuple):
+    """Prompt positions first .. last (inclusive), attended to each other both ways."""
+
+    first: int
+    last: int
+
+
 @dataclass(frozen=True, slots=True)
 class ImageInput:
     """One image of a prompt: its processed pixels (the processor's `pixel_values` row, a
@@ -59,9 +67,6 @@ class ImageInput:
     pixel_values: object = field(repr=False)  # (a request's repr in a log stays short)
     positions: tuple[int, ...] = field(repr=False)
     extra: dict = field(default_factory=dict, repr=False)  # name -> numpy row
-    # its tokens attend to each other both ways (Gemma 3): a prefill chunk holds them all,
-    # from the first it computes to the last (scheduler.py), and they see the last
-    both_ways: bool = False
 
     @property
     def offset(self) -> int:
@@ -113,6 +118,11 @@ class EngineRequest:
     adapter_uid: int = 0
     # a vision-language model's images, in prompt order (intake/images.py)
     images: tuple[ImageInput, ...] = ()
+    # the prompt's spans whose tokens attend to each other both ways (transformers'
+    # token_type_ids masks): Gemma 3's images, PaliGemma's whole prompt; a prefill chunk
+    # holds a span from the first token it computes to the last (scheduler.py), and those
+    # tokens see the span's last (the attention's key_limits)
+    both_ways: tuple[BothWays, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

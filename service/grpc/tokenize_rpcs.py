@@ -147,8 +147,8 @@ def _vllm_ids(req: VllmTokenize, validator) -> list[int]:
     """The prompt's ids: through the processor where it has images (each placeholder
     expanded, as the chat's prompt is), else the tokenizer."""
     if req.images:
-        ids, _ = validator.images.tokenize(
+        prompt = validator.images.tokenize(
             req.text, req.images, "messages", add_special_tokens=req.add_special_tokens
         )
-        return ids
+        return prompt.ids
     return validator.tokenizer(req.text, add_special_tokens=req.add_special_tokens)["input_ids"]

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..engine.types import ImageInput
+from ..engine.types import BothWays, ImageInput
+from ..models.architectures import BOTH_WAYS_IMAGE, BOTH_WAYS_PROMPT
 from .image_urls import FetchLimits, ImageFetchError, fetch_image
 from .validation import ValidationError
 
@@ -35,7 +36,9 @@ _MARKDOWN_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
 # data:[<mime type>][;<parameter>]*;base64,<data> (RFC 2397)
 _DATA_URI = re.compile(r"data:([\w.+-]+/[\w.+-]+)?(;[^;,]*)*?;base64,", re.IGNORECASE)
 # a processor's outputs about the text, not the image (the rest go to get_image_features)
-_TEXT_INPUTS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
+_TEXT_INPUTS = frozenset(
+    {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "labels"}
+)
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,15 @@ def decode_image(
     return ImagePart(image.convert("RGB"), name)
 
 
+class ImagePrompt(NamedTuple):
+    """A prompt through the processor: its token ids, its images as the engine takes them,
+    and its spans attended both ways (engine/types.py)."""
+
+    ids: list[int]
+    images: tuple[ImageInput, ...]
+    both_ways: tuple[BothWays, ...] = ()
+
+
 class ImagePrompts:
     """A vision-language model's processor, applied to a prompt and its images."""
 
@@ -182,13 +194,14 @@ class ImagePrompts:
         self,
         processor,
         image_token_id: int | None = None,
-        both_ways: bool = False,
+        both_ways: str | None = None,
         max_chunk: int | None = None,
     ) -> None:
         """image_token_id: the token the image's features replace (the model config's), where
-        the processor's placeholder is another (Gemma 3's <start_of_image>); both_ways: the
-        family's image tokens attend to each other both ways (Gemma 3), so one prefill
-        chunk of at most `max_chunk` tokens (--max-batch-prefill-tokens) must hold them."""
+        the processor's placeholder is another (Gemma 3's <start_of_image>); both_ways: which
+        tokens attend to each other both ways (models/architectures.py BOTH_WAYS: each
+        image's, Gemma 3; the whole prompt, PaliGemma), so one prefill chunk of at most
+        `max_chunk` tokens (--max-batch-prefill-tokens) must hold each such span."""
         self.processor = processor
         self.image_token = processor.image_token
         self.image_token_id = processor.image_token_id if image_token_id is None else image_token_id
@@ -201,11 +214,11 @@ class ImagePrompts:
         parts: tuple[ImagePart, ...],
         inputs_name: str,
         add_special_tokens: bool = True,
-    ) -> tuple[list[int], tuple[ImageInput, ...]]:
-        """The prompt's token ids, each image's placeholder expanded, and the images as the
-        engine takes them. The prompt holds one placeholder per image, no more.
-        add_special_tokens: the tokenizer's (the engine's prompts take them; vLLM's
-        /tokenize of a conversation doesn't, by default)."""
+    ) -> ImagePrompt:
+        """The prompt's token ids, each image's placeholder expanded, the images as the
+        engine takes them, and the spans attended both ways. The prompt holds one
+        placeholder per image, no more. add_special_tokens: the tokenizer's (the engine's
+        prompts take them; vLLM's /tokenize of a conversation doesn't, by default)."""
         placeholders = prompt.count(self.image_token)
         if placeholders != len(parts):
             raise ValidationError(
@@ -226,7 +239,8 @@ class ImagePrompts:
             name = parts[0].name if parts else inputs_name
             raise ValidationError(f"the model's processor refused `{name}`: {exc}", name) from exc
         ids = out["input_ids"][0].tolist()
-        return ids, self._inputs(ids, alone, parts) if parts else ()
+        images = self._inputs(ids, alone, parts) if parts else ()
+        return ImagePrompt(ids, images, self._both_ways(ids, images, parts, inputs_name))
 
     def _process(self, text: str, images: list, add_special_tokens: bool = True) -> dict:
         # the processor's own default unless told otherwise (PaliGemma's writes its bos)
@@ -245,7 +259,6 @@ class ImagePrompts:
             )
         inputs, start = [], 0
         for part, out, count in zip(parts, alone, counts, strict=True):
-            self._check_chunk(part, count)
             if len(out["pixel_values"]) != 1:  # Gemma 3's pan and scan: crops as images
                 raise ValidationError(
                     f"`{part.name}`: the processor made {len(out['pixel_values'])} images of "
@@ -259,16 +272,29 @@ class ImagePrompts:
                 digest.update(row.tobytes())
             pixels = rows.pop("pixel_values")
             span = tuple(positions[start : start + count])
-            inputs.append(ImageInput(digest.digest(), pixels, span, rows, self.both_ways))
+            inputs.append(ImageInput(digest.digest(), pixels, span, rows))
             start += count
         return tuple(inputs)
 
-    def _check_chunk(self, part: ImagePart, count: int) -> None:
-        """An image attended both ways is computed in one prefill chunk: it must fit one."""
-        if self.both_ways and self.max_chunk is not None and count > self.max_chunk:
+    def _both_ways(
+        self, ids: list[int], images: tuple[ImageInput, ...], parts, inputs_name: str
+    ) -> tuple[BothWays, ...]:
+        """The prompt's spans attended both ways; each must fit one prefill chunk."""
+        if self.both_ways == BOTH_WAYS_IMAGE:
+            for part, image in zip(parts, images, strict=True):
+                self._check_chunk(image.num_tokens, f"{image.num_tokens} image tokens", part.name)
+            return tuple(BothWays(image.offset, image.positions[-1]) for image in images)
+        if self.both_ways == BOTH_WAYS_PROMPT and images:
+            what = f"{len(ids)} tokens, its images' and its text's,"
+            self._check_chunk(len(ids), what, inputs_name)
+            return (BothWays(0, len(ids) - 1),)
+        return ()
+
+    def _check_chunk(self, count: int, what: str, name: str) -> None:
+        """A span attended both ways is computed in one prefill chunk: it must fit one."""
+        if self.max_chunk is not None and count > self.max_chunk:
             raise ValidationError(
-                f"`{part.name}`: its {count} image tokens attend to each other, so one prefill "
-                f"chunk computes them, and that is more than --max-batch-prefill-tokens "
-                f"({self.max_chunk})",
-                part.name,
+                f"`{name}`: its {what} attend to each other, so one prefill chunk computes "
+                f"them, and that is more than --max-batch-prefill-tokens ({self.max_chunk})",
+                name,
             )

@@ -157,7 +157,7 @@ class Validator:
         if not request.inputs:
             raise check.error("inputs", "cannot be empty")
         truncate = self._truncate(check, p.truncate)
-        prompt_ids, images = self._tokenize(check, request, truncate)
+        prompt_ids, images, both_ways = self._tokenize(check, request, truncate)
         max_new_tokens = self._max_new_tokens(check, p.max_new_tokens, len(prompt_ids))
         self._choices_fit(check, p, n, len(prompt_ids), max_new_tokens)
         engine_request = EngineRequest(
@@ -178,6 +178,7 @@ class Validator:
             adapter_id=adapter.name if adapter is not None else None,
             adapter_uid=adapter.uid if adapter is not None else 0,
             images=images,
+            both_ways=both_ways,
         )
         return ValidRequest(
             engine_request=engine_request,
@@ -419,16 +420,16 @@ class Validator:
 
     def _tokenize(
         self, check: _Checker, request: GenerateRequest, truncate: int | None
-    ) -> tuple[list[int], tuple]:
+    ) -> tuple[list[int], tuple, tuple]:
         """The prompt's ids (a vision-language model's: through its processor, each image's
-        placeholder expanded, so image tokens count against max_input_tokens) and its
-        images (engine/types.py ImageInput)."""
+        placeholder expanded, so image tokens count against max_input_tokens), its images
+        (engine/types.py ImageInput) and its spans attended both ways (BothWays)."""
         if request.images and self.images is None:
             name = request.images[0].name
             raise ValidationError(f"`{name}`: {self.no_images}", name)
         from .images import has_markdown_images, markdown_images
 
-        images = ()
+        images, both_ways = (), ()
         try:
             if self.images is not None:
                 inputs, parts = request.inputs, request.images
@@ -442,7 +443,7 @@ class Validator:
                     inputs, parts = markdown_images(
                         inputs, check.name("inputs"), self.images.image_token, self.image_limits
                     )
-                ids, images = self.images.tokenize(inputs, parts, check.name("inputs"))
+                ids, images, both_ways = self.images.tokenize(inputs, parts, check.name("inputs"))
             else:
                 ids = self.tokenizer(request.inputs, add_special_tokens=True)["input_ids"]
         except ValidationError:
@@ -455,7 +456,7 @@ class Validator:
             ids = ids[-truncate:]
         if not ids:
             raise check.error("inputs", "cannot be empty")
-        return ids, images
+        return ids, images, both_ways
 
     def _max_new_tokens(self, check: _Checker, requested: int | None, input_length: int) -> int:
         """The request's max_new_tokens (already checked positive), or what fits in

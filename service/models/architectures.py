@@ -61,11 +61,18 @@ _SINKS = re.compile(r"self\.sinks\s*=\s*nn\.Parameter")
 # prefill, engine/runners/image_encoder.py); other image-text-to-text families are refused
 # until they are (issue 47). Those transformers also loads as a causal LM (Llama 4, Mllama,
 # Qwen3.5) keep being served as text.
-IMAGE_FAMILIES = frozenset({"llava", "llava_next", "idefics3", "gemma3", "mistral3"})
-# those whose image tokens attend to each other both ways (transformers' token_type_ids
-# mask): the attention's key_limits (attention/paged.py), and one prefill chunk computes an
-# image's tokens (scheduler.py)
-IMAGES_BOTH_WAYS = frozenset({"gemma3"})
+IMAGE_FAMILIES = frozenset({"llava", "llava_next", "idefics3", "gemma3", "mistral3", "paligemma"})
+# The families whose prompt tokens attend to each other both ways (transformers'
+# token_type_ids masks at prefill), and which: each image's tokens (Gemma 3), or the whole
+# prompt the processor makes, its images, bos, text and "\n" (PaliGemma's prefix-LM; the
+# generated tokens are causal). The spans (engine/types.py BothWays) give the attention's
+# key_limits (attention/paged.py), and one prefill chunk computes a span (scheduler.py)
+BOTH_WAYS_IMAGE = "image"
+BOTH_WAYS_PROMPT = "prompt"
+BOTH_WAYS = {"gemma3": BOTH_WAYS_IMAGE, "paligemma": BOTH_WAYS_PROMPT}
+# the position transformers gives a prompt's first token where it isn't 0 (PaliGemma's
+# are 1-indexed: RoPE sees the same differences, but rounds other angles)
+FIRST_POSITION = {"paligemma": 1}
 
 
 def images_refused_reason(model_type: str | None, vision: bool) -> str | None:

@@ -1,8 +1,9 @@
-"""Vision-language models (a tiny LLaVA; LLaVA-Next, Idefics 3, Gemma 3 and Mistral 3 too)
-through the engine core: the images' features merged at prefill equal transformers' own merge token
-for token, through prefill chunks that cut an image, and the prefix cache never shares an
-image's blocks with a request of another image (block hashes salted with the images'
-content hashes)."""
+"""Vision-language models (a tiny LLaVA; LLaVA-Next, Idefics 3, Gemma 3, Mistral 3 and
+PaliGemma too) through the engine core: the images' features merged at prefill equal
+transformers' own merge token for token, through prefill chunks that cut an image, and
+the prefix cache never shares an image's blocks with a request of another image (block
+hashes salted with the images' content hashes), nor a span attended both ways with a
+request of another span (PaliGemma's prompt)."""
 
 from __future__ import annotations
 
@@ -46,10 +47,13 @@ TOKENS = {
     # [IMG] per 8-pixel cell: 24 x 24 (20 x 24 rounded up), 12 x 32 (40 x 16 at an edge of
     # 32) padded to 16 x 32, 32 x 16; the [IMG_BREAK] and [IMG_END] among them are no rows
     "mistral3": [[9], [8], [8, 9]],
+    "paligemma": [[16], [16], [16, 16]],
 }
 # the small prefill budget: 7 cuts every image; Gemma 3's 16 tokens attend to each other
-# both ways and take one chunk, so 20 cuts the prompt around them
-SMALL_CHUNK = {"gemma3": 20}
+# both ways and take one chunk, so 20 cuts the prompt around them; PaliGemma's whole
+# prompt attends to itself both ways (33 tokens with one image, 49 with two): 49 takes
+# one prompt a step, the next waiting for a budget that holds all of it
+SMALL_CHUNK = {"gemma3": 20, "paligemma": 49}
 
 
 @pytest.fixture(scope="module", params=sorted(TOKENS))
@@ -62,8 +66,12 @@ def family(family_name, tmp_path_factory):
     return load(BUILDERS[family_name](tmp_path_factory.mktemp(family_name)))
 
 
-def prompt(processor, images: int = 1) -> str:
-    parts = [{"type": "image"}] * images + [{"type": "text", "text": TEXT}]
+def prompt(processor, images: int = 1, text: str = TEXT) -> str:
+    """The chat template's prompt; without one (PaliGemma), the placeholders and the text,
+    as the processor's own layout puts them."""
+    if processor.chat_template is None:
+        return processor.image_token * images + text
+    parts = [{"type": "image"}] * images + [{"type": "text", "text": text}]
     messages = [{"role": "user", "content": parts}]
     return processor.apply_chat_template(messages, add_generation_prompt=True)
 
@@ -87,13 +95,14 @@ def sequence(
     parts = tuple(decode_image(png_bytes(i), f"image{k}") for k, i in enumerate(images))
     # as the server's validation applies the processor (replica/lifecycle.py)
     prompts = image_prompts(processor, config) if config else ImagePrompts(processor)
-    ids, inputs = prompts.tokenize(text, parts, "inputs")
+    ids, inputs, both_ways = prompts.tokenize(text, parts, "inputs")
     request = EngineRequest(
         request_id=request_id,
         prompt_ids=tuple(ids),
         sampling=SamplingParams(),
         stopping=StoppingParams(max_new_tokens=max_new, ignore_eos=True),
         images=inputs,
+        both_ways=both_ways,
     )
     return Sequence(request, frozenset())
 
@@ -262,26 +271,28 @@ def test_image_attended_both_ways_must_fit_one_chunk(tmp_path):
     with pytest.raises(ValidationError, match="16 image tokens attend to each other") as refused:
         image_prompts(processor, model.config, max_chunk=15).tokenize(text, (part,), "inputs")
     assert refused.value.param == "messages[0].content[0].image_url"
-    _, images = image_prompts(processor, model.config, max_chunk=16).tokenize(
+    _, images, both_ways = image_prompts(processor, model.config, max_chunk=16).tokenize(
         text, (part,), "inputs"
     )
-    assert images[0].both_ways and images[0].num_tokens == 16
+    assert both_ways == ((images[0].offset, images[0].positions[-1]),)
+    assert images[0].num_tokens == 16
 
 
 def test_chunks_end_outside_images_attended_both_ways():
     """The scheduler's cut: a chunk that would end inside such an image ends before it, or
     takes nothing where it starts inside it; other images are cut anywhere."""
     from textgen.service.engine.scheduler import whole_images
-    from textgen.service.engine.types import ImageInput
+    from textgen.service.engine.types import BothWays, ImageInput
 
     def seq(both_ways: bool) -> Sequence:
-        image = ImageInput(b"d", None, tuple(range(8, 24)), {}, both_ways)
+        image = ImageInput(b"d", None, tuple(range(8, 24)), {})
         request = EngineRequest(
             request_id="r",
             prompt_ids=tuple(range(40)),
             sampling=SamplingParams(),
             stopping=StoppingParams(max_new_tokens=1),
             images=(image,),
+            both_ways=(BothWays(8, 23),) if both_ways else (),
         )
         return Sequence(request, frozenset())
 
@@ -310,3 +321,58 @@ def test_prefix_hit_inside_an_image_attended_both_ways(tmp_path):
     assert image.offset < b.num_cached_prompt_tokens <= image.positions[-1]  # inside it
     assert a.output_ids == reference(model, processor, first, [picture(RED)])
     assert b.output_ids == reference(model, processor, second, [picture(RED)])
+
+
+@pytest.fixture(scope="module")
+def paligemma(tmp_path_factory):
+    return load(BUILDERS["paligemma"](tmp_path_factory.mktemp("paligemma")))
+
+
+def test_prefix_cache_shares_a_prompt_attended_both_ways_only_whole(paligemma):
+    """PaliGemma's prompt attends to itself both ways, so its early tokens' K/V depend on
+    its last: the same image and a common start with another ending share no block (the
+    span's tokens salt its first block); the same prompt again shares all but its last
+    tokens, and the rest, computed in one chunk, sees the whole prompt: both equal generate."""
+    model, processor = paligemma
+    first, other = prompt(processor), prompt(processor, text=TEXT + " Say it in a word.")
+    core = make_core(model, block_size=4, prefill_tokens=64, enable_prefix_caching=True)
+    a = sequence(processor, first, [picture(RED)], "a", config=model.config)
+    core.add(a)
+    run_to_completion(core)
+    b = sequence(processor, other, [picture(RED)], "b", config=model.config)
+    same = sequence(processor, first, [picture(RED)], "same", config=model.config)
+    core.add(b)
+    core.add(same)
+    run_to_completion(core)
+    assert b.request.both_ways == ((0, b.num_prompt_tokens - 1),)
+    assert b.num_cached_prompt_tokens == 0
+    assert same.num_cached_prompt_tokens >= same.num_prompt_tokens - 4
+    assert a.output_ids == same.output_ids == reference(model, processor, first, [picture(RED)])
+    assert b.output_ids == reference(model, processor, other, [picture(RED)])
+
+
+def test_prompt_attended_both_ways_must_fit_one_chunk(paligemma):
+    """PaliGemma's 33-token prompt (16 image tokens, bos, the text, "\n") takes one
+    prefill chunk: a budget of 32 refuses it, naming the prompt; 33 takes it."""
+    from textgen.service.intake.validation import ValidationError
+
+    model, processor = paligemma
+    part = decode_image(png(RED), "inputs (image 1)")
+    text = prompt(processor)
+    with pytest.raises(ValidationError, match="its 33 tokens, its images' and its text's,"):
+        image_prompts(processor, model.config, max_chunk=32).tokenize(text, (part,), "inputs")
+    ids, _, both_ways = image_prompts(processor, model.config, max_chunk=33).tokenize(
+        text, (part,), "inputs"
+    )
+    assert both_ways == ((0, 32),) and len(ids) == 33
+
+
+def test_prompt_without_image_is_refused_by_paligemmas_processor(paligemma):
+    """PaliGemma's processor takes no prompt without an image (transformers' refusal): a
+    422 naming the prompt, not a prompt attended otherwise than the model's."""
+    from textgen.service.intake.validation import ValidationError
+
+    model, processor = paligemma
+    with pytest.raises(ValidationError, match="processor refused `inputs`") as refused:
+        image_prompts(processor, model.config).tokenize(TEXT, (), "inputs")
+    assert refused.value.param == "inputs"

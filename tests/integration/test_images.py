@@ -319,10 +319,13 @@ def test_vllm_tokenize_image_to_a_text_model_is_refused_by_name(http_server):
 
 
 # Past LLaVA (issue 47, step 2): each family's tiny model through a real server, OpenAI
-# chat with images of other sizes (other token counts), chunks of 12 cutting them
-FAMILIES = ["llava_next", "idefics3", "gemma3", "mistral3"]
-# Gemma 3's 16 image tokens attend to each other both ways: one chunk holds them
-PREFILL_TOKENS = {"gemma3": 20}
+# chat with images of other sizes (other token counts), chunks of 12 cutting them; a
+# family without chat template (PaliGemma) through TGI's /generate, as TGI served it
+FAMILIES = ["llava_next", "idefics3", "gemma3", "mistral3", "paligemma"]
+# Gemma 3's 16 image tokens attend to each other both ways: one chunk holds them; so does
+# PaliGemma's whole prompt (49 tokens with two images)
+PREFILL_TOKENS = {"gemma3": 20, "paligemma": 49}
+NO_CHAT_TEMPLATE = {"paligemma"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -353,9 +356,12 @@ def family_reference(family_dir, images: list[bytes]) -> str:
     processor = transformers_processor(family_dir)
     model = AutoModelForImageTextToText.from_pretrained(family_dir, dtype=torch.float32).eval()
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": TEXT}]
-    prompt = processor.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True
-    )
+    if processor.chat_template is None:  # the placeholders first, as the processor expects
+        prompt = processor.image_token * len(images) + TEXT
+    else:
+        prompt = processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True
+        )
     pictures = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
     inputs = processor(images=pictures, text=prompt, return_tensors="pt")
     out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW)
@@ -372,11 +378,25 @@ def family_reference(family_dir, images: list[bytes]) -> str:
     ],
     ids=["20x24", "40x16", "two"],
 )
-def test_family_chat_images_equal_generate(family_server, family_dir, images):
+def test_family_chat_images_equal_generate(family, family_server, family_dir, images):
+    """Through OpenAI chat; a family without chat template through TGI's /generate (each
+    image as markdown, placed first as the processor places them), its chat refused."""
     request = body(data_uri(images[0]))
     parts = [{"type": "image_url", "image_url": {"url": data_uri(i)}} for i in images]
     request["messages"][0]["content"] = [*parts, {"type": "text", "text": TEXT}]
     resp = chat(family_server, request)
+    if family in NO_CHAT_TEMPLATE:
+        assert resp.status_code == 422, resp.text
+        assert "cannot apply the chat template" in resp.text
+        markdown = "".join(f"![]({data_uri(i)})" for i in images)
+        resp = requests.post(
+            f"{family_server.http_url}/generate",
+            json={"inputs": markdown + TEXT, "parameters": {"max_new_tokens": MAX_NEW}},
+            timeout=60,
+        )
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["generated_text"] == family_reference(family_dir, images)
+        return
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["message"]["content"] == family_reference(family_dir, images)
 

@@ -48,11 +48,11 @@ SERVED = [
     "qwen3_5_moe", "lara_mini", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "lfm2_moe",
     "lfm3", "zamba", "zamba2", "zaya",
     # vision-language, served with images (tests/integration/test_images.py)
-    "llava", "llava_next", "idefics3", "gemma3", "mistral3",
+    "llava", "llava_next", "idefics3", "gemma3", "mistral3", "paligemma",
 ]  # fmt: skip
 # vision-language families not served yet (issue 47): refused by name, before loading
 IMAGE_FAMILIES_NOT_YET = [
-    "llava_onevision", "smolvlm", "paligemma",
+    "llava_onevision", "smolvlm",
     "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
 ]  # fmt: skip
 

@@ -53,7 +53,7 @@ def test_markdown_images_become_placeholders(prompts):
     text, parts = markdown_images(inputs, "inputs", "<image>", ImageLimits())
     assert text == "a <image> b <image> c"
     assert [p.name for p in parts] == ["inputs (image 1)", "inputs (image 2)"]
-    ids, images = prompts.tokenize(text, parts, "inputs")
+    ids, images, _ = prompts.tokenize(text, parts, "inputs")
     assert [i.num_tokens for i in images] == [16, 16]
     for image in images:
         span = ids[image.offset : image.offset + image.num_tokens]
@@ -78,7 +78,7 @@ def test_image_tokens_count_against_max_input_tokens(prompts):
     request = GenerateRequest(
         inputs="a<image>b", parameters=GenerateParameters(max_new_tokens=4), images=(image,)
     )
-    ids, _ = prompts.tokenize("a<image>b", (image,), "inputs")
+    ids = prompts.tokenize("a<image>b", (image,), "inputs").ids
     assert len(ids) == 18
     with pytest.raises(ValidationError, match="must have less than 17 tokens. Given: 18"):
         Validator(tokenizer, limits, images=prompts).validate(request, stream=False)

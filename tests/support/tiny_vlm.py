@@ -1,5 +1,5 @@
 """Tiny random vision-language models, one per served family (LLaVA, LLaVA-Next, Idefics 3,
-Gemma 3, Mistral 3: a vision tower, a projector, a language model) with their processors
+Gemma 3, Mistral 3, PaliGemma: a vision tower, a projector, a language model) with their processors
 (each image processor's PIL/numpy class, no torchvision), built at test time and saved as
 normal Hugging Face folders; transformers' own processor of such a folder (the tests'
 reference); and small PNGs as data: URIs."""
@@ -338,12 +338,76 @@ def build_tiny_mistral3(path: Path, *, seed: int = 0) -> Path:
     return path
 
 
+# PaliGemma: "<image>" x 16 (no pooling), then bos, the prompt and "\n", the processor's
+# layout; no chat template, as most checkpoints have none. The whole prompt attends to
+# itself both ways (its prefix-LM)
+PALIGEMMA_IMAGE_TOKENS = (IMAGE_SIZE // PATCH) ** 2
+
+
+def build_tiny_paligemma(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random PaliGemma (SigLIP tower, linear projector, Gemma) with its processor
+    (SiglipImageProcessorPil), which adds its <image>, <locNNNN> and <segNNN> tokens to the
+    tokenizer before the model's vocabulary is sized."""
+    import torch
+    from transformers import (
+        GemmaConfig,
+        PaliGemmaConfig,
+        PaliGemmaForConditionalGeneration,
+        PaliGemmaProcessor,
+        SiglipImageProcessorPil,
+        SiglipVisionConfig,
+    )
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = None
+    images = SiglipImageProcessorPil(
+        size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, image_seq_length=PALIGEMMA_IMAGE_TOKENS
+    )
+    processor = PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer)
+    text = GemmaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        initializer_range=0.2,  # sharper attention: the prefix's both ways show in the answer
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+    )
+    config = PaliGemmaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=processor.image_token_id,
+        vocab_size=len(tokenizer),
+        projection_dim=text.hidden_size,
+        hidden_size=text.hidden_size,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = PaliGemmaForConditionalGeneration(config)
+    return _save(path, model, processor, tokenizer)
+
+
 BUILDERS = {
     "llava": build_tiny_llava,
     "llava_next": build_tiny_llava_next,
     "idefics3": build_tiny_idefics3,
     "gemma3": build_tiny_gemma3,
     "mistral3": build_tiny_mistral3,
+    "paligemma": build_tiny_paligemma,
 }
 
 

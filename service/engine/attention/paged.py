@@ -110,7 +110,8 @@ class AttentionGroup:
     # query row i is position i, so causal attention is SDPA's is_causal over the first q keys
     fresh: bool = False
     # [b, q] long: the last key position each padded row sees, where some see past their
-    # own (an image's tokens see the whole image: Gemma 3); None: query_pos, causal
+    # own (a span's tokens see the whole span: Gemma 3's images, PaliGemma's prompt); None:
+    # query_pos, causal
     query_limit: torch.Tensor | None = None
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # (window, chunk, G, dtype)
     _chunked_masks: dict[tuple, ChunkedMask] = field(default_factory=dict)
@@ -233,7 +234,8 @@ class BatchMetadata:
     use_triton: bool = False  # CUDA + triton: the paged Triton kernel may be used
     batch_invariant: bool = False  # the SDPA path's keys in fixed chunks (invariant_attention)
     # [T] per token: the last key position it sees, where some token sees past its own
-    # (an image's tokens attend both ways among themselves: Gemma 3); None: all causal.
+    # (a span's tokens attend both ways among themselves: Gemma 3's images, PaliGemma's
+    # prompt); None: all causal.
     # Only the SDPA path takes it (_pick_kernel).
     key_limits: list[int] | None = None
     _groups: list[AttentionGroup] | None = None
@@ -743,7 +745,7 @@ def _pick_kernel(
 
     extra_terms: the layer has attention sinks, ALiBi or chunked local attention, which
     Triton and SDPA compute and flash-attn doesn't (the picked kernel then takes them as
-    three more arguments). Steps with key_limits (an image attended both ways) take SDPA:
+    three more arguments). Steps with key_limits (a span attended both ways) take SDPA:
     only its masks read them.
     """
     if meta.key_limits is not None:

@@ -223,9 +223,12 @@ def token_bucket(inputs: StepInputs, buckets: list[int]) -> int | None:
     """The smallest of the sorted `buckets` that holds every token of this step when the step
     keeps each token's logits, as decodes and verifications do; None when the eager runner
     must take it (prefill chunks keep at most their last token's; one that keeps every
-    token's for its prompt logprobs may carry image features, which only it merges)."""
+    token's for its prompt logprobs may carry image features or a span attended both ways,
+    which only it merges and masks)."""
     n = len(inputs.token_ids)
-    if inputs.images or not n or len(inputs.keep) != n or inputs.keep[-1] != n - 1:
+    if inputs.images or inputs.key_limits is not None:
+        return None
+    if not n or len(inputs.keep) != n or inputs.keep[-1] != n - 1:
         return None  # `keep` is ascending and unique: n rows ending at n - 1 are all of them
     return next((b for b in buckets if b >= n), None)
 

@@ -60,19 +60,6 @@ def image_slices(
     return out
 
 
-def key_limits(slices: list[ImageSlice], positions: list[int]) -> list[int] | None:
-    """The attention's key_limits for a step (attention/paged.py): each token of an image
-    attended both ways sees up to the image's last token; None where the step has none."""
-    both_ways = [part for part in slices if part.image.both_ways]
-    if not both_ways:
-        return None
-    limits = list(positions)
-    for part in both_ways:
-        for target in part.targets:
-            limits[target] = part.image.positions[-1]
-    return limits
-
-
 class ImageEncoder:
     """The model's vision side, with the LRU of its images' features."""
 

@@ -49,6 +49,7 @@ from transformers import AttentionInterface
 
 from ...models import attention_adapters
 from ...models.architectures import (
+    FIRST_POSITION,
     IMAGE_FAMILIES,
     interface_reason,
     keeps_recurrent_state,
@@ -74,7 +75,8 @@ from ..scheduler import SchedulerOutput
 from ..sequence import Sequence
 from ..state_pool import StatePool, StateStep, bound_state_step
 from ..state_pool import install as install_state_layers
-from .image_encoder import ImageEncoder, ImageSlice, image_slices, key_limits
+from ..types import BothWays
+from .image_encoder import ImageEncoder, ImageSlice, image_slices
 from .invariant_linear import (
     LINEAR_BLOCK_ROWS,
     fixed_rows_linears,
@@ -132,6 +134,9 @@ class StepInputs:
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     # image features that replace placeholder tokens' embeddings (image_encoder.py)
     images: list[ImageSlice] = field(default_factory=list)
+    # [T] the last key position each token sees (attention/paged.py), past its own in a
+    # span attended both ways; None: every token its own (causal)
+    key_limits: list[int] | None = None
 
     @property
     def is_pure_decode(self) -> bool:
@@ -139,6 +144,7 @@ class StepInputs:
         the steps the runner strategies (cuda_graphs.py, compiled.py) take over."""
         return (
             not self.images
+            and self.key_limits is None
             and len(self.keep) == len(self.query_lens)
             and all(n == 1 for n in self.query_lens)
         )
@@ -264,6 +270,8 @@ class ModelRunner(StepRunner):
             register_layers(lora)
         self.states = self._state_pool(model, state_slots)
         self.images = ImageEncoder(model) if images else None
+        # added to the positions the model sees (PaliGemma's are 1-indexed)
+        self.first_position = FIRST_POSITION.get(model.config.model_type, 0)
         # seconds per image the encoder ran, since the engine took them (metrics)
         self.encode_seconds: list[float] = []
 
@@ -311,7 +319,7 @@ class ModelRunner(StepRunner):
             self.device,
             batch_invariant=self.batch_invariant,
             custom_kernels=self.custom_kernels,
-            key_limits=key_limits(inputs.images, inputs.positions),
+            key_limits=inputs.key_limits,
         )
         return self.forward(
             self._tensor([inputs.token_ids]),
@@ -384,7 +392,7 @@ class ModelRunner(StepRunner):
             tokens = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
             out = self.model(
                 **tokens,
-                position_ids=positions,
+                position_ids=positions + self.first_position if self.first_position else positions,
                 use_cache=False,
                 logits_to_keep=keep,
                 **{METADATA_KWARG: meta},
@@ -414,6 +422,7 @@ class Layout:
     prompt_spans: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
     slot_of: dict[int, int] = field(default_factory=dict)  # adapter uid -> its LoRA slot
     images: list[ImageSlice] = field(default_factory=list)  # image features to merge
+    key_limits: list[int] | None = None  # StepInputs'; None until a span attended both ways
 
     @property
     def inputs(self) -> StepInputs:
@@ -427,6 +436,7 @@ class Layout:
             lora_slots=self.lora_slots,
             state_slots=self.state_slots,
             images=self.images,
+            key_limits=self.key_limits,
         )
 
     def add(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> None:
@@ -448,6 +458,7 @@ class Layout:
         self.state_slots.append(seq.state_slot)
         if seq.request.images and start < seq.num_prompt_tokens:
             self.images.extend(image_slices(seq.request.images, start, num_new, offset))
+        self._add_key_limits(seq.request.both_ways, start, num_new)
         if drafts:
             self.sample_rows.extend(range(len(self.keep), len(self.keep) + num_new))
             self.keep.extend(range(offset, offset + num_new))
@@ -473,6 +484,24 @@ class Layout:
             self.block_tables.append([scratch_block])
             self.lora_slots.append(-1)
             self.state_slots.append(-1)
+            if self.key_limits is not None:
+                self.key_limits.append(0)
+
+    def _add_key_limits(self, spans: tuple[BothWays, ...], start: int, num_new: int) -> None:
+        """The chunk's key_limits (positions start .. start + num_new - 1): a span's tokens
+        see up to its last (the scheduler keeps the rest of a span in the chunk), others
+        themselves; the list starts at the first chunk in a span, causal before it."""
+        end = start + num_new
+        touched = [span for span in spans if span.first < end and start <= span.last]
+        if not touched and self.key_limits is None:
+            return
+        if self.key_limits is None:
+            self.key_limits = self.positions[: len(self.positions) - num_new]
+        limits = list(range(start, end))
+        for span in touched:
+            for p in range(max(span.first, start), min(span.last + 1, end)):
+                limits[p - start] = span.last
+        self.key_limits.extend(limits)
 
 
 def lay_out(
