@@ -402,18 +402,20 @@ def test_family_chat_images_equal_generate(family, family_server, family_dir, im
 
 
 def test_family_tgi_markdown_and_grpc_images_equal_generate(family_server, family_dir):
-    """The family's image through TGI's /generate (a markdown image where the template
-    writes the placeholder /info names) and gRPC's typed images (the SDK): the reference's
-    answer on both faces."""
+    """The family's image through TGI's /generate (a markdown image where the template,
+    or the processor's layout, puts the placeholder /info names) and gRPC's typed images
+    (the SDK): the reference's answer on both faces."""
     from textgen.sdk import Client
-    from transformers import AutoProcessor
 
     image = png(RED, stripes=True)
-    processor = AutoProcessor.from_pretrained(family_dir)
+    processor = transformers_processor(family_dir)
     content = [{"type": "image"}, {"type": "text", "text": TEXT}]
-    prompt = processor.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True
-    )
+    if processor.chat_template is None:  # the placeholder first, as the processor expects
+        prompt = processor.image_token + TEXT
+    else:
+        prompt = processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True
+        )
     info = requests.get(f"{family_server.http_url}/info", timeout=30).json()
     placeholder = info["image_token"]
     assert prompt.count(placeholder) == 1
