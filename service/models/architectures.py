@@ -61,11 +61,30 @@ _SINKS = re.compile(r"self\.sinks\s*=\s*nn\.Parameter")
 # prefill, engine/runners/image_encoder.py); other image-text-to-text families are refused
 # until they are (issue 47). Those transformers also loads as a causal LM (Llama 4, Mllama,
 # Qwen3.5) keep being served as text.
-IMAGE_FAMILIES = frozenset({"llava", "llava_next", "idefics3", "gemma3"})
+IMAGE_FAMILIES = frozenset({"llava", "llava_next", "idefics3", "gemma3", "qwen2_5_vl"})
 # those whose image tokens attend to each other both ways (transformers' token_type_ids
 # mask): the attention's key_limits (attention/paged.py), and one prefill chunk computes an
 # image's tokens (scheduler.py)
 IMAGES_BOTH_WAYS = frozenset({"gemma3"})
+# those whose processor concatenates all images' patches ([sum patches, dim]) and lists
+# them per image in another input: that input's name (one row per image); the others
+# give `pixel_values` a batch dim, one row per image
+IMAGES_LISTED_BY = {"qwen2_5_vl": "image_grid_thw", "qwen3_vl": "image_grid_thw"}
+# those whose processor class also takes a video processor, which needs torchvision: the
+# loader builds it without one (models/processors.py), for images only
+IMAGES_ONLY_PROCESSORS = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
+# those whose rotary positions are 3 rows per token from the images' grids (M-RoPE:
+# engine/runners/mrope.py), not the token's index
+MROPE_FAMILIES = frozenset({"qwen2_5_vl", "qwen3_vl"})
+MROPE_NO_STRATEGY = (
+    "multimodal rotary positions (Qwen2.5-VL's M-RoPE) are laid out per step by the eager "
+    "runner; the decode graphs of --cuda-graphs and --compile take token indices"
+)
+
+
+def has_mrope(config: dict) -> bool:
+    """Whether `config` (a config.json) is a family served with M-RoPE positions."""
+    return is_image_family(config) and config.get("model_type") in MROPE_FAMILIES
 
 
 def images_refused_reason(model_type: str | None, vision: bool) -> str | None:

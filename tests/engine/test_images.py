@@ -14,6 +14,7 @@ from support.tiny_vlm import BUILDERS, build_tiny_llava, png
 from textgen.service.engine.sequence import Sequence
 from textgen.service.engine.types import EngineRequest, SamplingParams, StoppingParams
 from textgen.service.intake.images import ImagePrompts, decode_image
+from textgen.service.models.processors import load_processor
 from textgen.service.replica.lifecycle import image_prompts
 
 from .factories import make_core, run_to_completion
@@ -23,11 +24,12 @@ TEXT = "What is in the picture?"
 
 
 def load(path):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    """The model and its processor, as the server's loader builds it (Qwen2.5-VL's without
+    its video processor: models/processors.py)."""
+    from transformers import AutoModelForImageTextToText
 
-    processor = AutoProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    return model, processor
+    return model, load_processor(path, model.config.model_type)
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,8 @@ TOKENS = {
     "llava_next": [[72], [52], [56, 72]],
     "idefics3": [[20], [12], [12, 20]],
     "gemma3": [[16], [16], [16, 16]],
+    # 20 x 24 pixels resized to 40 x 48, 10 x 12 patches, merged 2 x 2: 30 tokens
+    "qwen2_5_vl": [[30], [32], [32, 30]],
 }
 # the small prefill budget: 7 cuts every image; Gemma 3's 16 tokens attend to each other
 # both ways and take one chunk, so 20 cuts the prompt around them
@@ -277,3 +281,71 @@ def test_prefix_hit_inside_an_image_attended_both_ways(tmp_path):
     assert image.offset < b.num_cached_prompt_tokens <= image.positions[-1]  # inside it
     assert a.output_ids == reference(model, processor, first, [picture(RED)])
     assert b.output_ids == reference(model, processor, second, [picture(RED)])
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_vl(tmp_path_factory):
+    return load(BUILDERS["qwen2_5_vl"](tmp_path_factory.mktemp("qwen2_5_vl")))
+
+
+def test_mrope_positions_equal_get_rope_index(qwen2_5_vl):
+    """The rotary positions laid out per chunk (engine/runners/mrope.py: each image's rows
+    and span, from get_rope_index on it alone) equal the model's get_rope_index on the
+    whole prompt, for any cut of it; past the prompt, index + the prompt's rope delta."""
+    from textgen.service.engine.runners.mrope import MRope
+
+    model, processor = qwen2_5_vl
+    images = [picture(GREEN, size=(16, 40)), picture(RED, stripes=False)]
+    seq = sequence(processor, prompt(processor, images=2), images, "r", config=model.config)
+    ids = torch.tensor([seq.request.prompt_ids])
+    grids = torch.cat([torch.from_numpy(i.extra["image_grid_thw"]) for i in seq.request.images])
+    mask = (ids == model.config.image_token_id).int()
+    expected, delta = model.model.get_rope_index(ids, mm_token_type_ids=mask, image_grid_thw=grids)
+    rope, n = MRope(model), ids.shape[1]
+    assert rope.positions(seq.request.images, 0, n) == expected[:, 0].tolist()
+    for start in range(0, n, 7):  # chunks of 7 cut both images
+        count = min(7, n - start)
+        assert (
+            rope.positions(seq.request.images, start, count)
+            == expected[:, 0, start : start + count].tolist()
+        )
+    assert delta.item() < 0  # 62 image tokens span 16 + 10 positions
+    assert rope.positions(seq.request.images, n + 5, 1) == [[n + 5 + delta.item()]] * 3
+
+
+@pytest.mark.parametrize("prefill_tokens", [512, 7])
+def test_mrope_decodes_at_index_plus_delta(qwen2_5_vl, prefill_tokens):
+    """Two images, text after them, 24 tokens generated: a decode at its index (not index
+    plus the images' rope delta, -48 here) changes the tokens; so do positions of a chunk
+    that cuts an image (7), or of a request whose prefix (the images) is cached."""
+    model, processor = qwen2_5_vl
+    images = [picture(GREEN, size=(16, 40)), picture(RED, stripes=False)]
+    text = prompt(processor, images=2)
+    core = make_core(model, prefill_tokens=prefill_tokens, block_size=4, enable_prefix_caching=True)
+    first = sequence(processor, text, images, "first", max_new=24, config=model.config)
+    core.add(first)
+    run_to_completion(core)
+    again = sequence(processor, text, images, "again", max_new=24, config=model.config)
+    core.add(again)
+    run_to_completion(core)
+    assert again.num_cached_prompt_tokens > again.request.images[-1].positions[-1]
+    assert first.output_ids == again.output_ids == reference(model, processor, text, images, 24)
+
+
+def test_mrope_preempted_requests_recompute_at_their_positions(qwen2_5_vl):
+    """16 blocks of 8: two requests (50 prompt tokens + 24) are admitted, and one is
+    preempted as they grow; recomputed, it lays out the same rotary positions again."""
+    model, processor = qwen2_5_vl
+    text = prompt(processor)
+    core = make_core(model, total_tokens=128, prefill_tokens=64, block_size=8)
+    colors = (RED, BLUE, GREEN)
+    seqs = [
+        sequence(processor, text, [picture(c)], str(c), max_new=24, config=model.config)
+        for c in colors
+    ]
+    for seq in seqs:
+        core.add(seq)
+    run_to_completion(core)
+    assert core.stats().preemptions > 0
+    for seq, color in zip(seqs, colors, strict=True):
+        assert seq.output_ids == reference(model, processor, text, [picture(color)], 24)

@@ -107,11 +107,12 @@ class ImageEncoder:
         return features
 
     def _inputs(self, image: ImageInput) -> dict[str, torch.Tensor]:
-        """get_image_features' inputs for the one image: a batch of one, floats in the
-        model's dtype (pixels), the rest as they are (sizes, masks)."""
+        """get_image_features' inputs for the one image, as the processor gave them for it
+        alone (a batch of one, or its patches and grid row): floats in the model's dtype
+        (pixels), the rest as they are (sizes, masks, grids)."""
         rows = {"pixel_values": image.pixel_values, **image.extra}
         out = {}
         for name, row in rows.items():
-            value = torch.from_numpy(np.asarray(row)).unsqueeze(0).to(self.device)
+            value = torch.from_numpy(np.asarray(row)).to(self.device)
             out[name] = value.to(self.dtype) if value.is_floating_point() else value
         return out
