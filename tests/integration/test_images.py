@@ -282,8 +282,9 @@ def test_vllm_tokenize_with_an_image_is_refused_by_name(llava_server):
 
 
 # Past LLaVA (issue 47, step 2): each family's tiny model through a real server, OpenAI
-# chat with images of other sizes (other token counts), chunks of 12 cutting them
-FAMILIES = ["llava_next", "idefics3", "gemma3"]
+# chat with images of other sizes (other token counts), chunks of 12 cutting them (and
+# Qwen2.5-VL's text after its images at their M-RoPE positions)
+FAMILIES = ["llava_next", "idefics3", "gemma3", "qwen2_5_vl"]
 # Gemma 3's 16 image tokens attend to each other both ways: one chunk holds them
 PREFILL_TOKENS = {"gemma3": 20}
 
@@ -310,10 +311,11 @@ def family_server(family, family_dir):
 @torch.inference_mode()
 def family_reference(family_dir, images: list[bytes]) -> str:
     from PIL import Image
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from textgen.service.models.processors import load_processor
+    from transformers import AutoModelForImageTextToText
 
-    processor = AutoProcessor.from_pretrained(family_dir)
     model = AutoModelForImageTextToText.from_pretrained(family_dir, dtype=torch.float32).eval()
+    processor = load_processor(family_dir, model.config.model_type)  # as the server's
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": TEXT}]
     prompt = processor.apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True
