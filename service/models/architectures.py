@@ -61,7 +61,7 @@ _SINKS = re.compile(r"self\.sinks\s*=\s*nn\.Parameter")
 # prefill, engine/runners/image_encoder.py); other image-text-to-text families are refused
 # until they are (issue 47). Those transformers also loads as a causal LM (Llama 4, Mllama,
 # Qwen3.5) keep being served as text.
-IMAGE_FAMILIES = frozenset({"llava", "llava_next", "idefics3", "gemma3", "qwen2_5_vl"})
+IMAGE_FAMILIES = frozenset({"llava", "llava_next", "idefics3", "gemma3", "qwen2_5_vl", "qwen3_vl"})
 # those whose image tokens attend to each other both ways (transformers' token_type_ids
 # mask): the attention's key_limits (attention/paged.py), and one prefill chunk computes an
 # image's tokens (scheduler.py)
@@ -77,7 +77,7 @@ IMAGES_ONLY_PROCESSORS = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen
 # engine/runners/mrope.py), not the token's index
 MROPE_FAMILIES = frozenset({"qwen2_5_vl", "qwen3_vl"})
 MROPE_NO_STRATEGY = (
-    "multimodal rotary positions (Qwen2.5-VL's M-RoPE) are laid out per step by the eager "
+    "multimodal rotary positions (M-RoPE: Qwen2.5-VL, Qwen3-VL) are laid out per step by the eager "
     "runner; the decode graphs of --cuda-graphs and --compile take token indices"
 )
 

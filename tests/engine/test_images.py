@@ -46,6 +46,7 @@ TOKENS = {
     "gemma3": [[16], [16], [16, 16]],
     # 20 x 24 pixels resized to 40 x 48, 10 x 12 patches, merged 2 x 2: 30 tokens
     "qwen2_5_vl": [[30], [32], [32, 30]],
+    "qwen3_vl": [[30], [32], [32, 30]],  # the same image processor; deepstack rows too
 }
 # the small prefill budget: 7 cuts every image; Gemma 3's 16 tokens attend to each other
 # both ways and take one chunk, so 20 cuts the prompt around them
@@ -283,18 +284,22 @@ def test_prefix_hit_inside_an_image_attended_both_ways(tmp_path):
     assert b.output_ids == reference(model, processor, second, [picture(RED)])
 
 
-@pytest.fixture(scope="module")
-def qwen2_5_vl(tmp_path_factory):
-    return load(BUILDERS["qwen2_5_vl"](tmp_path_factory.mktemp("qwen2_5_vl")))
+# the families with multimodal rotary positions (M-RoPE)
+MROPE = ["qwen2_5_vl", "qwen3_vl"]
 
 
-def test_mrope_positions_equal_get_rope_index(qwen2_5_vl):
+@pytest.fixture(scope="module", params=MROPE)
+def mrope_family(request, tmp_path_factory):
+    return load(BUILDERS[request.param](tmp_path_factory.mktemp(request.param)))
+
+
+def test_mrope_positions_equal_get_rope_index(mrope_family):
     """The rotary positions laid out per chunk (engine/runners/mrope.py: each image's rows
     and span, from get_rope_index on it alone) equal the model's get_rope_index on the
     whole prompt, for any cut of it; past the prompt, index + the prompt's rope delta."""
     from textgen.service.engine.runners.mrope import MRope
 
-    model, processor = qwen2_5_vl
+    model, processor = mrope_family
     images = [picture(GREEN, size=(16, 40)), picture(RED, stripes=False)]
     seq = sequence(processor, prompt(processor, images=2), images, "r", config=model.config)
     ids = torch.tensor([seq.request.prompt_ids])
@@ -314,11 +319,11 @@ def test_mrope_positions_equal_get_rope_index(qwen2_5_vl):
 
 
 @pytest.mark.parametrize("prefill_tokens", [512, 7])
-def test_mrope_decodes_at_index_plus_delta(qwen2_5_vl, prefill_tokens):
+def test_mrope_decodes_at_index_plus_delta(mrope_family, prefill_tokens):
     """Two images, text after them, 24 tokens generated: a decode at its index (not index
     plus the images' rope delta, -48 here) changes the tokens; so do positions of a chunk
     that cuts an image (7), or of a request whose prefix (the images) is cached."""
-    model, processor = qwen2_5_vl
+    model, processor = mrope_family
     images = [picture(GREEN, size=(16, 40)), picture(RED, stripes=False)]
     text = prompt(processor, images=2)
     core = make_core(model, prefill_tokens=prefill_tokens, block_size=4, enable_prefix_caching=True)
@@ -332,10 +337,29 @@ def test_mrope_decodes_at_index_plus_delta(qwen2_5_vl, prefill_tokens):
     assert first.output_ids == again.output_ids == reference(model, processor, text, images, 24)
 
 
-def test_mrope_preempted_requests_recompute_at_their_positions(qwen2_5_vl):
+def test_deepstack_rows_reach_the_answer(tmp_path):
+    """Qwen3-VL's deepstack levels, added after its first decoder layers at the chunk's
+    image tokens: without them (the hooks removed) the tokens differ from generate."""
+    model, processor = load(BUILDERS["qwen3_vl"](tmp_path / "qwen3_vl"))
+    text, image = prompt(processor), picture(BLUE, size=(40, 16))
+    core = make_core(model, prefill_tokens=7, block_size=4)
+    served = sequence(processor, text, [image], "served", config=model.config)
+    core.add(served)
+    run_to_completion(core)
+    assert served.output_ids == reference(model, processor, text, [image])
+    core = make_core(model, prefill_tokens=7, block_size=4)
+    for layer in core.runner.model.model.language_model.layers:
+        layer._forward_hooks.clear()
+    unstacked = sequence(processor, text, [image], "unstacked", config=model.config)
+    core.add(unstacked)
+    run_to_completion(core)
+    assert unstacked.output_ids != served.output_ids
+
+
+def test_mrope_preempted_requests_recompute_at_their_positions(mrope_family):
     """16 blocks of 8: two requests (50 prompt tokens + 24) are admitted, and one is
     preempted as they grow; recomputed, it lays out the same rotary positions again."""
-    model, processor = qwen2_5_vl
+    model, processor = mrope_family
     text = prompt(processor)
     core = make_core(model, total_tokens=128, prefill_tokens=64, block_size=8)
     colors = (RED, BLUE, GREEN)

@@ -283,8 +283,8 @@ def test_vllm_tokenize_with_an_image_is_refused_by_name(llava_server):
 
 # Past LLaVA (issue 47, step 2): each family's tiny model through a real server, OpenAI
 # chat with images of other sizes (other token counts), chunks of 12 cutting them (and
-# Qwen2.5-VL's text after its images at their M-RoPE positions)
-FAMILIES = ["llava_next", "idefics3", "gemma3", "qwen2_5_vl"]
+# Qwen2.5-VL's and Qwen3-VL's text after its images at their M-RoPE positions)
+FAMILIES = ["llava_next", "idefics3", "gemma3", "qwen2_5_vl", "qwen3_vl"]
 # Gemma 3's 16 image tokens attend to each other both ways: one chunk holds them
 PREFILL_TOKENS = {"gemma3": 20}
 

@@ -350,12 +350,86 @@ def build_tiny_qwen2_5_vl(path: Path, *, seed: int = 0) -> Path:
     return _save(path, model, processor, tokenizer, projector="visual.merger")
 
 
+def build_tiny_qwen3_vl(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random Qwen3-VL (vision tower with deepstack mergers after its first and
+    second blocks, Qwen3 text with interleaved M-RoPE) with its processor, images only."""
+    import torch
+    from textgen.service.models.processors import images_only
+    from transformers import (
+        Qwen2VLImageProcessorPil,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLProcessor,
+    )
+
+    tokenizer = _tokenizer(*QWEN_TOKENS)
+    tokenizer.chat_template = CHAT_TEMPLATE.replace(
+        IMAGE_TOKEN, "<|vision_start|><|image_pad|><|vision_end|>"
+    )
+    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in QWEN_TOKENS}
+    config = Qwen3VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 1024,
+            # 8 frequencies: time, height and width interleaved
+            "rope_parameters": {
+                "rope_type": "default",
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": 3,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": QWEN_PATCH,
+            "spatial_merge_size": QWEN_MERGE,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 64,  # an 8 x 8 grid, interpolated to the image's
+            "deepstack_visual_indexes": [0, 1],
+            "out_hidden_size": 64,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config)
+    with torch.no_grad():  # deepstack features that move the answer
+        for p in model.model.visual.deepstack_merger_list.parameters():
+            p.mul_(4.0)
+    images = Qwen2VLImageProcessorPil(
+        patch_size=QWEN_PATCH,
+        merge_size=QWEN_MERGE,
+        temporal_patch_size=2,
+        min_pixels=QWEN_MIN_PIXELS,
+        max_pixels=QWEN_MAX_PIXELS,
+    )
+    processor = images_only(Qwen3VLProcessor)(
+        image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template
+    )
+    return _save(path, model, processor, tokenizer, projector="visual.merger")
+
+
 BUILDERS = {
     "llava": build_tiny_llava,
     "llava_next": build_tiny_llava_next,
     "idefics3": build_tiny_idefics3,
     "gemma3": build_tiny_gemma3,
     "qwen2_5_vl": build_tiny_qwen2_5_vl,
+    "qwen3_vl": build_tiny_qwen3_vl,
 }
 
 

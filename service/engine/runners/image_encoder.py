@@ -7,10 +7,18 @@ Chunked prefill: a chunk may cover part of an image's placeholders. Each image i
 encoded once and its features kept in a small LRU keyed by the image's content hash, so
 the request's later chunks (and a recompute after preemption, or another request with
 the same image) slice the rows they cover instead of encoding again.
+
+Deepstack (Qwen3-VL): the vision tower also returns rows from some of its blocks, one
+level per block, which the language model adds to the hidden states its first decoder
+layers put out (level k after layer k) at the image tokens. They are kept with the
+image's features and added by hooks on those layers, for the step's image tokens only
+(the chunk's rows of each level, at the chunk's image positions), as transformers'
+forward adds them at the prompt's.
 """
 
 from __future__ import annotations
 
+import contextlib
 from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -66,6 +74,14 @@ def key_limits(slices: list[ImageSlice], positions: list[int]) -> list[int] | No
     return limits
 
 
+@dataclass(frozen=True, slots=True)
+class DeepstackStep:
+    """What the hooks add: level k's rows [K, hidden] at the flattened batch's `targets`."""
+
+    targets: torch.Tensor  # [K] long
+    levels: list[torch.Tensor]
+
+
 class ImageEncoder:
     """The model's vision side, with the LRU of its images' features."""
 
@@ -74,37 +90,83 @@ class ImageEncoder:
         self.capacity = capacity
         self.device = next(model.parameters()).device
         self.dtype = model.get_input_embeddings().weight.dtype
-        self.cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        # per image: its feature rows, then each deepstack level's (Qwen3-VL)
+        self.cache: OrderedDict[bytes, tuple[torch.Tensor, ...]] = OrderedDict()
         self.encoded = 0  # images run through the vision tower so far (tests, metrics)
+        self._step: DeepstackStep | None = None  # the running forward's deepstack rows
+        self._install_deepstack(model)
 
-    def embeddings(self, ids: torch.Tensor, slices: list[ImageSlice]) -> torch.Tensor:
-        """`inputs_embeds` [1, T, hidden] for the flattened batch `ids` [1, T]."""
+    def _install_deepstack(self, model: torch.nn.Module) -> None:
+        """A hook on each decoder layer that takes a deepstack level (none: no deepstack)."""
+        vision = getattr(model.config, "vision_config", None)
+        levels = len(getattr(vision, "deepstack_visual_indexes", None) or ())
+        layers = model.model.language_model.layers if levels else []
+        for level, layer in enumerate(layers[:levels]):
+            layer.register_forward_hook(self._deepstack_hook(level))
+
+    def _deepstack_hook(self, level: int):
+        def add_level(module, args, hidden: torch.Tensor) -> torch.Tensor | None:
+            step = self._step
+            if step is None:
+                return None
+            hidden = hidden.clone()
+            hidden[0, step.targets] += step.levels[level].to(hidden.dtype)
+            return hidden
+
+        return add_level
+
+    @contextlib.contextmanager
+    def bound(self, step: DeepstackStep | None):
+        """The step's deepstack rows for the layers' hooks while its forward runs."""
+        self._step = step
+        try:
+            yield
+        finally:
+            self._step = None
+
+    def embeddings(
+        self, ids: torch.Tensor, slices: list[ImageSlice]
+    ) -> tuple[torch.Tensor, DeepstackStep | None]:
+        """`inputs_embeds` [1, T, hidden] for the flattened batch `ids` [1, T], and the
+        deepstack rows its forward adds (None: no deepstack)."""
         embeds = self.model.get_input_embeddings()(ids)
+        targets, levels = [], []
         for part in slices:
-            rows = self.features(part.image)[part.first_row : part.first_row + len(part.targets)]
-            targets = torch.tensor(part.targets, device=embeds.device)
-            embeds[0, targets] = rows.to(embeds.dtype)
-        return embeds
+            encoded = self.encode(part.image)
+            rows = [level[part.first_row : part.first_row + len(part.targets)] for level in encoded]
+            embeds[0, torch.tensor(part.targets, device=embeds.device)] = rows[0].to(embeds.dtype)
+            targets.extend(part.targets)
+            levels.append(rows[1:])
+        if not targets or not levels[0]:
+            return embeds, None
+        stacked = [torch.cat(level) for level in zip(*levels, strict=True)]
+        return embeds, DeepstackStep(torch.tensor(targets, device=self.device), stacked)
 
     def features(self, image: ImageInput) -> torch.Tensor:
         """The image's feature rows [num_tokens, hidden], from the cache or encoded now."""
+        return self.encode(image)[0]
+
+    def encode(self, image: ImageInput) -> tuple[torch.Tensor, ...]:
+        """The image's feature rows, then each deepstack level's [num_tokens, hidden], from
+        the cache or encoded now."""
         cached = self.cache.get(image.digest)
         if cached is not None:
             self.cache.move_to_end(image.digest)
             return cached
         out = self.model.get_image_features(**self._inputs(image), return_dict=True)
         # one [rows, hidden] per image (LLaVA) or per tile (Idefics 3): the image's rows
-        features = torch.cat([f.reshape(-1, f.shape[-1]) for f in out.pooler_output])
-        if features.shape[0] != image.num_tokens:
+        levels = [out.pooler_output, *(getattr(out, "deepstack_features", None) or ())]
+        encoded = tuple(torch.cat([f.reshape(-1, f.shape[-1]) for f in rows]) for rows in levels)
+        if encoded[0].shape[0] != image.num_tokens:
             raise RuntimeError(
-                f"the vision tower gave {features.shape[0]} feature rows for an image of "
+                f"the vision tower gave {encoded[0].shape[0]} feature rows for an image of "
                 f"{image.num_tokens} tokens"
             )
         self.encoded += 1
-        self.cache[image.digest] = features
+        self.cache[image.digest] = encoded
         if len(self.cache) > self.capacity:
             self.cache.popitem(last=False)
-        return features
+        return encoded
 
     def _inputs(self, image: ImageInput) -> dict[str, torch.Tensor]:
         """get_image_features' inputs for the one image, as the processor gave them for it

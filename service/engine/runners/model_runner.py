@@ -79,7 +79,7 @@ from ..scheduler import SchedulerOutput
 from ..sequence import Sequence
 from ..state_pool import StatePool, StateStep, bound_state_step
 from ..state_pool import install as install_state_layers
-from .image_encoder import ImageEncoder, ImageSlice, image_slices, key_limits
+from .image_encoder import DeepstackStep, ImageEncoder, ImageSlice, image_slices, key_limits
 from .invariant_linear import (
     LINEAR_BLOCK_ROWS,
     fixed_rows_linears,
@@ -327,15 +327,17 @@ class ModelRunner(StepRunner):
             custom_kernels=self.custom_kernels,
             key_limits=key_limits(inputs.images, inputs.positions),
         )
-        return self.forward(
-            self._tensor([inputs.token_ids]),
-            self.rotary_positions(inputs),
-            meta,
-            self._tensor(inputs.keep),
-            self.prepare_lora(inputs),
-            self.state_step(inputs.query_lens, inputs.context_lens, inputs.state_slots),
-            self.embeddings(inputs),
-        )
+        embeds, deepstack = self.embeddings(inputs)
+        with self.images.bound(deepstack) if deepstack else contextlib.nullcontext():
+            return self.forward(
+                self._tensor([inputs.token_ids]),
+                self.rotary_positions(inputs),
+                meta,
+                self._tensor(inputs.keep),
+                self.prepare_lora(inputs),
+                self.state_step(inputs.query_lens, inputs.context_lens, inputs.state_slots),
+                embeds,
+            )
 
     def rotary_positions(self, inputs: StepInputs) -> torch.Tensor:
         """The model's `position_ids`: [1, T] token indices, or M-RoPE's [3, 1, T]."""
@@ -343,17 +345,18 @@ class ModelRunner(StepRunner):
             return self._tensor(inputs.rope_positions).unsqueeze(1)
         return self._tensor([inputs.positions])
 
-    def embeddings(self, inputs: StepInputs) -> torch.Tensor | None:
-        """`inputs_embeds` with the step's image features merged (None: no image)."""
+    def embeddings(self, inputs: StepInputs) -> tuple[torch.Tensor | None, DeepstackStep | None]:
+        """`inputs_embeds` with the step's image features merged, and the deepstack rows
+        its forward adds (Qwen3-VL); None, None: no image."""
         if not inputs.images:
-            return None
+            return None, None
         encoded, started = self.images.encoded, time.perf_counter()
-        embeds = self.images.embeddings(self._tensor([inputs.token_ids]), inputs.images)
+        embeds, deepstack = self.images.embeddings(self._tensor([inputs.token_ids]), inputs.images)
         if count := self.images.encoded - encoded:  # not all from the encoder cache
             if self.device.type == "cuda":  # the time the device took, not the launches'
                 torch.cuda.synchronize(self.device)
             self.encode_seconds += [(time.perf_counter() - started) / count] * count
-        return embeds
+        return embeds, deepstack
 
     def state_step(self, query_lens, context_lens, slots) -> StateStep | None:
         """How the step splits in the state layers (None: the model keeps no state)."""
