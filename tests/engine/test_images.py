@@ -373,3 +373,14 @@ def test_mrope_preempted_requests_recompute_at_their_positions(mrope_family):
     assert core.stats().preemptions > 0
     for seq, color in zip(seqs, colors, strict=True):
         assert seq.output_ids == reference(model, processor, text, [picture(color)], 24)
+
+
+def test_decode_graphs_refuse_mrope(mrope_family):
+    """The compiled decode step takes token indices as positions: an M-RoPE model's
+    eager runner is refused by it, naming why (preflight refuses --compile before)."""
+    from textgen.service.engine.runners.compiled import CompiledRunner, CompileSettings
+
+    model, _ = mrope_family
+    core = make_core(model, block_size=4)
+    with pytest.raises(ValueError, match="M-RoPE"):
+        CompiledRunner(core.runner, CompileSettings((1,)))
