@@ -384,3 +384,32 @@ def test_decode_graphs_refuse_mrope(mrope_family):
     core = make_core(model, block_size=4)
     with pytest.raises(ValueError, match="M-RoPE"):
         CompiledRunner(core.runner, CompileSettings((1,)))
+
+
+def test_qwen_processor_from_a_checkpoint_layout(qwen_folder, tmp_path):
+    """A checkpoint's folder: the image processor in preprocessor_config.json under the
+    torchvision class's name, a video_preprocessor_config.json beside it: the processor
+    loads images only (the PIL class) and tokenizes as the test folder's does."""
+    import json
+    import shutil
+
+    folder = shutil.copytree(qwen_folder, tmp_path / "checkpoint")
+    saved = json.loads((folder / "processor_config.json").read_text())
+    (folder / "processor_config.json").unlink()
+    images = {**saved["image_processor"], "image_processor_type": "Qwen2VLImageProcessor"}
+    images["processor_class"] = "Qwen2_5_VLProcessor"
+    (folder / "preprocessor_config.json").write_text(json.dumps(images))
+    video = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 4}
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
+    processor = load_processor(folder, "qwen2_5_vl")
+    assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
+    assert not hasattr(processor, "video_processor")
+    expected = load_processor(qwen_folder, "qwen2_5_vl")
+    text = prompt(expected)
+    ids = [p(images=[picture(RED)], text=text)["input_ids"] for p in (processor, expected)]
+    assert ids[0] == ids[1]
+
+
+@pytest.fixture(scope="module")
+def qwen_folder(tmp_path_factory):
+    return BUILDERS["qwen2_5_vl"](tmp_path_factory.mktemp("qwen_folder"))
