@@ -21,7 +21,7 @@ Hybrid models: each entry of StepInputs names its sequence's slot of the state p
 (state_pool.py), and `state_copies` the forks' copies of their parents' states, made
 before the forward; the state layers split the step by entry (`StateStep`).
 
-Multimodal rotary positions (Qwen2.5-VL's M-RoPE): `positions` stay the tokens' indices
+Multimodal rotary positions (M-RoPE: Qwen2.5-VL, Qwen3-VL): `positions` stay token indices
 (KV slots, masks, key_limits); StepInputs' `rope_positions` are the 3 rows the model's
 rotary embedding reads, laid out host-side per chunk from the request's images (mrope.py).
 
@@ -276,7 +276,7 @@ class ModelRunner(StepRunner):
             register_layers(lora)
         self.states = self._state_pool(model, state_slots)
         self.images = ImageEncoder(model) if images else None
-        # the rotary positions of a multimodal-RoPE family (Qwen2.5-VL), laid out host-side
+        # the rotary positions of a multimodal-RoPE family (Qwen2.5-VL, Qwen3-VL), host-side
         self.rope = MRope(model) if model.config.model_type in MROPE_FAMILIES else None
         # seconds per image the encoder ran, since the engine took them (metrics)
         self.encode_seconds: list[float] = []
