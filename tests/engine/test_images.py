@@ -2,7 +2,8 @@
 engine core: the images' features merged at prefill equal transformers' own merge token
 for token, through prefill chunks that cut an image, and the prefix cache never shares an
 image's blocks with a request of another image (block hashes salted with the images'
-content hashes)."""
+content hashes); Qwen2.5-VL's and Qwen3-VL's multimodal rotary positions through chunks,
+decodes, the prefix cache and preemption, and Qwen3-VL's deepstack rows."""
 
 from __future__ import annotations
 
