@@ -1,8 +1,8 @@
 """Tiny random vision-language models, one per served family (LLaVA, LLaVA-Next, Idefics 3:
 a vision tower, a projector, a Llama language model; Gemma 3; Qwen2.5-VL and Qwen3-VL,
 their own towers and M-RoPE text models) with their processors (each image processor's
-PIL/numpy class, no torchvision; Qwen's without its video processor), built at test time and saved as normal
-Hugging Face folders; and small PNGs as data: URIs."""
+PIL/numpy class, no torchvision; Qwen's without its video processor), built at test
+time and saved as normal Hugging Face folders; and small PNGs as data: URIs."""
 
 from __future__ import annotations
 
