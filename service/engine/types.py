@@ -56,17 +56,19 @@ class BothWays(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class ImageInput:
-    """One image of a prompt: its processed pixels (the processor's `pixel_values` row, a
-    numpy array), the other per-image inputs its family's `get_image_features` takes
-    (LLaVA-Next's and Mistral 3's `image_sizes`, Idefics 3's `pixel_attention_mask`: numpy
-    rows by name), their content hash (prefix-cache salt, encoder-cache key), and the
-    prompt positions of the placeholder tokens its feature rows replace, in order (one
-    run for LLaVA; runs between tile and row markers for Idefics 3)."""
+    """One image of a prompt: its processed pixels (the processor's `pixel_values` for the
+    image alone, a numpy array: a batch of one, or Qwen2.5-VL's patches), the other inputs
+    its family's `get_image_features` takes for it (LLaVA-Next's and Mistral 3's
+    `image_sizes`, Idefics 3's `pixel_attention_mask`, Qwen2.5-VL's `image_grid_thw`:
+    numpy arrays by name, as the processor gave them), their content hash (prefix-cache
+    salt, encoder-cache key), and the prompt positions of the placeholder tokens its
+    feature rows replace, in order (one run for LLaVA; runs between tile and row markers
+    for Idefics 3)."""
 
     digest: bytes
     pixel_values: object = field(repr=False)  # (a request's repr in a log stays short)
     positions: tuple[int, ...] = field(repr=False)
-    extra: dict = field(default_factory=dict, repr=False)  # name -> numpy row
+    extra: dict = field(default_factory=dict, repr=False)  # name -> numpy array
 
     @property
     def offset(self) -> int:

@@ -196,13 +196,17 @@ class ImagePrompts:
         image_token_id: int | None = None,
         both_ways: str | None = None,
         max_chunk: int | None = None,
+        listed_by: str = "pixel_values",
     ) -> None:
         """image_token_id: the token the image's features replace (the model config's), where
         the processor's placeholder is another (Gemma 3's <start_of_image>); both_ways: which
         tokens attend to each other both ways (models/architectures.py BOTH_WAYS: each
         image's, Gemma 3; the whole prompt, PaliGemma), so one prefill chunk of at most
-        `max_chunk` tokens (--max-batch-prefill-tokens) must hold each such span."""
+        `max_chunk` tokens (--max-batch-prefill-tokens) must hold each such span;
+        listed_by: the processor's input with one row per image (Qwen2.5-VL's
+        `image_grid_thw`, its patches concatenated in `pixel_values`)."""
         self.processor = processor
+        self.listed_by = listed_by
         self.image_token = processor.image_token
         self.image_token_id = processor.image_token_id if image_token_id is None else image_token_id
         self.both_ways = both_ways
@@ -259,13 +263,15 @@ class ImagePrompts:
             )
         inputs, start = [], 0
         for part, out, count in zip(parts, alone, counts, strict=True):
-            if len(out["pixel_values"]) != 1:  # Gemma 3's pan and scan: crops as images
+            if len(out[self.listed_by]) != 1:  # Gemma 3's pan and scan: crops as images
                 raise ValidationError(
-                    f"`{part.name}`: the processor made {len(out['pixel_values'])} images of "
+                    f"`{part.name}`: the processor made {len(out[self.listed_by])} images of "
                     "it (crops), which textgen doesn't serve",
                     part.name,
                 )
-            rows = {k: v[0] for k, v in out.items() if k not in _TEXT_INPUTS}
+            # the image alone as get_image_features takes it: a batch of one (LLaVA), or
+            # its patches and its one row of image_grid_thw (Qwen2.5-VL)
+            rows = {k: v for k, v in out.items() if k not in _TEXT_INPUTS}
             digest = hashlib.blake2b(digest_size=16)
             for name, row in sorted(rows.items()):
                 digest.update(repr((name, row.shape, str(row.dtype))).encode())

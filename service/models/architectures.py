@@ -61,7 +61,9 @@ _SINKS = re.compile(r"self\.sinks\s*=\s*nn\.Parameter")
 # prefill, engine/runners/image_encoder.py); other image-text-to-text families are refused
 # until they are (issue 47). Those transformers also loads as a causal LM (Llama 4, Mllama,
 # Qwen3.5) keep being served as text.
-IMAGE_FAMILIES = frozenset({"llava", "llava_next", "idefics3", "gemma3", "mistral3", "paligemma"})
+IMAGE_FAMILIES = frozenset(
+    {"llava", "llava_next", "idefics3", "gemma3", "mistral3", "paligemma", "qwen2_5_vl", "qwen3_vl"}
+)
 # The families whose prompt tokens attend to each other both ways (transformers'
 # token_type_ids masks at prefill), and which: each image's tokens (Gemma 3), or the whole
 # prompt the processor makes, its images, bos, text and "\n" (PaliGemma's prefix-LM; the
@@ -73,6 +75,25 @@ BOTH_WAYS = {"gemma3": BOTH_WAYS_IMAGE, "paligemma": BOTH_WAYS_PROMPT}
 # the position transformers gives a prompt's first token where it isn't 0 (PaliGemma's
 # are 1-indexed: RoPE sees the same differences, but rounds other angles)
 FIRST_POSITION = {"paligemma": 1}
+# those whose processor concatenates all images' patches ([sum patches, dim]) and lists
+# them per image in another input: that input's name (one row per image); the others
+# give `pixel_values` a batch dim, one row per image
+IMAGES_LISTED_BY = {"qwen2_5_vl": "image_grid_thw", "qwen3_vl": "image_grid_thw"}
+# those whose processor class also takes a video processor, which needs torchvision: the
+# loader builds it without one (models/processors.py), for images only
+IMAGES_ONLY_PROCESSORS = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
+# those whose rotary positions are 3 rows per token from the images' grids (M-RoPE:
+# engine/runners/mrope.py), not the token's index
+MROPE_FAMILIES = frozenset({"qwen2_5_vl", "qwen3_vl"})
+MROPE_NO_STRATEGY = (
+    "multimodal rotary positions (M-RoPE: Qwen2.5-VL, Qwen3-VL) are laid out per step by the eager "
+    "runner; the decode graphs of --cuda-graphs and --compile take token indices"
+)
+
+
+def has_mrope(config: dict) -> bool:
+    """Whether `config` (a config.json) is a family served with M-RoPE positions."""
+    return is_image_family(config) and config.get("model_type") in MROPE_FAMILIES
 
 
 def images_refused_reason(model_type: str | None, vision: bool) -> str | None:

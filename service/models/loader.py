@@ -27,6 +27,7 @@ from .attention_adapters import plain_linears
 from .checkpoint_quant import LibraryQuantization, finish_loading
 from .errors import ModelError
 from .hub import NO_CONTEXT, ResolvedModel, config_json, resolve_model, stated_context
+from .processors import load_processor
 from .quantize import QuantizationError, quantize_model, resolve_quantization
 from .shard_layout import ShardLayout, shard_layout
 from .sharding import VocabSlice, install_collectives, localize, lora_slices, tp_plan_overrides
@@ -219,7 +220,7 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(
         resolved.path, local_files_only=True, trust_remote_code=options.trust_remote_code
     )
-    processor = _processor(resolved.path, own_config.get("model_type"), options) if images else None
+    processor = _processor(resolved.path, options, own_config.get("model_type")) if images else None
     if options.chat_template is not None:
         tokenizer.chat_template = options.chat_template
     elif processor is not None and tokenizer.chat_template is None:
@@ -298,13 +299,12 @@ def load_model(
     )
 
 
-def _processor(path: Path, model_type: str | None, options: LoadOptions):
-    """A vision-language model's processor, from the folder's own files (Mistral 3's
-    without torchvision: pixtral_processor.py)."""
-    from .pixtral_processor import load_processor
-
+def _processor(path: Path, options: LoadOptions, model_type: str | None = None):
+    """A vision-language model's processor, from the folder's own files; the family's
+    class without its video processor where that needs torchvision (processors.py)."""
+    kwargs = {"local_files_only": True, "trust_remote_code": options.trust_remote_code}
     try:
-        return load_processor(path, model_type, options.trust_remote_code)
+        return load_processor(path, model_type, **kwargs)
     except (OSError, ValueError, ImportError) as exc:
         raise ModelError(f"cannot load the image processor of {path}: {exc}") from exc
 

@@ -12,13 +12,12 @@ merged patch: the projector's feature rows) each ended by `[IMG_BREAK]`, the las
 `[IMG_END]`. It leaves out PixtralProcessor's `_get_num_multimodal_tokens` (a count for
 callers that have no image yet), which is the one use of the torchvision module's helper.
 
-`load_processor` uses it only where PixtralProcessor can't be imported: with torchvision
-installed, transformers' own class is loaded.
+models/processors.py loads it only where PixtralProcessor can't be imported
+(`torchvision_free`): with torchvision installed, transformers' own class is loaded.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import ClassVar
 
 from transformers.processing_utils import ProcessorMixin
@@ -85,16 +84,11 @@ class PixtralProcessorPil(ProcessorMixin):
 _TORCHVISION_FREE = {"PixtralProcessor": PixtralProcessorPil}
 
 
-def load_processor(path: Path | str, model_type: str | None, trust_remote_code: bool = False):
-    """The processor of the model folder `path` (local files only): transformers' own
-    (AutoProcessor), or, where torchvision isn't installed and the family's processor
-    needs it (Mistral 3's PixtralProcessor), its torchvision-free equivalent above."""
-    from transformers import AutoProcessor
+def torchvision_free(model_type: str | None) -> type | None:
+    """The processor class to load for family `model_type` in transformers' place: this
+    module's equivalent where torchvision isn't installed and the family's processor needs
+    it (Mistral 3's PixtralProcessor); None: transformers' own."""
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
     substitute = _TORCHVISION_FREE.get(PROCESSOR_MAPPING_NAMES.get(model_type or ""))
-    if substitute is not None and not is_torchvision_available():
-        return substitute.from_pretrained(path, local_files_only=True)
-    return AutoProcessor.from_pretrained(
-        path, local_files_only=True, trust_remote_code=trust_remote_code
-    )
+    return substitute if substitute is not None and not is_torchvision_available() else None

@@ -34,6 +34,8 @@ from ..intake.grammar_compiler import GrammarCompiler
 from ..intake.validation import Limits
 from ..models import LoadedModel, load_model
 from ..models.architectures import (
+    MROPE_FAMILIES,
+    MROPE_NO_STRATEGY,
     module_sdpa_only_layers,
     module_sdpa_only_terms,
     no_graphs_reason,
@@ -80,6 +82,8 @@ def cuda_graph_settings(
         reason = no_graphs_reason(terms)
     if reason is None and has_state_layers(loaded.model):
         reason = "a hybrid model's state layers run eagerly"
+    if reason is None and getattr(loaded.model.config, "model_type", None) in MROPE_FAMILIES:
+        reason = MROPE_NO_STRATEGY
     if settings.cuda_graphs and reason:
         raise SettingError("--cuda-graphs", None, f"{reason} (pass --no-cuda-graphs)")
     if settings.cuda_graphs is None:

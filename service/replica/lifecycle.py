@@ -25,7 +25,7 @@ from ..intake.image_urls import FetchLimits
 from ..intake.images import ImageLimits, ImagePrompts
 from ..intake.validation import Limits, Validator
 from ..models import LoadedModel
-from ..models.architectures import BOTH_WAYS, images_refused_reason
+from ..models.architectures import BOTH_WAYS, IMAGES_LISTED_BY, images_refused_reason
 from ..models.loader import ModelShard
 from ..observability.metrics import Metrics, MetricsListener
 from ..observability.requests import RequestRecorder
@@ -406,6 +406,7 @@ def image_prompts(processor, config, max_chunk: int | None = None) -> ImagePromp
         getattr(config, "image_token_id", None),
         BOTH_WAYS.get(config.model_type),
         max_chunk,
+        IMAGES_LISTED_BY.get(config.model_type, "pixel_values"),
     )
 
 

@@ -49,6 +49,7 @@ def preflight(settings: Settings) -> Preflight:
     check_remote_code(settings, model, config)
     check_architecture(settings, model, config)
     check_state_layers(settings, model, config)
+    check_mrope(settings, model, config)
     check_quantization(settings, device, config)
     context = check_context(settings, model, config)
     # with --full-context the limits are bounded by the KV cache: here by the one given
@@ -442,6 +443,18 @@ def check_architecture(settings: Settings, model: str, config: dict) -> None:
     terms = sdpa_only_terms(config) if settings.deterministic else None
     if terms:
         raise SettingError("--deterministic", "true", f"{model}: {not_invariant_reason(terms)}")
+
+
+def check_mrope(settings: Settings, model: str, config: dict) -> None:
+    """A multimodal-RoPE model (Qwen2.5-VL) runs its decodes eagerly: the runner strategies'
+    decode graphs take token indices as positions (engine/runners/mrope.py)."""
+    from ..models.architectures import MROPE_NO_STRATEGY, has_mrope
+
+    if not has_mrope(config):
+        return
+    for flag, given in (("--compile", settings.compile), ("--cuda-graphs", settings.cuda_graphs)):
+        if given:
+            raise SettingError(flag, None, f"{model}: {MROPE_NO_STRATEGY}")
 
 
 def check_state_layers(settings: Settings, model: str, config: dict) -> None:

@@ -1,9 +1,11 @@
-"""Vision-language models (a tiny LLaVA; LLaVA-Next, Idefics 3, Gemma 3, Mistral 3 and
-PaliGemma too) through the engine core: the images' features merged at prefill equal
-transformers' own merge token for token, through prefill chunks that cut an image, and
-the prefix cache never shares an image's blocks with a request of another image (block
-hashes salted with the images' content hashes), nor a span attended both ways with a
-request of another span (PaliGemma's prompt)."""
+"""Vision-language models (a tiny LLaVA; LLaVA-Next, Idefics 3, Gemma 3, Mistral 3,
+PaliGemma, Qwen2.5-VL and Qwen3-VL too) through the engine core: the images' features
+merged at prefill equal transformers' own merge token for token, through prefill chunks
+that cut an image, and the prefix cache never shares an image's blocks with a request of
+another image (block hashes salted with the images' content hashes), nor a span attended
+both ways with a request of another span (PaliGemma's prompt); Qwen2.5-VL's and
+Qwen3-VL's multimodal rotary positions through chunks, decodes, the prefix cache and
+preemption, and Qwen3-VL's deepstack rows."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from support.tiny_vlm import BUILDERS, build_tiny_llava, png, transformers_proce
 from textgen.service.engine.sequence import Sequence
 from textgen.service.engine.types import EngineRequest, SamplingParams, StoppingParams
 from textgen.service.intake.images import ImagePrompts, decode_image
-from textgen.service.models.pixtral_processor import load_processor
+from textgen.service.models.processors import load_processor
 from textgen.service.replica.lifecycle import image_prompts
 
 from .factories import make_core, run_to_completion
@@ -25,7 +27,8 @@ TEXT = "What is in the picture?"
 
 
 def load(path):
-    """The model, and its processor as the server loads it (models/loader.py)."""
+    """The model and its processor, as the server's loader builds it (Qwen2.5-VL's without
+    its video processor: models/processors.py)."""
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
@@ -48,6 +51,9 @@ TOKENS = {
     # 32) padded to 16 x 32, 32 x 16; the [IMG_BREAK] and [IMG_END] among them are no rows
     "mistral3": [[9], [8], [8, 9]],
     "paligemma": [[16], [16], [16, 16]],
+    # 20 x 24 pixels resized to 40 x 48, 10 x 12 patches, merged 2 x 2: 30 tokens
+    "qwen2_5_vl": [[30], [32], [32, 30]],
+    "qwen3_vl": [[30], [32], [32, 30]],  # the same image processor; deepstack rows too
 }
 # the small prefill budget: 7 cuts every image; Gemma 3's 16 tokens attend to each other
 # both ways and take one chunk, so 20 cuts the prompt around them; PaliGemma's whole
@@ -376,3 +382,134 @@ def test_prompt_without_image_is_refused_by_paligemmas_processor(paligemma):
     with pytest.raises(ValidationError, match="processor refused `inputs`") as refused:
         image_prompts(processor, model.config).tokenize(TEXT, (), "inputs")
     assert refused.value.param == "inputs"
+
+
+# the families with multimodal rotary positions (M-RoPE)
+MROPE = ["qwen2_5_vl", "qwen3_vl"]
+
+
+@pytest.fixture(scope="module", params=MROPE)
+def mrope_family(request, tmp_path_factory):
+    return load(BUILDERS[request.param](tmp_path_factory.mktemp(request.param)))
+
+
+def test_mrope_positions_equal_get_rope_index(mrope_family):
+    """The rotary positions laid out per chunk (engine/runners/mrope.py: each image's rows
+    and span, from get_rope_index on it alone) equal the model's get_rope_index on the
+    whole prompt, for any cut of it; past the prompt, index + the prompt's rope delta."""
+    from textgen.service.engine.runners.mrope import MRope
+
+    model, processor = mrope_family
+    images = [picture(GREEN, size=(16, 40)), picture(RED, stripes=False)]
+    seq = sequence(processor, prompt(processor, images=2), images, "r", config=model.config)
+    ids = torch.tensor([seq.request.prompt_ids])
+    grids = torch.cat([torch.from_numpy(i.extra["image_grid_thw"]) for i in seq.request.images])
+    mask = (ids == model.config.image_token_id).int()
+    expected, delta = model.model.get_rope_index(ids, mm_token_type_ids=mask, image_grid_thw=grids)
+    rope, n = MRope(model), ids.shape[1]
+    assert rope.positions(seq.request.images, 0, n) == expected[:, 0].tolist()
+    for start in range(0, n, 7):  # chunks of 7 cut both images
+        count = min(7, n - start)
+        assert (
+            rope.positions(seq.request.images, start, count)
+            == expected[:, 0, start : start + count].tolist()
+        )
+    assert delta.item() < 0  # 62 image tokens span 16 + 10 positions
+    assert rope.positions(seq.request.images, n + 5, 1) == [[n + 5 + delta.item()]] * 3
+
+
+@pytest.mark.parametrize("prefill_tokens", [512, 7])
+def test_mrope_decodes_at_index_plus_delta(mrope_family, prefill_tokens):
+    """Two images, text after them, 24 tokens generated: a decode at its index (not index
+    plus the images' rope delta, -48 here) changes the tokens; so do positions of a chunk
+    that cuts an image (7), or of a request whose prefix (the images) is cached."""
+    model, processor = mrope_family
+    images = [picture(GREEN, size=(16, 40)), picture(RED, stripes=False)]
+    text = prompt(processor, images=2)
+    core = make_core(model, prefill_tokens=prefill_tokens, block_size=4, enable_prefix_caching=True)
+    first = sequence(processor, text, images, "first", max_new=24, config=model.config)
+    core.add(first)
+    run_to_completion(core)
+    again = sequence(processor, text, images, "again", max_new=24, config=model.config)
+    core.add(again)
+    run_to_completion(core)
+    assert again.num_cached_prompt_tokens > again.request.images[-1].positions[-1]
+    assert first.output_ids == again.output_ids == reference(model, processor, text, images, 24)
+
+
+def test_deepstack_rows_reach_the_answer(tmp_path):
+    """Qwen3-VL's deepstack levels, added after its first decoder layers at the chunk's
+    image tokens: without them (the hooks removed) the tokens differ from generate."""
+    model, processor = load(BUILDERS["qwen3_vl"](tmp_path / "qwen3_vl"))
+    text, image = prompt(processor), picture(BLUE, size=(40, 16))
+    core = make_core(model, prefill_tokens=7, block_size=4)
+    served = sequence(processor, text, [image], "served", config=model.config)
+    core.add(served)
+    run_to_completion(core)
+    assert served.output_ids == reference(model, processor, text, [image])
+    core = make_core(model, prefill_tokens=7, block_size=4)
+    for layer in core.runner.model.model.language_model.layers:
+        layer._forward_hooks.clear()
+    unstacked = sequence(processor, text, [image], "unstacked", config=model.config)
+    core.add(unstacked)
+    run_to_completion(core)
+    assert unstacked.output_ids != served.output_ids
+
+
+def test_mrope_preempted_requests_recompute_at_their_positions(mrope_family):
+    """16 blocks of 8: two requests (50 prompt tokens + 24) are admitted, and one is
+    preempted as they grow; recomputed, it lays out the same rotary positions again."""
+    model, processor = mrope_family
+    text = prompt(processor)
+    core = make_core(model, total_tokens=128, prefill_tokens=64, block_size=8)
+    colors = (RED, BLUE, GREEN)
+    seqs = [
+        sequence(processor, text, [picture(c)], str(c), max_new=24, config=model.config)
+        for c in colors
+    ]
+    for seq in seqs:
+        core.add(seq)
+    run_to_completion(core)
+    assert core.stats().preemptions > 0
+    for seq, color in zip(seqs, colors, strict=True):
+        assert seq.output_ids == reference(model, processor, text, [picture(color)], 24)
+
+
+def test_decode_graphs_refuse_mrope(mrope_family):
+    """The compiled decode step takes token indices as positions: an M-RoPE model's
+    eager runner is refused by it, naming why (preflight refuses --compile before)."""
+    from textgen.service.engine.runners.compiled import CompiledRunner, CompileSettings
+
+    model, _ = mrope_family
+    core = make_core(model, block_size=4)
+    with pytest.raises(ValueError, match="M-RoPE"):
+        CompiledRunner(core.runner, CompileSettings((1,)))
+
+
+def test_qwen_processor_from_a_checkpoint_layout(qwen_folder, tmp_path):
+    """A checkpoint's folder: the image processor in preprocessor_config.json under the
+    torchvision class's name, a video_preprocessor_config.json beside it: the processor
+    loads images only (the PIL class) and tokenizes as the test folder's does."""
+    import json
+    import shutil
+
+    folder = shutil.copytree(qwen_folder, tmp_path / "checkpoint")
+    saved = json.loads((folder / "processor_config.json").read_text())
+    (folder / "processor_config.json").unlink()
+    images = {**saved["image_processor"], "image_processor_type": "Qwen2VLImageProcessor"}
+    images["processor_class"] = "Qwen2_5_VLProcessor"
+    (folder / "preprocessor_config.json").write_text(json.dumps(images))
+    video = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 4}
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
+    processor = load_processor(folder, "qwen2_5_vl")
+    assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
+    assert not hasattr(processor, "video_processor")
+    expected = load_processor(qwen_folder, "qwen2_5_vl")
+    text = prompt(expected)
+    ids = [p(images=[picture(RED)], text=text)["input_ids"] for p in (processor, expected)]
+    assert ids[0] == ids[1]
+
+
+@pytest.fixture(scope="module")
+def qwen_folder(tmp_path_factory):
+    return BUILDERS["qwen2_5_vl"](tmp_path_factory.mktemp("qwen_folder"))

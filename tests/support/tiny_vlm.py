@@ -1,7 +1,8 @@
 """Tiny random vision-language models, one per served family (LLaVA, LLaVA-Next, Idefics 3,
-Gemma 3, Mistral 3, PaliGemma: a vision tower, a projector, a language model) with their processors
-(each image processor's PIL/numpy class, no torchvision), built at test time and saved as
-normal Hugging Face folders; transformers' own processor of such a folder (the tests'
+Gemma 3, Mistral 3, PaliGemma, Qwen2.5-VL, Qwen3-VL: a vision tower, a projector, a
+language model) with their processors (each image processor's PIL/numpy class, no
+torchvision; Qwen's without its video processor), built at test time and saved as normal
+Hugging Face folders; transformers' own processor of such a folder (the tests'
 reference); and small PNGs as data: URIs."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import base64
 import importlib.machinery
 import io
+import operator
 from pathlib import Path
 
 from .tiny_model import build_tokenizer
@@ -75,7 +77,7 @@ def _save(path: Path, model, processor, tokenizer, projector: str = "multi_modal
 
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
-        for p in getattr(model.model, projector).parameters():
+        for p in operator.attrgetter(projector)(model.model).parameters():
             p.mul_(4.0)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id
@@ -401,6 +403,155 @@ def build_tiny_paligemma(path: Path, *, seed: int = 0) -> Path:
     return _save(path, model, processor, tokenizer)
 
 
+# Qwen2.5-VL: an image is resized (a multiple of PATCH x MERGE a side, its pixels within
+# QWEN_MIN_PIXELS .. QWEN_MAX_PIXELS) and cut into PATCH-pixel patches, each 2 x 2 of them
+# merged into one token: a few dozen tokens, as many as its aspect gives. The template
+# writes an image part as <|vision_start|><|image_pad|><|vision_end|>, as Qwen's own does
+QWEN_TOKENS = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]
+QWEN_PATCH = 4
+QWEN_MERGE = 2
+QWEN_MIN_PIXELS = 40 * 40
+QWEN_MAX_PIXELS = 56 * 56
+
+
+def build_tiny_qwen2_5_vl(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random Qwen2.5-VL (windowed vision tower, patch merger, Qwen2 text with
+    M-RoPE) with its processor: the PIL image processor, no video processor (it needs
+    torchvision), saved under the family's class name as the checkpoints' are."""
+    import torch
+    from textgen.service.models.processors import images_only
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessorPil,
+    )
+
+    tokenizer = _tokenizer(*QWEN_TOKENS)
+    tokenizer.chat_template = CHAT_TEMPLATE.replace(
+        IMAGE_TOKEN, "<|vision_start|><|image_pad|><|vision_end|>"
+    )
+    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in QWEN_TOKENS}
+    llama = _llama(tokenizer).to_dict()
+    text = {k: llama[k] for k in ("vocab_size", "hidden_size", "intermediate_size")}
+    text |= {k: llama[k] for k in ("num_hidden_layers", "num_attention_heads")}
+    config = Qwen2_5_VLConfig(
+        text_config={
+            **text,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 1024,
+            # head_dim 16: 8 frequencies, 2 for time, 3 each for height and width
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]},
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": QWEN_PATCH,
+            "spatial_merge_size": QWEN_MERGE,
+            "temporal_patch_size": 2,
+            "window_size": 2 * QWEN_PATCH * QWEN_MERGE,  # windows of 2 x 2 merged patches
+            "fullatt_block_indexes": [1],
+            "out_hidden_size": 64,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    images = Qwen2VLImageProcessorPil(
+        patch_size=QWEN_PATCH,
+        merge_size=QWEN_MERGE,
+        temporal_patch_size=2,
+        min_pixels=QWEN_MIN_PIXELS,
+        max_pixels=QWEN_MAX_PIXELS,
+    )
+    processor = images_only(Qwen2_5_VLProcessor)(
+        image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template
+    )
+    return _save(path, model, processor, tokenizer, projector="visual.merger")
+
+
+def build_tiny_qwen3_vl(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random Qwen3-VL (vision tower with deepstack mergers after its first and
+    second blocks, Qwen3 text with interleaved M-RoPE) with its processor, images only."""
+    import torch
+    from textgen.service.models.processors import images_only
+    from transformers import (
+        Qwen2VLImageProcessorPil,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLProcessor,
+    )
+
+    tokenizer = _tokenizer(*QWEN_TOKENS)
+    tokenizer.chat_template = CHAT_TEMPLATE.replace(
+        IMAGE_TOKEN, "<|vision_start|><|image_pad|><|vision_end|>"
+    )
+    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in QWEN_TOKENS}
+    config = Qwen3VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 1024,
+            # 8 frequencies: time, height and width interleaved
+            "rope_parameters": {
+                "rope_type": "default",
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": 3,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": QWEN_PATCH,
+            "spatial_merge_size": QWEN_MERGE,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 64,  # an 8 x 8 grid, interpolated to the image's
+            "deepstack_visual_indexes": [0, 1],
+            "out_hidden_size": 64,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config)
+    with torch.no_grad():  # deepstack features that move the answer
+        for p in model.model.visual.deepstack_merger_list.parameters():
+            p.mul_(4.0)
+    images = Qwen2VLImageProcessorPil(
+        patch_size=QWEN_PATCH,
+        merge_size=QWEN_MERGE,
+        temporal_patch_size=2,
+        min_pixels=QWEN_MIN_PIXELS,
+        max_pixels=QWEN_MAX_PIXELS,
+    )
+    processor = images_only(Qwen3VLProcessor)(
+        image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template
+    )
+    return _save(path, model, processor, tokenizer, projector="visual.merger")
+
+
 BUILDERS = {
     "llava": build_tiny_llava,
     "llava_next": build_tiny_llava_next,
@@ -408,16 +559,24 @@ BUILDERS = {
     "gemma3": build_tiny_gemma3,
     "mistral3": build_tiny_mistral3,
     "paligemma": build_tiny_paligemma,
+    "qwen2_5_vl": build_tiny_qwen2_5_vl,
+    "qwen3_vl": build_tiny_qwen3_vl,
 }
 
 
 def transformers_processor(path: Path):
     """transformers' own processor of a model folder, the tests' reference: AutoProcessor's,
-    but transformers' PixtralProcessor for Mistral 3 where torchvision isn't installed."""
+    but transformers' PixtralProcessor for Mistral 3 where torchvision isn't installed, and
+    Qwen's own class without the video processor that needs it."""
+    from textgen.service.models.architectures import IMAGES_ONLY_PROCESSORS
+    from textgen.service.models.processors import load_processor
     from transformers import AutoConfig, AutoProcessor
 
-    if AutoConfig.from_pretrained(path).model_type == "mistral3":
+    model_type = AutoConfig.from_pretrained(path).model_type
+    if model_type == "mistral3":
         return transformers_pixtral_processor().from_pretrained(path)
+    if model_type in IMAGES_ONLY_PROCESSORS:
+        return load_processor(path, model_type)
     return AutoProcessor.from_pretrained(path)
 
 

@@ -33,6 +33,7 @@ from unittest import mock
 import torch
 from tqdm import tqdm
 
+from ...models.architectures import MROPE_NO_STRATEGY
 from ...models.lora_layers import bound_lora
 from ..attention.paged import BatchMetadata, bound_metadata
 from ..speculation import SpeculationSettings
@@ -103,6 +104,8 @@ class CompiledRunner(StepRunner):
                 "--compile with --deterministic is not supported: the compiled decode step "
                 "pads batches to its own buckets, outside the batch-invariant layout"
             )
+        if eager.rope is not None:
+            raise ValueError(MROPE_NO_STRATEGY)
         if eager.pool.scratch_block is None:
             raise ValueError("a compiled decode step needs a KV pool with a scratch block")
         self.eager = eager

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from ...models.architectures import MROPE_NO_STRATEGY
 from ...models.lora_layers import LoraStep
 from ..attention import paged as attention
 from ..attention.paged import BatchMetadata
@@ -211,6 +212,8 @@ class GraphedRunner(StepRunner):
             raise ValueError(reason)
         if eager.batch_invariant:
             raise ValueError("CUDA graphs and batch-invariant execution don't combine")
+        if eager.rope is not None:
+            raise ValueError(MROPE_NO_STRATEGY)
         if eager.pool.scratch_block is None:
             raise ValueError("graph padding rows need a KV pool with a scratch block")
         self.eager = eager

@@ -21,6 +21,10 @@ Hybrid models: each entry of StepInputs names its sequence's slot of the state p
 (state_pool.py), and `state_copies` the forks' copies of their parents' states, made
 before the forward; the state layers split the step by entry (`StateStep`).
 
+Multimodal rotary positions (M-RoPE: Qwen2.5-VL, Qwen3-VL): `positions` stay token indices
+(KV slots, masks, key_limits); StepInputs' `rope_positions` are the 3 rows the model's
+rotary embedding reads, laid out host-side per chunk from the request's images (mrope.py).
+
 LoRA adapters: each entry of StepInputs names the slot of stacked adapter weights its rows
 read (-1: the base model), and `lora_loads` the adapters the device side writes into slots
 before the forward; the host side keeps the slot table (engine/adapters.py), so every rank
@@ -51,6 +55,7 @@ from ...models import attention_adapters
 from ...models.architectures import (
     FIRST_POSITION,
     IMAGE_FAMILIES,
+    MROPE_FAMILIES,
     interface_reason,
     keeps_recurrent_state,
     layer_types_reason,
@@ -76,13 +81,14 @@ from ..sequence import Sequence
 from ..state_pool import StatePool, StateStep, bound_state_step
 from ..state_pool import install as install_state_layers
 from ..types import BothWays
-from .image_encoder import ImageEncoder, ImageSlice, image_slices
+from .image_encoder import DeepstackStep, ImageEncoder, ImageSlice, image_slices
 from .invariant_linear import (
     LINEAR_BLOCK_ROWS,
     fixed_rows_linears,
     linear_modules,
     probe_min_rows,
 )
+from .mrope import MRope
 
 PROMPT_LOGPROB_ROWS = 256  # rows per float32 log_softmax when scoring prompt tokens
 
@@ -137,14 +143,19 @@ class StepInputs:
     # [T] the last key position each token sees (attention/paged.py), past its own in a
     # span attended both ways; None: every token its own (causal)
     key_limits: list[int] | None = None
+    # [3][T] the tokens' rotary positions where they aren't `positions` (M-RoPE: mrope.py);
+    # empty: the model's rotary embedding reads `positions`
+    rope_positions: list[list[int]] = field(default_factory=list)
 
     @property
     def is_pure_decode(self) -> bool:
         """Every entry computes one token and keeps its logits (its sequence's last token):
-        the steps the runner strategies (cuda_graphs.py, compiled.py) take over."""
+        the steps the runner strategies (cuda_graphs.py, compiled.py) take over; not with
+        M-RoPE positions, which they don't take (refused with them: settings/preflight.py)."""
         return (
             not self.images
             and self.key_limits is None
+            and not self.rope_positions
             and len(self.keep) == len(self.query_lens)
             and all(n == 1 for n in self.query_lens)
         )
@@ -177,6 +188,7 @@ class StepRunner:
     pool: KVCachePool
     batch_invariant: bool
     slot_table: SlotTable | None = None  # the LoRA slots' adapters (PagedCore sets it)
+    rope: MRope | None = None  # a multimodal-RoPE model's rotary positions (mrope.py)
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         raise NotImplementedError
@@ -185,9 +197,9 @@ class StepRunner:
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         slots, loads = self._lora_slots(batch)
         if self.batch_invariant:
-            layout = lay_out(batch, ROW_MULTIPLE, self.pool.scratch_block, slots)
+            layout = lay_out(batch, ROW_MULTIPLE, self.pool.scratch_block, slots, self.rope)
         else:
-            layout = lay_out(batch, slots=slots)
+            layout = lay_out(batch, slots=slots, rope=self.rope)
         inputs = layout.inputs
         inputs.block_copies = batch.block_copies
         inputs.state_copies = batch.state_copies
@@ -272,6 +284,8 @@ class ModelRunner(StepRunner):
         self.images = ImageEncoder(model) if images else None
         # added to the positions the model sees (PaliGemma's are 1-indexed)
         self.first_position = FIRST_POSITION.get(model.config.model_type, 0)
+        # the rotary positions of a multimodal-RoPE family (Qwen2.5-VL, Qwen3-VL), host-side
+        self.rope = MRope(model) if model.config.model_type in MROPE_FAMILIES else None
         # seconds per image the encoder ran, since the engine took them (metrics)
         self.encode_seconds: list[float] = []
 
@@ -321,27 +335,36 @@ class ModelRunner(StepRunner):
             custom_kernels=self.custom_kernels,
             key_limits=inputs.key_limits,
         )
-        return self.forward(
-            self._tensor([inputs.token_ids]),
-            self._tensor([inputs.positions]),
-            meta,
-            self._tensor(inputs.keep),
-            self.prepare_lora(inputs),
-            self.state_step(inputs.query_lens, inputs.context_lens, inputs.state_slots),
-            self.embeddings(inputs),
-        )
+        embeds, deepstack = self.embeddings(inputs)
+        with self.images.bound(deepstack) if deepstack else contextlib.nullcontext():
+            return self.forward(
+                self._tensor([inputs.token_ids]),
+                self.rotary_positions(inputs),
+                meta,
+                self._tensor(inputs.keep),
+                self.prepare_lora(inputs),
+                self.state_step(inputs.query_lens, inputs.context_lens, inputs.state_slots),
+                embeds,
+            )
 
-    def embeddings(self, inputs: StepInputs) -> torch.Tensor | None:
-        """`inputs_embeds` with the step's image features merged (None: no image)."""
+    def rotary_positions(self, inputs: StepInputs) -> torch.Tensor:
+        """The model's `position_ids`: [1, T] token indices, or M-RoPE's [3, 1, T]."""
+        if inputs.rope_positions:
+            return self._tensor(inputs.rope_positions).unsqueeze(1)
+        return self._tensor([inputs.positions])
+
+    def embeddings(self, inputs: StepInputs) -> tuple[torch.Tensor | None, DeepstackStep | None]:
+        """`inputs_embeds` with the step's image features merged, and the deepstack rows
+        its forward adds (Qwen3-VL); None, None: no image."""
         if not inputs.images:
-            return None
+            return None, None
         encoded, started = self.images.encoded, time.perf_counter()
-        embeds = self.images.embeddings(self._tensor([inputs.token_ids]), inputs.images)
+        embeds, deepstack = self.images.embeddings(self._tensor([inputs.token_ids]), inputs.images)
         if count := self.images.encoded - encoded:  # not all from the encoder cache
             if self.device.type == "cuda":  # the time the device took, not the launches'
                 torch.cuda.synchronize(self.device)
             self.encode_seconds += [(time.perf_counter() - started) / count] * count
-        return embeds
+        return embeds, deepstack
 
     def state_step(self, query_lens, context_lens, slots) -> StateStep | None:
         """How the step splits in the state layers (None: the model keeps no state)."""
@@ -423,6 +446,8 @@ class Layout:
     slot_of: dict[int, int] = field(default_factory=dict)  # adapter uid -> its LoRA slot
     images: list[ImageSlice] = field(default_factory=list)  # image features to merge
     key_limits: list[int] | None = None  # StepInputs'; None until a span attended both ways
+    rope: MRope | None = None  # lays out rope_positions (M-RoPE models only)
+    rope_positions: list[list[int]] = field(default_factory=list)  # [3][T] with `rope`
 
     @property
     def inputs(self) -> StepInputs:
@@ -437,6 +462,7 @@ class Layout:
             state_slots=self.state_slots,
             images=self.images,
             key_limits=self.key_limits,
+            rope_positions=self.rope_positions,
         )
 
     def add(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> None:
@@ -451,6 +477,8 @@ class Layout:
             self.token_ids.extend(seq.token_ids[start : start + num_new])
         reaches_end = drafts or start + num_new == seq.num_tokens
         self.positions.extend(range(start, start + num_new))
+        if self.rope is not None:
+            self._add_rope(self.rope.positions(seq.request.images, start, num_new))
         self.query_lens.append(num_new)
         self.context_lens.append(start + num_new)
         self.block_tables.append(seq.block_table)
@@ -473,12 +501,20 @@ class Layout:
             if not drafts:
                 self.sample_rows.append(len(self.keep) - 1)
 
+    def _add_rope(self, rows: list[list[int]]) -> None:
+        if not self.rope_positions:
+            self.rope_positions = [[] for _ in rows]
+        for laid, row in zip(self.rope_positions, rows, strict=True):
+            laid.extend(row)
+
     def add_padding(self, count: int, scratch_block: int) -> None:
         """`count` 1-token queries at position 0 of the scratch block; nothing reads their
         logits. They all write the same slot, the same K/V (token 0 at position 0)."""
         for _ in range(count):
             self.token_ids.append(0)
             self.positions.append(0)
+            if self.rope is not None:
+                self._add_rope(self.rope.positions((), 0, 1))
             self.query_lens.append(1)
             self.context_lens.append(1)
             self.block_tables.append([scratch_block])
@@ -509,10 +545,11 @@ def lay_out(
     row_multiple: int = 1,
     scratch_block: int | None = None,
     slots: dict[int, int] | None = None,
+    rope: MRope | None = None,
 ) -> Layout:
     """The flattened batch; with row_multiple > 1, padded to a multiple of that many tokens
     and logits rows (padding tokens go to `scratch_block`). slots: each adapter uid's LoRA
-    slot."""
+    slot. rope: a multimodal-RoPE model's, for the tokens' rotary positions."""
     # Single-token queries first: they form the cheap decode groups of the attention (and
     # the padding tokens join them). Then the chunks, those that start their sequence
     # first. Each kind runs largest first, so that the attention can cut a run into groups
@@ -532,7 +569,7 @@ def lay_out(
         key=lambda entry: (entry[0].num_computed_tokens == 0, attention_size(entry)),
         reverse=True,
     )
-    layout = Layout(slot_of=slots or {})
+    layout = Layout(slot_of=slots or {}, rope=rope)
     for seq, num_new in decodes:
         layout.add(seq, num_new)
     if row_multiple > 1:

@@ -1,0 +1,44 @@
+"""A vision-language model's processor for images only. Qwen2.5-VL's and Qwen3-VL's
+processor classes take a video processor too, whose class needs torchvision (not a
+dependency of textgen), and AutoProcessor loads it for them. So for those families
+(architectures.py, IMAGES_ONLY_PROCESSORS) the processor is the family's own class,
+rebuilt without that argument: it loads the folder's image processor (the PIL class where
+torchvision is missing) and tokenizer, and turns prompts and images into ids and pixels as
+the family's class does. A video part stays refused where the faces parse it. Mistral 3's
+PixtralProcessor can't be imported at all without torchvision: there textgen's
+equivalent is loaded (pixtral_processor.py)."""
+
+from __future__ import annotations
+
+import functools
+
+from .architectures import IMAGES_ONLY_PROCESSORS
+
+
+@functools.cache
+def images_only(processor_class: type) -> type:
+    """`processor_class` without its video processor: the same name (as its folders'
+    processor_config.json name it) and everything else."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        processor_class.__init__(
+            self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs
+        )
+
+    return type(processor_class.__name__, (processor_class,), {"__init__": __init__})
+
+
+def load_processor(path, model_type: str | None, **kwargs):
+    """The processor of the vision-language model in folder `path`, from its own files
+    (from_pretrained's `kwargs`): the family's class images only where it takes a video
+    processor, our torchvision-free equivalent where transformers' needs torchvision, else
+    AutoProcessor's."""
+    import transformers
+
+    from .pixtral_processor import torchvision_free
+
+    if class_name := IMAGES_ONLY_PROCESSORS.get(model_type):
+        return images_only(getattr(transformers, class_name)).from_pretrained(path, **kwargs)
+    if (substitute := torchvision_free(model_type)) is not None:
+        return substitute.from_pretrained(path, local_files_only=True)
+    return transformers.AutoProcessor.from_pretrained(path, **kwargs)
