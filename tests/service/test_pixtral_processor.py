@@ -22,7 +22,8 @@ from support.tiny_vlm import (
     transformers_processor,
 )
 from textgen.service.models import pixtral_processor
-from textgen.service.models.pixtral_processor import PixtralProcessorPil, load_processor
+from textgen.service.models.pixtral_processor import PixtralProcessorPil
+from textgen.service.models.processors import load_processor
 
 # (width, height): no resize, the longest edge brought to 32 (both ways), and a small one
 SIZES = [(20, 24), (40, 16), (16, 40), (5, 3)]
