@@ -19,13 +19,24 @@ from .architectures import IMAGES_ONLY_PROCESSORS
 def images_only(processor_class: type) -> type:
     """`processor_class` without its video processor: the same name (as its folders'
     processor_config.json name it) and everything else."""
+    from transformers import ProcessorMixin
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+    def __init__(
+        self, image_processor=None, tokenizer=None, chat_template=None, image_seq_len=None, **kwargs
+    ):
+        # from_pretrained passes on only the saved parameters this code names (SmolVLM's
+        # image_seq_len); one not given keeps the family's default
+        if image_seq_len is not None:
+            kwargs["image_seq_len"] = image_seq_len
         processor_class.__init__(
             self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs
         )
 
-    return type(processor_class.__name__, (processor_class,), {"__init__": __init__})
+    # SmolVLM's apply_chat_template only adds a video's defaults, reading the video
+    # processor it hasn't: the template is applied as ProcessorMixin's (Qwen's classes
+    # keep that one)
+    body = {"__init__": __init__, "apply_chat_template": ProcessorMixin.apply_chat_template}
+    return type(processor_class.__name__, (processor_class,), body)
 
 
 def load_processor(path, model_type: str | None, **kwargs):

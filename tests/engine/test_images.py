@@ -46,12 +46,14 @@ def llava(tmp_path_factory):
 TOKENS = {
     "llava_next": [[72], [52], [56, 72]],
     "idefics3": [[20], [12], [12, 20]],
+    "smolvlm": [[20], [12], [12, 20]],  # Idefics 3's tiles
     "gemma3": [[16], [16], [16, 16]],
     # [IMG] per 8-pixel cell: 24 x 24 (20 x 24 rounded up), 12 x 32 (40 x 16 at an edge of
     # 32) padded to 16 x 32, 32 x 16; the [IMG_BREAK] and [IMG_END] among them are no rows
     "mistral3": [[9], [8], [8, 9]],
     "paligemma": [[16], [16], [16, 16]],
     # 20 x 24 pixels resized to 40 x 48, 10 x 12 patches, merged 2 x 2: 30 tokens
+    "qwen2_vl": [[30], [32], [32, 30]],
     "qwen2_5_vl": [[30], [32], [32, 30]],
     "qwen3_vl": [[30], [32], [32, 30]],  # the same image processor; deepstack rows too
 }
@@ -385,7 +387,7 @@ def test_prompt_without_image_is_refused_by_paligemmas_processor(paligemma):
 
 
 # the families with multimodal rotary positions (M-RoPE)
-MROPE = ["qwen2_5_vl", "qwen3_vl"]
+MROPE = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
 
 @pytest.fixture(scope="module", params=MROPE)
