@@ -106,8 +106,8 @@ IMAGES_ONLY_PROCESSORS = {
 # engine/runners/mrope.py), not the token's index
 MROPE_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
 MROPE_NO_STRATEGY = (
-    "multimodal rotary positions (M-RoPE: Qwen2.5-VL, Qwen3-VL) are laid out per step by the eager "
-    "runner; the decode graphs of --cuda-graphs and --compile take token indices"
+    "multimodal rotary positions (M-RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) are laid out per step by "
+    "the eager runner; the decode graphs of --cuda-graphs and --compile take token indices"
 )
 
 

@@ -1,12 +1,13 @@
-"""A vision-language model's processor for images only. Qwen2.5-VL's and Qwen3-VL's
-processor classes take a video processor too, whose class needs torchvision (not a
-dependency of textgen), and AutoProcessor loads it for them. So for those families
-(architectures.py, IMAGES_ONLY_PROCESSORS) the processor is the family's own class,
-rebuilt without that argument: it loads the folder's image processor (the PIL class where
-torchvision is missing) and tokenizer, and turns prompts and images into ids and pixels as
-the family's class does. A video part stays refused where the faces parse it. Mistral 3's
-PixtralProcessor can't be imported at all without torchvision: there textgen's
-equivalent is loaded (pixtral_processor.py)."""
+"""A vision-language model's processor for images only. Qwen2-VL's, Qwen2.5-VL's,
+Qwen3-VL's and SmolVLM's processor classes take a video processor too, whose class needs
+torchvision (not a dependency of textgen), and AutoProcessor loads it for them. So for
+those families (architectures.py, IMAGES_ONLY_PROCESSORS) the processor is the family's
+own class, rebuilt without that argument: it loads the folder's image processor (the PIL
+class where torchvision is missing), tokenizer and the class's own settings (SmolVLM's
+`image_seq_len`), and turns prompts and images into ids and pixels as the family's class
+does. A video part stays refused where the faces parse it. Mistral 3's PixtralProcessor
+can't be imported at all without torchvision: there textgen's equivalent is loaded
+(pixtral_processor.py)."""
 
 from __future__ import annotations
 

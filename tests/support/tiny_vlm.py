@@ -1,9 +1,9 @@
 """Tiny random vision-language models, one per served family (LLaVA, LLaVA-Next, Idefics 3,
-Gemma 3, Mistral 3, PaliGemma, Qwen2.5-VL, Qwen3-VL: a vision tower, a projector, a
-language model) with their processors (each image processor's PIL/numpy class, no
-torchvision; Qwen's without its video processor), built at test time and saved as normal
-Hugging Face folders; transformers' own processor of such a folder (the tests'
-reference); and small PNGs as data: URIs."""
+SmolVLM, Gemma 3, Mistral 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL: a vision tower, a
+projector, a language model) with their processors (each image processor's PIL/numpy
+class, no torchvision; Qwen's and SmolVLM's without their video processor), built at test
+time and saved as normal Hugging Face folders; transformers' own processor of such a
+folder (the tests' reference); and small PNGs as data: URIs."""
 
 from __future__ import annotations
 
@@ -666,7 +666,7 @@ BUILDERS = {
 def transformers_processor(path: Path):
     """transformers' own processor of a model folder, the tests' reference: AutoProcessor's,
     but transformers' PixtralProcessor for Mistral 3 where torchvision isn't installed, and
-    Qwen's own class without the video processor that needs it."""
+    Qwen's and SmolVLM's own class without the video processor that needs it."""
     from textgen.service.models.architectures import IMAGES_ONLY_PROCESSORS
     from textgen.service.models.processors import load_processor
     from transformers import AutoConfig, AutoProcessor
