@@ -3,9 +3,9 @@ Mistral 3, PaliGemma, Qwen2-VL, Qwen2.5-VL and Qwen3-VL too) through the engine 
 images' features merged at prefill equal transformers' own merge token for token, through
 prefill chunks that cut an image, and the prefix cache never shares an image's blocks
 with a request of another image (block hashes salted with the images' content hashes), nor
-a span attended both ways with a request of another span (PaliGemma's prompt); Qwen2-VL's, Qwen2.5-VL's
-and Qwen3-VL's multimodal rotary positions through chunks, decodes, the prefix cache and
-preemption, and Qwen3-VL's deepstack rows."""
+a span attended both ways with a request of another span (PaliGemma's prompt); Qwen2-VL's,
+Qwen2.5-VL's and Qwen3-VL's multimodal rotary positions through chunks, decodes, the
+prefix cache and preemption, and Qwen3-VL's deepstack rows."""
 
 from __future__ import annotations
 
