@@ -515,3 +515,33 @@ def test_qwen_processor_from_a_checkpoint_layout(qwen_folder, tmp_path):
 @pytest.fixture(scope="module")
 def qwen_folder(tmp_path_factory):
     return BUILDERS["qwen2_5_vl"](tmp_path_factory.mktemp("qwen_folder"))
+
+
+def test_smolvlm_processor_from_a_checkpoint_layout(tmp_path):
+    """SmolVLM's checkpoints: the image processor in preprocessor_config.json under the
+    torchvision class's name, `image_seq_len` alone in processor_config.json, a video
+    processor beside them: the processor loads images only (the PIL class) with the
+    folder's image_seq_len, applies the chat template without a video processor, and
+    tokenizes as the test folder's does."""
+    import json
+    import shutil
+
+    built = BUILDERS["smolvlm"](tmp_path / "built")
+    folder = shutil.copytree(built, tmp_path / "checkpoint")
+    saved = json.loads((folder / "processor_config.json").read_text())
+    images = {**saved["image_processor"], "image_processor_type": "SmolVLMImageProcessor"}
+    images["processor_class"] = "SmolVLMProcessor"
+    (folder / "preprocessor_config.json").write_text(json.dumps(images))
+    own = {"image_seq_len": saved["image_seq_len"], "processor_class": "SmolVLMProcessor"}
+    (folder / "processor_config.json").write_text(json.dumps(own))
+    video = {"video_processor_type": "SmolVLMVideoProcessor"}
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
+    processor = load_processor(folder, "smolvlm")
+    assert type(processor.image_processor).__name__ == "SmolVLMImageProcessorPil"
+    assert not hasattr(processor, "video_processor")
+    assert processor.image_seq_len == saved["image_seq_len"] != 169  # (the class's default)
+    expected = load_processor(built, "smolvlm")
+    text = prompt(processor)
+    assert text == prompt(expected)
+    ids = [p(images=[picture(RED)], text=text)["input_ids"] for p in (processor, expected)]
+    assert ids[0] == ids[1]
