@@ -62,7 +62,18 @@ _SINKS = re.compile(r"self\.sinks\s*=\s*nn\.Parameter")
 # until they are (issue 47). Those transformers also loads as a causal LM (Llama 4, Mllama,
 # Qwen3.5) keep being served as text.
 IMAGE_FAMILIES = frozenset(
-    {"llava", "llava_next", "idefics3", "gemma3", "mistral3", "paligemma", "qwen2_5_vl", "qwen3_vl"}
+    {
+        "llava",
+        "llava_next",
+        "idefics3",
+        "smolvlm",
+        "gemma3",
+        "mistral3",
+        "paligemma",
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_vl",
+    }
 )
 # The families whose prompt tokens attend to each other both ways (transformers'
 # token_type_ids masks at prefill), and which: each image's tokens (Gemma 3), or the whole
@@ -78,16 +89,25 @@ FIRST_POSITION = {"paligemma": 1}
 # those whose processor concatenates all images' patches ([sum patches, dim]) and lists
 # them per image in another input: that input's name (one row per image); the others
 # give `pixel_values` a batch dim, one row per image
-IMAGES_LISTED_BY = {"qwen2_5_vl": "image_grid_thw", "qwen3_vl": "image_grid_thw"}
+IMAGES_LISTED_BY = {
+    "qwen2_vl": "image_grid_thw",
+    "qwen2_5_vl": "image_grid_thw",
+    "qwen3_vl": "image_grid_thw",
+}
 # those whose processor class also takes a video processor, which needs torchvision: the
 # loader builds it without one (models/processors.py), for images only
-IMAGES_ONLY_PROCESSORS = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
+IMAGES_ONLY_PROCESSORS = {
+    "smolvlm": "SmolVLMProcessor",
+    "qwen2_vl": "Qwen2VLProcessor",
+    "qwen2_5_vl": "Qwen2_5_VLProcessor",
+    "qwen3_vl": "Qwen3VLProcessor",
+}
 # those whose rotary positions are 3 rows per token from the images' grids (M-RoPE:
 # engine/runners/mrope.py), not the token's index
-MROPE_FAMILIES = frozenset({"qwen2_5_vl", "qwen3_vl"})
+MROPE_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
 MROPE_NO_STRATEGY = (
-    "multimodal rotary positions (M-RoPE: Qwen2.5-VL, Qwen3-VL) are laid out per step by the eager "
-    "runner; the decode graphs of --cuda-graphs and --compile take token indices"
+    "multimodal rotary positions (M-RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) are laid out per step by "
+    "the eager runner; the decode graphs of --cuda-graphs and --compile take token indices"
 )
 
 

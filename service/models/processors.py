@@ -1,12 +1,13 @@
-"""A vision-language model's processor for images only. Qwen2.5-VL's and Qwen3-VL's
-processor classes take a video processor too, whose class needs torchvision (not a
-dependency of textgen), and AutoProcessor loads it for them. So for those families
-(architectures.py, IMAGES_ONLY_PROCESSORS) the processor is the family's own class,
-rebuilt without that argument: it loads the folder's image processor (the PIL class where
-torchvision is missing) and tokenizer, and turns prompts and images into ids and pixels as
-the family's class does. A video part stays refused where the faces parse it. Mistral 3's
-PixtralProcessor can't be imported at all without torchvision: there textgen's
-equivalent is loaded (pixtral_processor.py)."""
+"""A vision-language model's processor for images only. Qwen2-VL's, Qwen2.5-VL's,
+Qwen3-VL's and SmolVLM's processor classes take a video processor too, whose class needs
+torchvision (not a dependency of textgen), and AutoProcessor loads it for them. So for
+those families (architectures.py, IMAGES_ONLY_PROCESSORS) the processor is the family's
+own class, rebuilt without that argument: it loads the folder's image processor (the PIL
+class where torchvision is missing), tokenizer and the class's own settings (SmolVLM's
+`image_seq_len`), and turns prompts and images into ids and pixels as the family's class
+does. A video part stays refused where the faces parse it. Mistral 3's PixtralProcessor
+can't be imported at all without torchvision: there textgen's equivalent is loaded
+(pixtral_processor.py)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,24 @@ from .architectures import IMAGES_ONLY_PROCESSORS
 def images_only(processor_class: type) -> type:
     """`processor_class` without its video processor: the same name (as its folders'
     processor_config.json name it) and everything else."""
+    from transformers import ProcessorMixin
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+    def __init__(
+        self, image_processor=None, tokenizer=None, chat_template=None, image_seq_len=None, **kwargs
+    ):
+        # from_pretrained passes on only the saved parameters this code names (SmolVLM's
+        # image_seq_len); one not given keeps the family's default
+        if image_seq_len is not None:
+            kwargs["image_seq_len"] = image_seq_len
         processor_class.__init__(
             self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs
         )
 
-    return type(processor_class.__name__, (processor_class,), {"__init__": __init__})
+    # SmolVLM's apply_chat_template only adds a video's defaults, reading the video
+    # processor it hasn't: the template is applied as ProcessorMixin's (Qwen's classes
+    # keep that one)
+    body = {"__init__": __init__, "apply_chat_template": ProcessorMixin.apply_chat_template}
+    return type(processor_class.__name__, (processor_class,), body)
 
 
 def load_processor(path, model_type: str | None, **kwargs):

@@ -1,11 +1,11 @@
-"""Vision-language models (a tiny LLaVA; LLaVA-Next, Idefics 3, Gemma 3, Mistral 3,
-PaliGemma, Qwen2.5-VL and Qwen3-VL too) through the engine core: the images' features
-merged at prefill equal transformers' own merge token for token, through prefill chunks
-that cut an image, and the prefix cache never shares an image's blocks with a request of
-another image (block hashes salted with the images' content hashes), nor a span attended
-both ways with a request of another span (PaliGemma's prompt); Qwen2.5-VL's and
-Qwen3-VL's multimodal rotary positions through chunks, decodes, the prefix cache and
-preemption, and Qwen3-VL's deepstack rows."""
+"""Vision-language models (a tiny LLaVA; LLaVA-Next, Idefics 3, SmolVLM, Gemma 3,
+Mistral 3, PaliGemma, Qwen2-VL, Qwen2.5-VL and Qwen3-VL too) through the engine core: the
+images' features merged at prefill equal transformers' own merge token for token, through
+prefill chunks that cut an image, and the prefix cache never shares an image's blocks
+with a request of another image (block hashes salted with the images' content hashes), nor
+a span attended both ways with a request of another span (PaliGemma's prompt); Qwen2-VL's,
+Qwen2.5-VL's and Qwen3-VL's multimodal rotary positions through chunks, decodes, the
+prefix cache and preemption, and Qwen3-VL's deepstack rows."""
 
 from __future__ import annotations
 
@@ -46,12 +46,14 @@ def llava(tmp_path_factory):
 TOKENS = {
     "llava_next": [[72], [52], [56, 72]],
     "idefics3": [[20], [12], [12, 20]],
+    "smolvlm": [[20], [12], [12, 20]],  # Idefics 3's tiles
     "gemma3": [[16], [16], [16, 16]],
     # [IMG] per 8-pixel cell: 24 x 24 (20 x 24 rounded up), 12 x 32 (40 x 16 at an edge of
     # 32) padded to 16 x 32, 32 x 16; the [IMG_BREAK] and [IMG_END] among them are no rows
     "mistral3": [[9], [8], [8, 9]],
     "paligemma": [[16], [16], [16, 16]],
     # 20 x 24 pixels resized to 40 x 48, 10 x 12 patches, merged 2 x 2: 30 tokens
+    "qwen2_vl": [[30], [32], [32, 30]],
     "qwen2_5_vl": [[30], [32], [32, 30]],
     "qwen3_vl": [[30], [32], [32, 30]],  # the same image processor; deepstack rows too
 }
@@ -385,7 +387,7 @@ def test_prompt_without_image_is_refused_by_paligemmas_processor(paligemma):
 
 
 # the families with multimodal rotary positions (M-RoPE)
-MROPE = ["qwen2_5_vl", "qwen3_vl"]
+MROPE = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
 
 @pytest.fixture(scope="module", params=MROPE)
@@ -513,3 +515,33 @@ def test_qwen_processor_from_a_checkpoint_layout(qwen_folder, tmp_path):
 @pytest.fixture(scope="module")
 def qwen_folder(tmp_path_factory):
     return BUILDERS["qwen2_5_vl"](tmp_path_factory.mktemp("qwen_folder"))
+
+
+def test_smolvlm_processor_from_a_checkpoint_layout(tmp_path):
+    """SmolVLM's checkpoints: the image processor in preprocessor_config.json under the
+    torchvision class's name, `image_seq_len` alone in processor_config.json, a video
+    processor beside them: the processor loads images only (the PIL class) with the
+    folder's image_seq_len, applies the chat template without a video processor, and
+    tokenizes as the test folder's does."""
+    import json
+    import shutil
+
+    built = BUILDERS["smolvlm"](tmp_path / "built")
+    folder = shutil.copytree(built, tmp_path / "checkpoint")
+    saved = json.loads((folder / "processor_config.json").read_text())
+    images = {**saved["image_processor"], "image_processor_type": "SmolVLMImageProcessor"}
+    images["processor_class"] = "SmolVLMProcessor"
+    (folder / "preprocessor_config.json").write_text(json.dumps(images))
+    own = {"image_seq_len": saved["image_seq_len"], "processor_class": "SmolVLMProcessor"}
+    (folder / "processor_config.json").write_text(json.dumps(own))
+    video = {"video_processor_type": "SmolVLMVideoProcessor"}
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
+    processor = load_processor(folder, "smolvlm")
+    assert type(processor.image_processor).__name__ == "SmolVLMImageProcessorPil"
+    assert not hasattr(processor, "video_processor")
+    assert processor.image_seq_len == saved["image_seq_len"] != 169  # (the class's default)
+    expected = load_processor(built, "smolvlm")
+    text = prompt(processor)
+    assert text == prompt(expected)
+    ids = [p(images=[picture(RED)], text=text)["input_ids"] for p in (processor, expected)]
+    assert ids[0] == ids[1]

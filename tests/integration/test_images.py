@@ -320,10 +320,12 @@ def test_vllm_tokenize_image_to_a_text_model_is_refused_by_name(http_server):
 
 # Past LLaVA (issue 47, step 2): each family's tiny model through a real server, OpenAI
 # chat with images of other sizes (other token counts), chunks of 12 cutting them (and
-# Qwen2.5-VL's and Qwen3-VL's text after its images at their M-RoPE positions); a family
-# without chat template (PaliGemma) through TGI's /generate, as TGI served it
+# Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's text after its images at their M-RoPE
+# positions); a family without chat template (PaliGemma) through TGI's /generate, as TGI
+# served it
 FAMILIES = [
-    "llava_next", "idefics3", "gemma3", "mistral3", "paligemma", "qwen2_5_vl", "qwen3_vl",
+    "llava_next", "idefics3", "smolvlm", "gemma3", "mistral3", "paligemma", "qwen2_vl",
+    "qwen2_5_vl", "qwen3_vl",
 ]  # fmt: skip
 # Gemma 3's 16 image tokens attend to each other both ways: one chunk holds them; so does
 # PaliGemma's whole prompt (49 tokens with two images)

@@ -48,13 +48,11 @@ SERVED = [
     "qwen3_5_moe", "lara_mini", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "lfm2_moe",
     "lfm3", "zamba", "zamba2", "zaya",
     # vision-language, served with images (tests/integration/test_images.py)
-    "llava", "llava_next", "idefics3", "gemma3", "mistral3", "paligemma", "qwen2_5_vl", "qwen3_vl",
+    "llava", "llava_next", "idefics3", "smolvlm", "gemma3", "mistral3", "paligemma", "qwen2_vl",
+    "qwen2_5_vl", "qwen3_vl",
 ]  # fmt: skip
 # vision-language families not served yet (issue 47): refused by name, before loading
-IMAGE_FAMILIES_NOT_YET = [
-    "llava_onevision", "smolvlm",
-    "qwen2_vl",
-]  # fmt: skip
+IMAGE_FAMILIES_NOT_YET = ["llava_onevision"]
 
 
 def config_of(model_type: str) -> dict:
@@ -106,15 +104,15 @@ def test_images_to_a_vision_checkpoint_served_as_text_say_so():
 
 
 def test_preflight_refuses_an_unserved_vision_family_in_one_line(tmp_path):
-    folder = write_model_folder(tmp_path / "qwen2_vl", "qwen2_vl")
+    folder = write_model_folder(tmp_path / "llava_onevision", "llava_onevision")
     with pytest.raises(SettingError) as refused:
         preflight(Settings(model_id=str(folder), grpc_port=0, port=0, no_envoy=True))
     message = str(refused.value)
-    assert message.startswith(f"--model-id {folder}: qwen2_vl is a vision-language family")
+    assert message.startswith(f"--model-id {folder}: llava_onevision is a vision-language family")
     assert "\n" not in message
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_mrope_families_refuse_the_decode_graphs_before_loading(tmp_path, model_type):
     """Their decodes' rotary positions are index + the images' delta, laid out by the eager
     runner: --compile's decode graphs (taking token indices) are refused in one line."""

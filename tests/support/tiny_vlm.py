@@ -1,9 +1,9 @@
 """Tiny random vision-language models, one per served family (LLaVA, LLaVA-Next, Idefics 3,
-Gemma 3, Mistral 3, PaliGemma, Qwen2.5-VL, Qwen3-VL: a vision tower, a projector, a
-language model) with their processors (each image processor's PIL/numpy class, no
-torchvision; Qwen's without its video processor), built at test time and saved as normal
-Hugging Face folders; transformers' own processor of such a folder (the tests'
-reference); and small PNGs as data: URIs."""
+SmolVLM, Gemma 3, Mistral 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL: a vision tower, a
+projector, a language model) with their processors (each image processor's PIL/numpy
+class, no torchvision; Qwen's and SmolVLM's without their video processor), built at test
+time and saved as normal Hugging Face folders; transformers' own processor of such a
+folder (the tests' reference); and small PNGs as data: URIs."""
 
 from __future__ import annotations
 
@@ -213,6 +213,52 @@ def build_tiny_idefics3(path: Path, *, seed: int = 0) -> Path:
     return _save(path, model, processor, tokenizer, projector="connector")
 
 
+# SmolVLM: Idefics 3's model and tiles under its own classes; its processor writes an
+# image alone (no tiles) as <fake_token_around_image><global-img> + its tokens, and its
+# class takes a video processor (torchvision): built here without one, as Qwen's
+def build_tiny_smolvlm(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random SmolVLM (SigLIP-like tower, pixel-shuffle connector, Llama) with its
+    processor (SmolVLMImageProcessorPil), images only."""
+    import torch
+    from textgen.service.models.processors import images_only
+    from transformers import (
+        SmolVLMConfig,
+        SmolVLMForConditionalGeneration,
+        SmolVLMImageProcessorPil,
+        SmolVLMProcessor,
+        SmolVLMVisionConfig,
+    )
+
+    tokenizer = _tokenizer(IMAGE_TOKEN, *IDEFICS3_TOKENS)
+    vision = SmolVLMVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+    )
+    config = SmolVLMConfig(
+        vision_config=vision,
+        text_config=_llama(tokenizer),
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        scale_factor=SCALE,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = SmolVLMForConditionalGeneration(config)
+    images = SmolVLMImageProcessorPil(
+        size={"longest_edge": TILES_EDGE}, max_image_size={"longest_edge": IMAGE_SIZE}
+    )
+    processor = images_only(SmolVLMProcessor)(
+        image_processor=images,
+        tokenizer=tokenizer,
+        image_seq_len=(IMAGE_SIZE // PATCH) ** 2 // SCALE**2,
+        chat_template=tokenizer.chat_template,
+    )
+    return _save(path, model, processor, tokenizer, projector="connector")
+
+
 # Gemma 3: the prompt's <start_of_image> becomes "\n\n<start_of_image>" + the image's
 # soft tokens + "<end_of_image>\n\n"; 16 soft tokens (no pooling), more than the text
 # model's sliding window (8), and they attend to each other both ways
@@ -414,6 +460,84 @@ QWEN_MIN_PIXELS = 40 * 40
 QWEN_MAX_PIXELS = 56 * 56
 
 
+def _qwen_tokenizer():
+    tokenizer = _tokenizer(*QWEN_TOKENS)
+    tokenizer.chat_template = CHAT_TEMPLATE.replace(
+        IMAGE_TOKEN, "<|vision_start|><|image_pad|><|vision_end|>"
+    )
+    return tokenizer
+
+
+def _qwen_ids(tokenizer) -> dict:
+    """The config's ids of Qwen's image, video and vision start and end tokens."""
+    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in QWEN_TOKENS}
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+
+
+def _qwen_image_processor():
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        patch_size=QWEN_PATCH,
+        merge_size=QWEN_MERGE,
+        temporal_patch_size=2,
+        min_pixels=QWEN_MIN_PIXELS,
+        max_pixels=QWEN_MAX_PIXELS,
+    )
+
+
+def build_tiny_qwen2_vl(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random Qwen2-VL (vision tower of full attention, patch merger, Qwen2 text
+    with M-RoPE) with its processor, images only: Qwen2.5-VL's layout and processor."""
+    import torch
+    from textgen.service.models.processors import images_only
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+
+    tokenizer = _qwen_tokenizer()
+    config = Qwen2VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 1024,
+            # head_dim 16: 8 frequencies, 2 for time, 3 each for height and width
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]},
+            "initializer_range": 0.1,  # sharper: the decodes' rotary positions move the answer
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": 2,
+            "embed_dim": 32,
+            "hidden_size": 64,  # the merger's output: the text model's hidden size
+            "mlp_ratio": 2,
+            "num_heads": 2,
+            "patch_size": QWEN_PATCH,
+            "spatial_merge_size": QWEN_MERGE,
+            "temporal_patch_size": 2,
+        },
+        **_qwen_ids(tokenizer),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    processor = images_only(Qwen2VLProcessor)(
+        image_processor=_qwen_image_processor(),
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+    )
+    return _save(path, model, processor, tokenizer, projector="visual.merger")
+
+
 def build_tiny_qwen2_5_vl(path: Path, *, seed: int = 0) -> Path:
     """A tiny random Qwen2.5-VL (windowed vision tower, patch merger, Qwen2 text with
     M-RoPE) with its processor: the PIL image processor, no video processor (it needs
@@ -424,14 +548,10 @@ def build_tiny_qwen2_5_vl(path: Path, *, seed: int = 0) -> Path:
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2_5_VLProcessor,
-        Qwen2VLImageProcessorPil,
     )
 
-    tokenizer = _tokenizer(*QWEN_TOKENS)
-    tokenizer.chat_template = CHAT_TEMPLATE.replace(
-        IMAGE_TOKEN, "<|vision_start|><|image_pad|><|vision_end|>"
-    )
-    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in QWEN_TOKENS}
+    tokenizer = _qwen_tokenizer()
+    ids = _qwen_ids(tokenizer)
     llama = _llama(tokenizer).to_dict()
     text = {k: llama[k] for k in ("vocab_size", "hidden_size", "intermediate_size")}
     text |= {k: llama[k] for k in ("num_hidden_layers", "num_attention_heads")}
@@ -458,21 +578,12 @@ def build_tiny_qwen2_5_vl(path: Path, *, seed: int = 0) -> Path:
             "fullatt_block_indexes": [1],
             "out_hidden_size": 64,
         },
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **ids,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)
-    images = Qwen2VLImageProcessorPil(
-        patch_size=QWEN_PATCH,
-        merge_size=QWEN_MERGE,
-        temporal_patch_size=2,
-        min_pixels=QWEN_MIN_PIXELS,
-        max_pixels=QWEN_MAX_PIXELS,
-    )
+    images = _qwen_image_processor()
     processor = images_only(Qwen2_5_VLProcessor)(
         image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template
     )
@@ -485,17 +596,13 @@ def build_tiny_qwen3_vl(path: Path, *, seed: int = 0) -> Path:
     import torch
     from textgen.service.models.processors import images_only
     from transformers import (
-        Qwen2VLImageProcessorPil,
         Qwen3VLConfig,
         Qwen3VLForConditionalGeneration,
         Qwen3VLProcessor,
     )
 
-    tokenizer = _tokenizer(*QWEN_TOKENS)
-    tokenizer.chat_template = CHAT_TEMPLATE.replace(
-        IMAGE_TOKEN, "<|vision_start|><|image_pad|><|vision_end|>"
-    )
-    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in QWEN_TOKENS}
+    tokenizer = _qwen_tokenizer()
+    ids = _qwen_ids(tokenizer)
     config = Qwen3VLConfig(
         text_config={
             "vocab_size": len(tokenizer),
@@ -528,10 +635,7 @@ def build_tiny_qwen3_vl(path: Path, *, seed: int = 0) -> Path:
             "deepstack_visual_indexes": [0, 1],
             "out_hidden_size": 64,
         },
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **ids,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
@@ -539,13 +643,7 @@ def build_tiny_qwen3_vl(path: Path, *, seed: int = 0) -> Path:
     with torch.no_grad():  # deepstack features that move the answer
         for p in model.model.visual.deepstack_merger_list.parameters():
             p.mul_(4.0)
-    images = Qwen2VLImageProcessorPil(
-        patch_size=QWEN_PATCH,
-        merge_size=QWEN_MERGE,
-        temporal_patch_size=2,
-        min_pixels=QWEN_MIN_PIXELS,
-        max_pixels=QWEN_MAX_PIXELS,
-    )
+    images = _qwen_image_processor()
     processor = images_only(Qwen3VLProcessor)(
         image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template
     )
@@ -556,9 +654,11 @@ BUILDERS = {
     "llava": build_tiny_llava,
     "llava_next": build_tiny_llava_next,
     "idefics3": build_tiny_idefics3,
+    "smolvlm": build_tiny_smolvlm,
     "gemma3": build_tiny_gemma3,
     "mistral3": build_tiny_mistral3,
     "paligemma": build_tiny_paligemma,
+    "qwen2_vl": build_tiny_qwen2_vl,
     "qwen2_5_vl": build_tiny_qwen2_5_vl,
     "qwen3_vl": build_tiny_qwen3_vl,
 }
@@ -567,7 +667,7 @@ BUILDERS = {
 def transformers_processor(path: Path):
     """transformers' own processor of a model folder, the tests' reference: AutoProcessor's,
     but transformers' PixtralProcessor for Mistral 3 where torchvision isn't installed, and
-    Qwen's own class without the video processor that needs it."""
+    Qwen's and SmolVLM's own class without the video processor that needs it."""
     from textgen.service.models.architectures import IMAGES_ONLY_PROCESSORS
     from textgen.service.models.processors import load_processor
     from transformers import AutoConfig, AutoProcessor

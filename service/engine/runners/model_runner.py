@@ -21,9 +21,10 @@ Hybrid models: each entry of StepInputs names its sequence's slot of the state p
 (state_pool.py), and `state_copies` the forks' copies of their parents' states, made
 before the forward; the state layers split the step by entry (`StateStep`).
 
-Multimodal rotary positions (M-RoPE: Qwen2.5-VL, Qwen3-VL): `positions` stay token indices
-(KV slots, masks, key_limits); StepInputs' `rope_positions` are the 3 rows the model's
-rotary embedding reads, laid out host-side per chunk from the request's images (mrope.py).
+Multimodal rotary positions (M-RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL): `positions` stay
+token indices (KV slots, masks, key_limits); StepInputs' `rope_positions` are the 3 rows
+the model's rotary embedding reads, laid out host-side per chunk from the request's images
+(mrope.py).
 
 LoRA adapters: each entry of StepInputs names the slot of stacked adapter weights its rows
 read (-1: the base model), and `lora_loads` the adapters the device side writes into slots
@@ -284,7 +285,8 @@ class ModelRunner(StepRunner):
         self.images = ImageEncoder(model) if images else None
         # added to the positions the model sees (PaliGemma's are 1-indexed)
         self.first_position = FIRST_POSITION.get(model.config.model_type, 0)
-        # the rotary positions of a multimodal-RoPE family (Qwen2.5-VL, Qwen3-VL), host-side
+        # the rotary positions of a multimodal-RoPE family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL),
+        # host-side
         self.rope = MRope(model) if model.config.model_type in MROPE_FAMILIES else None
         # seconds per image the encoder ran, since the engine took them (metrics)
         self.encode_seconds: list[float] = []

@@ -1,5 +1,6 @@
-"""Multimodal rotary positions (M-RoPE: Qwen2.5-VL, Qwen3-VL): the language model's rotary
-position of a token is 3 rows (temporal, height, width), not its index in the sequence.
+"""Multimodal rotary positions (M-RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the language model's
+rotary position of a token is 3 rows (temporal, height, width), not its index in the
+sequence.
 
 transformers' `get_rope_index` lays a prompt out as runs: a text run counts on from where
 the last run ended, all three rows alike; an image of t x h x w merged patches takes its
