@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kv_pool import KVCachePool, LayerCache, read_blocks, read_slots
+from . import cpu_decode
 from . import invariant as invariant_attention
 from .invariant import ChunkedMask
 
@@ -112,6 +113,9 @@ class AttentionGroup:
     # [b, q] long: the last key position each padded row sees, where some see past their
     # own (an image's tokens see the whole image: Gemma 3); None: query_pos, causal
     query_limit: torch.Tensor | None = None
+    # decodes: each sequence's context length `[b]` (query_pos + 1), for cpu_decode.py; set
+    # by the first layer that needs it
+    decode_lengths: torch.Tensor | None = None
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # (window, chunk, G, dtype)
     _chunked_masks: dict[tuple, ChunkedMask] = field(default_factory=dict)
 
@@ -156,6 +160,7 @@ class AttentionGroup:
         """Drop the cached masks: the group's tensors were rewritten in place."""
         self._masks.clear()
         self._chunked_masks.clear()
+        self.decode_lengths = None
 
     def chunked_mask(
         self, window: int | None, num_groups: int, dtype: torch.dtype, chunk: int | None = None
@@ -775,22 +780,59 @@ def _sdpa_attention(
 ) -> torch.Tensor:
     groups = meta.groups()  # the decodes, then runs of fresh chunks and of later ones
     terms = (scaling, window, softcap, sinks, alibi, chunk)
+    extra = window or softcap or sinks is not None or alibi is not None or chunk
     if len(groups) == 1:  # most steps (all decodes, or all chunks): no slice, no cat
         group = groups[0]
+        if not extra and _in_place_takes(query, cache, group):
+            return _attend_in_place(query[0], cache, group, scaling)[None]
         if group.context_slots is not None:
             return _attend_single(query, cache, group, *terms)
         attend = _attend_decodes if group.max_query_len == 1 else _attend_chunks
         return attend(query[0], cache, group, *terms)[None]
     outputs = []
     for group in groups:
+        rows = query[0, :, group.token_start : group.token_end]  # [H, Tg, D]
+        if not extra and _in_place_takes(query, cache, group):
+            outputs.append(_attend_in_place(rows, cache, group, scaling))
+            continue
         if group.context_slots is not None:  # one decode beside chunks
             rows = query[:, :, group.token_start : group.token_end]
             outputs.append(_attend_single(rows, cache, group, *terms)[0])
             continue
-        rows = query[0, :, group.token_start : group.token_end]  # [H, Tg, D]
         attend = _attend_decodes if group.max_query_len == 1 else _attend_chunks
         outputs.append(attend(rows, cache, group, *terms))
     return torch.cat(outputs)[None]  # [1, T, H, Dv]
+
+
+def _in_place_takes(query: torch.Tensor, cache: LayerCache, group: AttentionGroup) -> bool:
+    """Whether cpu_decode.py's kernel attends this group (the caller has checked the layer
+    has no window, softcap, sinks, ALiBi or chunks): CPU decodes, float32 query and pools,
+    not batch-invariant, cpu_decode.MIN_KEYS keys or more (sequences x padded context)."""
+    return (
+        cpu_decode.ENABLED
+        and group.max_query_len == 1
+        and group.chunk_tokens is None
+        and group.num_seqs * group.max_blocks * group.block_size >= cpu_decode.MIN_KEYS
+        and query.device.type == "cpu"
+        and query.dtype == cache.keys.dtype == cache.values.dtype == torch.float32
+    )
+
+
+def _attend_in_place(
+    query: torch.Tensor, cache: LayerCache, group: AttentionGroup, scaling: float
+) -> torch.Tensor:
+    """Decodes through cpu_decode.py, reading the pool in place: query `[H, b, D]` ->
+    `[b, H, Dv]`."""
+    num_heads, b, head_dim = query.shape
+    num_kv_heads = cache.keys.shape[2]
+    rows = query.transpose(0, 1).reshape(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    if group.decode_lengths is None:  # once a step, for all layers
+        group.decode_lengths = group.query_pos[:, 0] + 1
+    tables = group.block_index.view(b, group.max_blocks)
+    out = cpu_decode.attend(
+        rows.contiguous(), cache.keys, cache.values, tables, group.decode_lengths, scaling
+    )
+    return out.reshape(b, num_heads, out.shape[-1])
 
 
 def _attend_single(
