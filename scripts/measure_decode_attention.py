@@ -7,8 +7,9 @@ cpu_decode.py's in-place kernel, alternating in one process (not a test).
    time. Beside it the bytes the layers must read (context x 2 x KVH x D x 4 x 30) and the
    time a plain sum of those bytes takes at this machine's bandwidth (a 256 MB tensor's sum).
 2. `--core`: the embedded SmolLM2-135M's core (float32) decoding B sequences of ~N tokens,
-   the kernel switched on and off on alternate steps of the same core; step time and the
-   attention's share of it (`_sdpa_attention`'s time summed over the step's layers).
+   the kernel switched on and off on alternate steps of the same core (on: where its
+   threshold, MIN_KEYS, takes it); step time and the attention's share of it
+   (`_sdpa_attention`'s time summed over the step's layers).
 
     .venv/bin/python scripts/measure_decode_attention.py --threads 1 --micro --core \
         --contexts 100 2000 8000 --batches 1 4
@@ -141,10 +142,9 @@ def main() -> None:
     args = parser.parse_args()
     keep_freed_memory()  # as textgen serve does: no page faults on each step's buffers
     torch.set_num_threads(args.threads)
-    # the measured paths, whatever the threshold
-    cpu_decode.MIN_KEYS = 0
     print(f"torch threads {torch.get_num_threads()}")
     if args.micro:
+        threshold, cpu_decode.MIN_KEYS = cpu_decode.MIN_KEYS, 0  # both paths at any length
         gbs = bandwidth_gbs()
         print(f"bandwidth (sum of 256 MB): {gbs:.1f} GB/s")
         print("attention alone, 30 layers, CPU ms (process time), medians:")
@@ -155,6 +155,7 @@ def main() -> None:
         for context in args.contexts:
             for batch in args.batches:
                 micro(context, batch, args.rounds, gbs)
+        cpu_decode.MIN_KEYS = threshold
     if args.core:
         print("core decode step, SmolLM2-135M float32, CPU ms (process time), medians:")
         print(

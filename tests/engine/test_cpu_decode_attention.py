@@ -10,9 +10,13 @@ import pytest
 import torch
 from textgen.service.engine.attention import cpu_decode
 from textgen.service.engine.attention import paged as attention
+from textgen.service.engine.config import EngineConfig
+from textgen.service.engine.paged_core import PagedCore
+from textgen.service.engine.runners.compiled import CompileSettings
 
 from .factories import (
     assert_matches_generate,
+    engine_copy,
     make_batch,
     make_core,
     make_seq,
@@ -135,4 +139,31 @@ def test_greedy_decoding_at_a_long_context_matches_generate(tiny_llama, batched)
     run_to_completion(core)
     # the decode steps after the prefill (one step), each of the model's 2 layers
     assert cpu_decode.Stats.calls - calls == 2 * 5
+    assert_matches_generate(tiny_llama, seqs)
+
+
+def test_the_compiled_decode_step_takes_the_kernel_inside_its_opaque_attention(tiny_llama):
+    """--compile's graphs call the paged attention as an opaque op, run eagerly: the kernel
+    serves those steps too, padding rows included (they attend the scratch block)."""
+    core = PagedCore(
+        engine_copy(tiny_llama),
+        EngineConfig(
+            max_batch_total_tokens=2048,
+            max_batch_prefill_tokens=2048,
+            max_batch_size=2,
+            compile=CompileSettings((2,)),
+        ),
+    )
+    core.warm_up()
+    generator = torch.Generator().manual_seed(3)
+    seqs = [
+        make_seq(random_prompt(n, 300, generator), request_id=str(n), max_new_tokens=4)
+        for n in (560, 650)
+    ]
+    for seq in seqs:
+        core.add(seq)
+    calls = cpu_decode.Stats.calls
+    run_to_completion(core)
+    assert core.runner.stats.compiled_steps == 3
+    assert cpu_decode.Stats.calls - calls == 2 * 3
     assert_matches_generate(tiny_llama, seqs)
