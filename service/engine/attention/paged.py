@@ -20,6 +20,8 @@ Three backends; this module only picks one per call (`_pick_kernel`):
   its gathered keys with no mask: SDPA's fastest case, as in plain transformers' decode. With
   `batch_invariant` the keys are cut into fixed chunks and each row's result no longer
   depends on the rest of the batch (invariant.py).
+  Float32 decodes at long contexts (cpu_decode.MIN_KEYS keys or more, none of the extra
+  terms) skip the gather: cpu_decode.py's compiled kernel reads the pool in place.
 - CUDA with `triton`: triton_kernel.py's kernel, one launch per layer for decodes and
   chunks alike, reading the pool in place through the block tables.
 - CUDA with the `flash_attn` package: `flash_attn_varlen_func` over the unpadded batch.
