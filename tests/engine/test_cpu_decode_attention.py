@@ -167,3 +167,30 @@ def test_the_compiled_decode_step_takes_the_kernel_inside_its_opaque_attention(t
     assert core.runner.stats.compiled_steps == 3
     assert cpu_decode.Stats.calls - calls == 2 * 3
     assert_matches_generate(tiny_llama, seqs)
+
+
+def test_the_start_up_forward_compiles_the_kernel_before_any_request(tiny_llama, monkeypatch):
+    """warm_up() compiles both kinds (one sequence, several) for the model's shapes; the
+    long decodes after it compile nothing."""
+    monkeypatch.setattr(cpu_decode, "_compiled", {})
+    monkeypatch.setattr(cpu_decode, "_seen", set())
+    core = make_core(tiny_llama, prefill_tokens=2048)
+    before = cpu_decode.Stats.compile_seconds
+    core.warm_up()
+    assert len(cpu_decode._seen) == 2 and cpu_decode.Stats.compile_seconds > before
+    compiled = cpu_decode.Stats.compile_seconds
+    generator = torch.Generator().manual_seed(11)
+    seqs = [
+        make_seq(random_prompt(n, 300, generator), request_id=str(n), max_new_tokens=3)
+        for n in (1012, 600, 700)
+    ]
+    core.add(seqs[0])
+    calls = cpu_decode.Stats.calls
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        run_to_completion(core)  # one stream
+        for seq in seqs[1:]:
+            core.add(seq)
+        run_to_completion(core)  # two
+    assert cpu_decode.Stats.calls - calls == 2 * 2 * 2
+    assert cpu_decode.Stats.compile_seconds == compiled and len(cpu_decode._seen) == 2
+    assert_matches_generate(tiny_llama, seqs)

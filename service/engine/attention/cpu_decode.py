@@ -12,7 +12,8 @@ one long sequence spreads over every thread (a split over the context).
 - `attend(rows, keys, values, tables, lengths, scale)`: rows `[B, KVH, G, D]` (the G query
   heads of each KV head), the layer's pools `[N, block_size, KVH, D]`, tables `[B, nb]`
   long (padded with any valid block), lengths `[B]` long -> `[B, KVH, G, Dv]`.
-- Compiled on first use, with the batch and the table's width dynamic: one graph for one
+- Compiled by the runner's warm-up forward (paged.py's `_warm_up_in_place`), else on first
+  use, with the batch, the table's width and the pool's size dynamic: one graph for one
   sequence and one for several (dynamo specializes a size of 1), whatever the context.
 - Taken by paged.py's SDPA path only for float32 decodes with none of the extra terms
   (softcap, sinks, ALiBi, windows, chunks, 8-bit pools, batch-invariant mode), where they

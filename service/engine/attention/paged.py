@@ -247,6 +247,9 @@ class BatchMetadata:
     _flash: FlashIndices | None = None
     _block_table: BlockTableIndices | None = None
     _static_positions: torch.Tensor | None = None  # static_decode's positions (refresh_static)
+    # the runner's start-up forward: each layer also compiles cpu_decode.py's kernel for
+    # its shapes, so that no request's step pays the compile
+    warm_up: bool = False
 
     @classmethod
     def build(
@@ -662,6 +665,8 @@ def _paged_attention(
     cache = meta.pool.write(layer_idx, key, value, meta.slot_mapping)
     extra_terms = sinks is not None or alibi is not None or bool(chunk)
     attend = _pick_kernel(meta, query, cache, extra_terms)
+    if meta.warm_up and attend is _sdpa_attention and not (extra_terms or window or softcap):
+        _warm_up_in_place(query, cache, meta, scaling)
     if not extra_terms:
         return attend(query, cache, meta, scaling, window, softcap)
     # Triton or SDPA: flash-attn has no sinks, ALiBi slopes or chunks (_pick_kernel)
@@ -818,6 +823,30 @@ def _in_place_takes(query: torch.Tensor, cache: LayerCache, group: AttentionGrou
         and query.device.type == "cpu"
         and query.dtype == cache.keys.dtype == cache.values.dtype == torch.float32
     )
+
+
+def _warm_up_in_place(
+    query: torch.Tensor, cache: LayerCache, meta: BatchMetadata, scaling: float
+) -> None:
+    """Compile cpu_decode.py's kernel for this layer (its head shapes, dtype and scale), one
+    sequence and several, over block 0 repeated (free at start-up, finite): the graphs every
+    later decode of these shapes runs. A no-op where the kernel is never taken."""
+    if not (
+        cpu_decode.ENABLED
+        and not meta.batch_invariant
+        and query.device.type == "cpu"
+        and query.dtype == cache.keys.dtype == cache.values.dtype == torch.float32
+    ):
+        return
+    num_heads, head_dim = query.shape[1], query.shape[3]
+    num_kv_heads = cache.keys.shape[2]
+    # size hints as a long context's (inductor picks its loops' split from them)
+    num_blocks = -(-4 * cpu_decode.MIN_KEYS // meta.pool.block_size)
+    for batch in (1, 4):
+        rows = query.new_zeros(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        tables = torch.zeros(batch, num_blocks, dtype=torch.long, device=query.device)
+        lengths = torch.full((batch,), num_blocks * meta.pool.block_size, device=query.device)
+        cpu_decode.attend(rows, cache.keys, cache.values, tables, lengths, scaling)
 
 
 def _attend_in_place(
