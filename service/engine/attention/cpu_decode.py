@@ -40,6 +40,10 @@ ENABLED = os.environ.get("TEXTGEN_CPU_DECODE_KERNEL", "1") != "0"
 # layer) outweighs what it saves. Measured (docs/performance.md, issue 49 item 4): one
 # sequence gains from ~1000 tokens, four from ~256 each.
 MIN_KEYS = 1024
+# the query's and pools' dtypes it takes: not bfloat16, where inductor's loops widen every
+# element and the kernel was 1.3-1.5x slower than the gathered path at 1000-8000 tokens
+# (0.94 at 8000 x 4; `measure_decode_attention.py --micro --dtype bfloat16`)
+DTYPES = (torch.float32,)
 
 
 class Stats:

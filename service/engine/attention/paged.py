@@ -821,7 +821,7 @@ def _in_place_takes(query: torch.Tensor, cache: LayerCache, group: AttentionGrou
         and group.chunk_tokens is None
         and group.num_seqs * group.max_blocks * group.block_size >= cpu_decode.MIN_KEYS
         and query.device.type == "cpu"
-        and query.dtype == cache.keys.dtype == cache.values.dtype == torch.float32
+        and query.dtype == cache.keys.dtype == cache.values.dtype in cpu_decode.DTYPES
     )
 
 
@@ -835,7 +835,7 @@ def _warm_up_in_place(
         cpu_decode.ENABLED
         and not meta.batch_invariant
         and query.device.type == "cpu"
-        and query.dtype == cache.keys.dtype == cache.values.dtype == torch.float32
+        and query.dtype == cache.keys.dtype == cache.values.dtype in cpu_decode.DTYPES
     ):
         return
     num_heads, head_dim = query.shape[1], query.shape[3]
