@@ -194,3 +194,29 @@ def test_the_start_up_forward_compiles_the_kernel_before_any_request(tiny_llama,
     assert cpu_decode.Stats.calls - calls == 2 * 2 * 2
     assert cpu_decode.Stats.compile_seconds == compiled and len(cpu_decode._seen) == 2
     assert_matches_generate(tiny_llama, seqs)
+
+
+def test_a_failed_compile_turns_the_kernel_off(monkeypatch, caplog):
+    """Inductor needs a C++ compiler (the Docker image has none): the first call's failure
+    leaves decodes to the gathered path, this call's result computed eagerly."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cpu_decode, "ENABLED", True)
+    monkeypatch.setattr(cpu_decode, "_compiled", {})
+    monkeypatch.setattr(cpu_decode, "_seen", set())
+    monkeypatch.setattr(torch, "compile", lambda function, **options: broken)
+    batch = make_batch(
+        block_size=16, num_heads=6, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+        seqs=[(1, 600), (1, 700)],
+    )  # fmt: skip
+    cache = batch.pool.layer(0, batch.key, batch.value)
+    scale = batch.query.shape[-1] ** -0.5
+    with caplog.at_level("WARNING"):
+        out = attention._sdpa_attention(batch.query, cache, batch.meta, scale, None, None)
+    assert not cpu_decode.ENABLED and "did not compile" in caplog.text
+    calls = cpu_decode.Stats.calls
+    again = attention._sdpa_attention(batch.query, cache, batch.meta, scale, None, None)
+    assert cpu_decode.Stats.calls == calls  # the gathered path from now on
+    torch.testing.assert_close(out, again, atol=1e-5, rtol=1e-5)

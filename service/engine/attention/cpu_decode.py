@@ -18,7 +18,8 @@ one long sequence spreads over every thread (a split over the context).
 - Taken by paged.py's SDPA path only for float32 decodes with none of the extra terms
   (softcap, sinks, ALiBi, windows, chunks, 8-bit pools, batch-invariant mode), where they
   attend MIN_KEYS keys or more; `TEXTGEN_CPU_DECODE_KERNEL=0` (or `ENABLED = False`)
-  turns it off.
+  turns it off, and so does a failed compile (inductor needs a C++ compiler), with a
+  warning.
 """
 
 from __future__ import annotations
@@ -120,7 +121,16 @@ def attend(
     if kind in _seen:
         return function(rows, keys, values, tables, lengths, scale)
     start = time.perf_counter()  # this kind's first call compiles it
-    out = function(rows, keys, values, tables, lengths, scale)
+    try:
+        out = function(rows, keys, values, tables, lengths, scale)
+    except Exception:  # e.g. no C++ compiler for inductor (the Docker image has none)
+        global ENABLED
+        ENABLED = False
+        logger.warning(
+            "the CPU decode attention did not compile: decodes gather their K/V for SDPA",
+            exc_info=True,
+        )
+        return _decode_attention(rows, keys, values, tables, lengths, scale)
     seconds = time.perf_counter() - start
     Stats.compile_seconds += seconds
     _seen.add(kind)
