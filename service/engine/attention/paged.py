@@ -843,6 +843,8 @@ def _warm_up_in_place(
     # size hints as a long context's (inductor picks its loops' split from them)
     num_blocks = -(-4 * cpu_decode.MIN_KEYS // meta.pool.block_size)
     for batch in (1, 4):
+        if not cpu_decode.ENABLED:  # its compile failed (cpu_decode.attend)
+            return
         rows = query.new_zeros(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         tables = torch.zeros(batch, num_blocks, dtype=torch.long, device=query.device)
         lengths = torch.full((batch,), num_blocks * meta.pool.block_size, device=query.device)
