@@ -20,6 +20,8 @@ Three backends; this module only picks one per call (`_pick_kernel`):
   its gathered keys with no mask: SDPA's fastest case, as in plain transformers' decode. With
   `batch_invariant` the keys are cut into fixed chunks and each row's result no longer
   depends on the rest of the batch (invariant.py).
+  Float32 decodes at long contexts (cpu_decode.MIN_KEYS keys or more, none of the extra
+  terms) skip the gather: cpu_decode.py's compiled kernel reads the pool in place.
 - CUDA with `triton`: triton_kernel.py's kernel, one launch per layer for decodes and
   chunks alike, reading the pool in place through the block tables.
 - CUDA with the `flash_attn` package: `flash_attn_varlen_func` over the unpadded batch.
@@ -38,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kv_pool import KVCachePool, LayerCache, read_blocks, read_slots
+from . import cpu_decode
 from . import invariant as invariant_attention
 from .invariant import ChunkedMask
 
@@ -113,6 +116,9 @@ class AttentionGroup:
     # own (a span's tokens see the whole span: Gemma 3's images, PaliGemma's prompt); None:
     # query_pos, causal
     query_limit: torch.Tensor | None = None
+    # decodes: each sequence's context length `[b]` (query_pos + 1), for cpu_decode.py; set
+    # by the first layer that needs it
+    decode_lengths: torch.Tensor | None = None
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # (window, chunk, G, dtype)
     _chunked_masks: dict[tuple, ChunkedMask] = field(default_factory=dict)
 
@@ -157,6 +163,7 @@ class AttentionGroup:
         """Drop the cached masks: the group's tensors were rewritten in place."""
         self._masks.clear()
         self._chunked_masks.clear()
+        self.decode_lengths = None
 
     def chunked_mask(
         self, window: int | None, num_groups: int, dtype: torch.dtype, chunk: int | None = None
@@ -242,6 +249,9 @@ class BatchMetadata:
     _flash: FlashIndices | None = None
     _block_table: BlockTableIndices | None = None
     _static_positions: torch.Tensor | None = None  # static_decode's positions (refresh_static)
+    # the runner's start-up forward: each layer also compiles cpu_decode.py's kernel for
+    # its shapes, so that no request's step pays the compile
+    warm_up: bool = False
 
     @classmethod
     def build(
@@ -657,6 +667,8 @@ def _paged_attention(
     cache = meta.pool.write(layer_idx, key, value, meta.slot_mapping)
     extra_terms = sinks is not None or alibi is not None or bool(chunk)
     attend = _pick_kernel(meta, query, cache, extra_terms)
+    if meta.warm_up and attend is _sdpa_attention and not (extra_terms or window or softcap):
+        _warm_up_in_place(query, cache, meta, scaling)
     if not extra_terms:
         return attend(query, cache, meta, scaling, window, softcap)
     # Triton or SDPA: flash-attn has no sinks, ALiBi slopes or chunks (_pick_kernel)
@@ -777,22 +789,85 @@ def _sdpa_attention(
 ) -> torch.Tensor:
     groups = meta.groups()  # the decodes, then runs of fresh chunks and of later ones
     terms = (scaling, window, softcap, sinks, alibi, chunk)
+    extra = window or softcap or sinks is not None or alibi is not None or chunk
     if len(groups) == 1:  # most steps (all decodes, or all chunks): no slice, no cat
         group = groups[0]
+        if not extra and _in_place_takes(query, cache, group):
+            return _attend_in_place(query[0], cache, group, scaling)[None]
         if group.context_slots is not None:
             return _attend_single(query, cache, group, *terms)
         attend = _attend_decodes if group.max_query_len == 1 else _attend_chunks
         return attend(query[0], cache, group, *terms)[None]
     outputs = []
     for group in groups:
+        rows = query[0, :, group.token_start : group.token_end]  # [H, Tg, D]
+        if not extra and _in_place_takes(query, cache, group):
+            outputs.append(_attend_in_place(rows, cache, group, scaling))
+            continue
         if group.context_slots is not None:  # one decode beside chunks
             rows = query[:, :, group.token_start : group.token_end]
             outputs.append(_attend_single(rows, cache, group, *terms)[0])
             continue
-        rows = query[0, :, group.token_start : group.token_end]  # [H, Tg, D]
         attend = _attend_decodes if group.max_query_len == 1 else _attend_chunks
         outputs.append(attend(rows, cache, group, *terms))
     return torch.cat(outputs)[None]  # [1, T, H, Dv]
+
+
+def _in_place_takes(query: torch.Tensor, cache: LayerCache, group: AttentionGroup) -> bool:
+    """Whether cpu_decode.py's kernel attends this group (the caller has checked the layer
+    has no window, softcap, sinks, ALiBi or chunks): CPU decodes, float32 query and pools,
+    not batch-invariant, cpu_decode.MIN_KEYS keys or more (sequences x padded context)."""
+    return (
+        cpu_decode.ENABLED
+        and group.max_query_len == 1
+        and group.chunk_tokens is None
+        and group.num_seqs * group.max_blocks * group.block_size >= cpu_decode.MIN_KEYS
+        and query.device.type == "cpu"
+        and query.dtype == cache.keys.dtype == cache.values.dtype in cpu_decode.DTYPES
+    )
+
+
+def _warm_up_in_place(
+    query: torch.Tensor, cache: LayerCache, meta: BatchMetadata, scaling: float
+) -> None:
+    """Compile cpu_decode.py's kernel for this layer (its head shapes, dtype and scale), one
+    sequence and several, over block 0 repeated (free at start-up, finite): the graphs every
+    later decode of these shapes runs. A no-op where the kernel is never taken."""
+    if not (
+        cpu_decode.ENABLED
+        and not meta.batch_invariant
+        and query.device.type == "cpu"
+        and query.dtype == cache.keys.dtype == cache.values.dtype in cpu_decode.DTYPES
+    ):
+        return
+    num_heads, head_dim = query.shape[1], query.shape[3]
+    num_kv_heads = cache.keys.shape[2]
+    # size hints as a long context's (inductor picks its loops' split from them)
+    num_blocks = -(-4 * cpu_decode.MIN_KEYS // meta.pool.block_size)
+    for batch in (1, 4):
+        if not cpu_decode.ENABLED:  # its compile failed (cpu_decode.attend)
+            return
+        rows = query.new_zeros(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        tables = torch.zeros(batch, num_blocks, dtype=torch.long, device=query.device)
+        lengths = torch.full((batch,), num_blocks * meta.pool.block_size, device=query.device)
+        cpu_decode.attend(rows, cache.keys, cache.values, tables, lengths, scaling)
+
+
+def _attend_in_place(
+    query: torch.Tensor, cache: LayerCache, group: AttentionGroup, scaling: float
+) -> torch.Tensor:
+    """Decodes through cpu_decode.py, reading the pool in place: query `[H, b, D]` ->
+    `[b, H, Dv]`."""
+    num_heads, b, head_dim = query.shape
+    num_kv_heads = cache.keys.shape[2]
+    rows = query.transpose(0, 1).reshape(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    if group.decode_lengths is None:  # once a step, for all layers
+        group.decode_lengths = group.query_pos[:, 0] + 1
+    tables = group.block_index.view(b, group.max_blocks)
+    out = cpu_decode.attend(
+        rows.contiguous(), cache.keys, cache.values, tables, group.decode_lengths, scaling
+    )
+    return out.reshape(b, num_heads, out.shape[-1])
 
 
 def _attend_single(

@@ -316,6 +316,7 @@ class ModelRunner(StepRunner):
             batch_invariant=self.batch_invariant,
             custom_kernels=self.custom_kernels,
         )
+        meta.warm_up = True  # and the CPU decode kernel's compile (attention/cpu_decode.py)
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         keep = torch.zeros(1, dtype=torch.long, device=self.device)
         self.forward(ids, ids, meta, keep, state=self.state_step([1], [1], [0]))

@@ -1,0 +1,138 @@
+"""Decode attention on CPU that reads the paged pool in place: one query token a sequence
+over its cached K/V, through the block table, with no gathered copy.
+
+The SDPA path (paged.py) first gathers a decode's K/V out of the pool with `index_select`
+(a copy that writes every cached byte and SDPA then reads again) and runs SDPA's
+flash kernel on a one-row query, which on CPU is compute-bound well above the bytes it
+reads. Here the same attention is written as plain tensor ops over the pool indexed by the
+block table (`pool[tables]`) and handed to torch.compile: inductor fuses the indexing into
+its loops, so each cached block is read where it lies, and parallelizes over the blocks, so
+one long sequence spreads over every thread (a split over the context).
+
+- `attend(rows, keys, values, tables, lengths, scale)`: rows `[B, KVH, G, D]` (the G query
+  heads of each KV head), the layer's pools `[N, block_size, KVH, D]`, tables `[B, nb]`
+  long (padded with any valid block), lengths `[B]` long -> `[B, KVH, G, Dv]`.
+- Compiled by the runner's warm-up forward (paged.py's `_warm_up_in_place`), else on first
+  use, with the batch, the table's width and the pool's size dynamic: one graph for one
+  sequence and one for several (dynamo specializes a size of 1), whatever the context.
+- Taken by paged.py's SDPA path only for float32 decodes with none of the extra terms
+  (softcap, sinks, ALiBi, windows, chunks, 8-bit pools, batch-invariant mode), where they
+  attend MIN_KEYS keys or more; `TEXTGEN_CPU_DECODE_KERNEL=0` (or `ENABLED = False`)
+  turns it off, and so does a failed compile (inductor needs a C++ compiler), with a
+  warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import types
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# off with TEXTGEN_CPU_DECODE_KERNEL=0; tests and benchmarks flip ENABLED directly
+ENABLED = os.environ.get("TEXTGEN_CPU_DECODE_KERNEL", "1") != "0"
+# the keys a decode group attends (its sequences x its longest context, padded to blocks)
+# from which the kernel is taken: below them the compiled call's fixed cost (~0.08 ms a
+# layer) outweighs what it saves. Measured (docs/performance.md, issue 49 item 4): one
+# sequence gains from ~1000 tokens, four from ~256 each.
+MIN_KEYS = 1024
+# the query's and pools' dtypes it takes: not bfloat16, where inductor's loops widen every
+# element and the kernel was 1.3-1.5x slower than the gathered path at 1000-8000 tokens
+# (0.94 at 8000 x 4; `measure_decode_attention.py --micro --dtype bfloat16`)
+DTYPES = (torch.float32,)
+
+
+class Stats:
+    """Calls (one a layer) and compile time, for tests and the log."""
+
+    calls = 0
+    compile_seconds = 0.0
+
+
+def _decode_attention(
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    num_blocks = tables.shape[1]
+    block_size = keys.shape[1]
+    # scores [B, nb, bs, KVH, G]: each block's keys read in place, q.k over the head dim
+    key_blocks = keys[tables]  # [B, nb, bs, KVH, D], an indexed read inside the loops
+    scores = (rows[:, None, None] * key_blocks[:, :, :, :, None, :]).sum(-1) * scale
+    position = torch.arange(num_blocks * block_size, device=rows.device).view(num_blocks, -1)
+    seen = (position[None] < lengths[:, None, None])[..., None, None]
+    scores = torch.where(seen, scores, float("-inf"))
+    probs = torch.exp(scores - scores.amax((1, 2), keepdim=True))
+    total = probs.sum((1, 2))  # [B, KVH, G]
+    # p.v a block at a time (its rows in cache), then the blocks' partial sums
+    value_blocks = values[tables]
+    partial = (probs[..., None] * value_blocks[:, :, :, :, None, :]).sum(2)  # [B, nb, KVH, G, Dv]
+    return partial.sum(1) / total[..., None]
+
+
+# per kind of call (head shapes, dtype): the compiled function, each over its own copy of
+# _decode_attention's code, so that each kind has its own dynamo cache and recompile limit
+# (a process running several models, as the tests do, would otherwise exhaust it)
+_compiled: dict[tuple, Callable[..., torch.Tensor]] = {}
+_seen: set[tuple] = set()  # the kinds, each with or without a batch of one, compiled
+
+
+def _compiled_function(kind: tuple) -> Callable[..., torch.Tensor]:
+    function = _compiled.get(kind)
+    if function is None:
+        code = _decode_attention.__code__
+        copy = types.FunctionType(
+            code.replace(co_name=f"{code.co_name}_{len(_compiled)}"), _decode_attention.__globals__
+        )
+        # indices come from the block manager's tables: in bounds, no per-element check
+        function = torch.compile(copy, fullgraph=True, options={"assert_indirect_indexing": False})
+        _compiled[kind] = function
+    return function
+
+
+def attend(
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """See the module's docstring."""
+    kind = (rows.shape[1:], keys.shape[1:], values.shape[1:], rows.dtype, keys.dtype)
+    function = _compiled_function(kind)
+    # dynamic batch, context and pool size; a batch of one keeps its own graph (dynamo
+    # specializes a size of 1)
+    if rows.shape[0] > 1:
+        for tensor in (rows, tables, lengths):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    for tensor, dim in ((tables, 1), (keys, 0), (values, 0)):
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    Stats.calls += 1
+    kind = (rows.shape[0] == 1, *kind)
+    if kind in _seen:
+        return function(rows, keys, values, tables, lengths, scale)
+    start = time.perf_counter()  # this kind's first call compiles it
+    try:
+        out = function(rows, keys, values, tables, lengths, scale)
+    except Exception:  # e.g. no C++ compiler for inductor (the Docker image has none)
+        global ENABLED
+        ENABLED = False
+        logger.warning(
+            "the CPU decode attention did not compile: decodes gather their K/V for SDPA",
+            exc_info=True,
+        )
+        return _decode_attention(rows, keys, values, tables, lengths, scale)
+    seconds = time.perf_counter() - start
+    Stats.compile_seconds += seconds
+    _seen.add(kind)
+    logger.info("compiled the CPU decode attention (batch of one: %s) in %.1f s", kind[0], seconds)
+    return out
