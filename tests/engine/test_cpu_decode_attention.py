@@ -66,7 +66,8 @@ def test_in_place_decodes_equal_the_sdpa_path(seqs, num_heads, num_kv_heads, hea
 
 def test_the_kernel_is_not_taken_where_it_must_not_be(monkeypatch):
     """Too few keys, layers with a window or soft-capping, bfloat16 and 8-bit pools, the
-    batch-invariant path and the switch off all keep the gathered path."""
+    batch-invariant path, --disable-custom-kernels and the switch off all keep the gathered
+    path."""
     seqs = [(1, 600), (1, 515)]
     shape = {"block_size": 16, "num_heads": 6, "num_kv_heads": 2, "head_dim": 32, "seqs": seqs}
 
@@ -93,6 +94,15 @@ def test_the_kernel_is_not_taken_where_it_must_not_be(monkeypatch):
         batch_invariant=True,
     )
     assert calls_for(float32.__class__(**{**vars(float32), "meta": invariant})) == 0
+    no_custom = attention.BatchMetadata.build(  # --disable-custom-kernels
+        float32.pool,
+        float32.meta.query_lens,
+        float32.meta.context_lens,
+        float32.meta.block_tables,
+        torch.device("cpu"),
+        custom_kernels=False,
+    )
+    assert calls_for(float32.__class__(**{**vars(float32), "meta": no_custom})) == 0
     monkeypatch.setattr(cpu_decode, "ENABLED", False)
     cache = float32.pool.layer(0, float32.key, float32.value)
     calls = cpu_decode.Stats.calls

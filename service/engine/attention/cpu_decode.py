@@ -17,9 +17,9 @@ one long sequence spreads over every thread (a split over the context).
   sequence and one for several (dynamo specializes a size of 1), whatever the context.
 - Taken by paged.py's SDPA path only for float32 decodes with none of the extra terms
   (softcap, sinks, ALiBi, windows, chunks, 8-bit pools, batch-invariant mode), where they
-  attend MIN_KEYS keys or more; `TEXTGEN_CPU_DECODE_KERNEL=0` (or `ENABLED = False`)
-  turns it off, and so does a failed compile (inductor needs a C++ compiler), with a
-  warning.
+  attend MIN_KEYS keys or more; `--disable-custom-kernels` or `TEXTGEN_CPU_DECODE_KERNEL=0`
+  (or `ENABLED = False`) turns it off, and so does a failed compile (inductor needs a C++
+  compiler), with a warning.
 """
 
 from __future__ import annotations

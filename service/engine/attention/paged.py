@@ -239,6 +239,9 @@ class BatchMetadata:
     device: torch.device
     use_flash: bool = False  # CUDA + flash_attn: the varlen kernel may be used
     use_triton: bool = False  # CUDA + triton: the paged Triton kernel may be used
+    # CPU: cpu_decode.py's compiled kernel may attend long decodes (off with
+    # --disable-custom-kernels, as the Triton kernel)
+    use_cpu_kernel: bool = True
     batch_invariant: bool = False  # the SDPA path's keys in fixed chunks (invariant_attention)
     # [T] per token: the last key position it sees, where some token sees past its own
     # (a span's tokens attend both ways among themselves: Gemma 3's images, PaliGemma's
@@ -265,8 +268,8 @@ class BatchMetadata:
         custom_kernels: bool = True,
         key_limits: list[int] | None = None,
     ) -> BatchMetadata:
-        """custom_kernels=False: never textgen's Triton kernel (--disable-custom-kernels);
-        key_limits: see the field."""
+        """custom_kernels=False: never textgen's Triton kernel nor its compiled CPU decode
+        kernel (--disable-custom-kernels); key_limits: see the field."""
         slots = _slots(query_lens, context_lens, block_tables, pool.block_size)
         return cls(
             pool=pool,
@@ -277,6 +280,7 @@ class BatchMetadata:
             device=device,
             use_flash=_flash_available(device),
             use_triton=custom_kernels and triton_available(device),
+            use_cpu_kernel=custom_kernels,
             batch_invariant=batch_invariant,
             key_limits=key_limits,
         )
@@ -667,7 +671,8 @@ def _paged_attention(
     cache = meta.pool.write(layer_idx, key, value, meta.slot_mapping)
     extra_terms = sinks is not None or alibi is not None or bool(chunk)
     attend = _pick_kernel(meta, query, cache, extra_terms)
-    if meta.warm_up and attend is _sdpa_attention and not (extra_terms or window or softcap):
+    in_place = meta.use_cpu_kernel and not (extra_terms or window or softcap)
+    if meta.warm_up and attend is _sdpa_attention and in_place:
         _warm_up_in_place(query, cache, meta, scaling)
     if not extra_terms:
         return attend(query, cache, meta, scaling, window, softcap)
@@ -790,6 +795,7 @@ def _sdpa_attention(
     groups = meta.groups()  # the decodes, then runs of fresh chunks and of later ones
     terms = (scaling, window, softcap, sinks, alibi, chunk)
     extra = window or softcap or sinks is not None or alibi is not None or chunk
+    extra = extra or not meta.use_cpu_kernel  # the in-place kernel is off
     if len(groups) == 1:  # most steps (all decodes, or all chunks): no slice, no cat
         group = groups[0]
         if not extra and _in_place_takes(query, cache, group):
