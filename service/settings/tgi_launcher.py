@@ -181,7 +181,8 @@ FLAGS: tuple[Flag, ...] = (
                                                                                   "in the image)"),
     Flag("--weights-cache-override", Setting("weights_cache_override")),
     Flag("--disable-custom-kernels", Setting("disable_custom_kernels", "textgen's custom "
-                                             "kernel is its Triton paged attention"),
+                                             "kernels: its Triton paged attention, its "
+                                             "compiled CPU decode attention"),
          switch=True, tgi_default="off"),
     Flag("--cuda-memory-fraction", Setting("cuda_memory_fraction"), tgi_default="1.0"),
     Flag("--rope-scaling", Setting("rope_scaling")),
