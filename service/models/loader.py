@@ -196,10 +196,10 @@ def load_model(
     )
     dt, library = resolve_quantization(quantize, own_config, dev, dtype, select_dtype(dtype, dev))
     images = is_image_family(own_config)
-    if images and (shard is not None or lora is not None):
+    if images and lora is not None:
         raise ModelError(
-            f"{own_config.get('model_type')} (a vision-language model) is served on one shard "
-            "without LoRA adapters so far"
+            f"{own_config.get('model_type')} (a vision-language model) is served without "
+            "LoRA adapters so far"
         )
     if library is not None and shard is not None:
         raise QuantizationError(
@@ -244,7 +244,7 @@ def load_model(
             )
     else:
         with linears:
-            model, layout = _load_slice(resolved.path, config, dt, dev, shard)
+            model, layout = _load_slice(resolved.path, config, dt, dev, shard, images)
     if dev.type == "cpu" and library is None:  # (quantized models refuse .to())
         model.to(dev)
     model.eval()
@@ -363,18 +363,23 @@ def _quantization_kwargs(library: LibraryQuantization | None, path: Path) -> dic
     return {"quantization_config": AutoQuantizationConfig.from_dict(merged)}
 
 
-def _load_slice(path: Path, config, dtype: torch.dtype, device: torch.device, shard: ModelShard):
+def _load_slice(
+    path: Path, config, dtype: torch.dtype, device: torch.device, shard: ModelShard, images: bool
+):
     """One rank's slice, read by transformers' tensor-parallel loader, made plain
-    (sharding.py); the plan is checked before any weight is read."""
+    (sharding.py); the plan is checked before any weight is read. A vision-language
+    model's plan splits its language model only: the vision tower and projector load
+    whole on every rank, which encodes its steps' images itself."""
     import json
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.distributed import DistributedConfig
 
     layout = shard_layout(json.loads((path / "config.json").read_text()), shard.world_size)
-    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    auto = AutoModelForImageTextToText if images else AutoModelForCausalLM
+    model_class = auto._model_mapping[type(config)]
     overrides = tp_plan_overrides(model_class, config, layout)
-    model = AutoModelForCausalLM.from_pretrained(
+    model = auto.from_pretrained(
         path,
         config=config,
         dtype=dtype,
