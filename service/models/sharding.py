@@ -237,7 +237,12 @@ def language_model_prefix(model_class: type, config) -> str:
     if getattr(config, "model_type", None) not in IMAGE_FAMILIES:
         return prefix
     with torch.device("meta"):
-        model = model_class._from_config(config)
+        return language_model(model_class._from_config(config))
+
+
+def language_model(model: torch.nn.Module) -> str:
+    """The name of a vision-language model's language model (`model.language_model`,
+    Idefics 3's `model.text_model`): the module that holds its token embedding."""
     embedding = model.get_input_embeddings()
     return next(n for n, m in model.named_modules() if m is embedding).rpartition(".")[0]
 
