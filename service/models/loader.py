@@ -30,7 +30,14 @@ from .hub import NO_CONTEXT, ResolvedModel, config_json, resolve_model, stated_c
 from .processors import load_processor
 from .quantize import QuantizationError, quantize_model, resolve_quantization
 from .shard_layout import ShardLayout, shard_layout
-from .sharding import VocabSlice, install_collectives, localize, lora_slices, tp_plan_overrides
+from .sharding import (
+    VocabSlice,
+    install_collectives,
+    language_model,
+    localize,
+    lora_slices,
+    tp_plan_overrides,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -186,7 +193,7 @@ def load_model(
     format either way); `shard` loads one rank's slice of a tensor-parallel model
     (sharding.py); `options` says where the files come from and what changes as they load;
     `lora` wraps its decoder's linear layers in LoRA slots (lora_layers.py), inside the
-    shards' all-reduces."""
+    shards' all-reduces (a vision-language model's language model's only)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     dev = select_device(device)  # validate flags before any download or conversion
@@ -196,11 +203,6 @@ def load_model(
     )
     dt, library = resolve_quantization(quantize, own_config, dev, dtype, select_dtype(dtype, dev))
     images = is_image_family(own_config)
-    if images and (shard is not None or lora is not None):
-        raise ModelError(
-            f"{own_config.get('model_type')} (a vision-language model) is served on one shard "
-            "without LoRA adapters so far"
-        )
     if library is not None and shard is not None:
         raise QuantizationError(
             f"{library.method} weights can't be sharded: the tensor-parallel plan slices dense "
@@ -244,7 +246,7 @@ def load_model(
             )
     else:
         with linears:
-            model, layout = _load_slice(resolved.path, config, dt, dev, shard)
+            model, layout = _load_slice(resolved.path, config, dt, dev, shard, images)
     if dev.type == "cpu" and library is None:  # (quantized models refuse .to())
         model.to(dev)
     model.eval()
@@ -259,7 +261,8 @@ def load_model(
         from .lora_layers import LoraLayers
 
         slices = lora_slices(model, shard.rank, shard.world_size, layout) if shard else None
-        lora_layers = LoraLayers(model, lora.num_slots, lora.max_rank, dt, dev, slices)
+        scope = language_model(model) if images else None
+        lora_layers = LoraLayers(model, lora.num_slots, lora.max_rank, dt, dev, slices, scope)
     vocab = None
     if shard is not None:
         vocab = install_collectives(model, shard.group, shard.rank, shard.world_size)
@@ -363,18 +366,23 @@ def _quantization_kwargs(library: LibraryQuantization | None, path: Path) -> dic
     return {"quantization_config": AutoQuantizationConfig.from_dict(merged)}
 
 
-def _load_slice(path: Path, config, dtype: torch.dtype, device: torch.device, shard: ModelShard):
+def _load_slice(
+    path: Path, config, dtype: torch.dtype, device: torch.device, shard: ModelShard, images: bool
+):
     """One rank's slice, read by transformers' tensor-parallel loader, made plain
-    (sharding.py); the plan is checked before any weight is read."""
+    (sharding.py); the plan is checked before any weight is read. A vision-language
+    model's plan splits its language model only: the vision tower and projector load
+    whole on every rank, which encodes its steps' images itself."""
     import json
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.distributed import DistributedConfig
 
     layout = shard_layout(json.loads((path / "config.json").read_text()), shard.world_size)
-    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    auto = AutoModelForImageTextToText if images else AutoModelForCausalLM
+    model_class = auto._model_mapping[type(config)]
     overrides = tp_plan_overrides(model_class, config, layout)
-    model = AutoModelForCausalLM.from_pretrained(
+    model = auto.from_pretrained(
         path,
         config=config,
         dtype=dtype,

@@ -6,7 +6,9 @@ An adapter here is plain LoRA: each target layer's output gains `scaling * B @ A
 (scaling = alpha / r, or alpha / sqrt(r) with rsLoRA; per layer with rank_pattern or
 alpha_pattern). Variants that change the forward beyond that (DoRA, trained biases,
 modules_to_save, ...) are refused by name, as are targets the served model lacks (or
-has in other shapes) and ranks above `--max-lora-rank`.
+has in other shapes) and ranks above `--max-lora-rank`. A vision-language model's adapter
+adapts its language model's layers (named as transformers 5 names them, or as 4 did:
+`current_name`); one on its vision tower or projector is refused by name.
 
 `check_adapter_config` needs only the JSON (settings/preflight.py runs it before anything loads);
 `read_adapter` then reads the weights with peft's config, casts them to the model's dtype,
@@ -49,6 +51,13 @@ UNSUPPORTED_OPTIONS = {
     "arrow_config": "Arrow routing (arrow_config)",
 }
 PEFT_PREFIX = "base_model.model."
+# transformers 4's vision-language layout -> 5's (`current_name`): the language model's
+# decoder, then the parts its vision side had at the top
+LEGACY_PREFIXES = (
+    ("language_model.model.", "model.language_model."),
+    ("vision_tower.", "model.vision_tower."),
+    ("multi_modal_projector.", "model.multi_modal_projector."),
+)
 
 
 class AdapterError(ModelError):
@@ -186,6 +195,11 @@ def _read(name: str, source: str, layers: LoraLayers, base_names: tuple[str, ...
     pairs = _pairs(tensors)
     prepared = {}
     for layer, (a, b) in sorted(pairs.items()):
+        if not layers.in_scope(layer):
+            raise AdapterError(
+                f"adapts {layer!r}, outside the language model ({layers.scope}): LoRA on a "
+                "vision-language model's vision tower or projector is not served"
+            )
         if layer not in layers.layers:
             raise AdapterError(
                 f"adapts {layer!r}, which is not a linear layer of the served model's "
@@ -221,11 +235,22 @@ def _read(name: str, source: str, layers: LoraLayers, base_names: tuple[str, ...
     return adapter
 
 
+def current_name(layer: str) -> str:
+    """A layer's name in the model as transformers 5 builds it: a vision-language model's
+    adapter trained on transformers 4's layout (`language_model.model.layers...`,
+    `vision_tower...`, `multi_modal_projector...` at the top) renamed as its checkpoint is
+    (`model.language_model.layers...`, `model.vision_tower...`)."""
+    for old, new in LEGACY_PREFIXES:
+        if layer.startswith(old):
+            return new + layer.removeprefix(old)
+    return layer
+
+
 def _pairs(tensors: dict) -> dict[str, tuple]:
     """peft's keys (`base_model.model.<layer>.lora_A.weight`, ...) -> {layer: (A, B)}."""
     found: dict[str, dict[str, object]] = {}
     for key, tensor in tensors.items():
-        stem = key.removeprefix(PEFT_PREFIX)
+        stem = current_name(key.removeprefix(PEFT_PREFIX))
         for part in ("lora_A", "lora_B"):
             suffix = f".{part}.weight"
             if stem.endswith(suffix):

@@ -1,6 +1,7 @@
 """The served model's LoRA slots: every linear layer of its decoder wrapped in a
 `LoraLinear` that adds, to each row of the flattened batch, the delta of the adapter that
-row's sequence asked for.
+row's sequence asked for. A vision-language model's language model only: its vision tower
+and projector stay plain (an image is encoded once for whichever requests send it).
 
 Each wrapped layer holds `num_slots` adapters' weights stacked and zero-padded to
 `max_rank`: A as `[slots, rank, in]`, scaling * B transposed as `[slots, rank, out]`. The
@@ -107,22 +108,30 @@ class LoraLayers:
         dtype: torch.dtype,
         device: torch.device,
         slices: dict[str, tuple[slice | None, slice | None]] | None = None,
+        scope: str | None = None,
     ) -> None:
         """Wrap `model`'s decoder linear layers (all but lm_head, and those whose weight
         the model's code reads instead of calling the layer: Mamba-1's dt_proj, which a
         wrapper would hide and whose delta would never apply). `slices`: per layer, the
-        (output rows, input columns) of the full weight this shard holds (sharding.py)."""
+        (output rows, input columns) of the full weight this shard holds (sharding.py).
+        `scope`: the module whose layers alone are wrapped (a vision-language model's
+        language model, `model.language_model`: its vision tower and projector encode an
+        image once for every request that sends it, whatever adapter each asked for)."""
         if num_slots <= 0 or max_rank <= 0:
             raise ValueError("LoRA slots need num_slots > 0 and max_rank > 0")
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.dtype = dtype
         self.slices = slices or {}
+        self.scope = scope
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         targets = [
             (n, m)
             for n, m in model.named_modules()
-            if _is_linear(m) and m is not head and not _weight_read_directly(model, n)
+            if _is_linear(m)
+            and m is not head
+            and self.in_scope(n)
+            and not _weight_read_directly(model, n)
         ]
         self.layers: dict[str, LoraLinear] = {}
         for index, (name, base) in enumerate(targets):
@@ -132,6 +141,10 @@ class LoraLayers:
             self.layers[name] = layer
         self.by_index = list(self.layers.values())
         self.slot_uids = [0] * num_slots  # the adapter in each slot (its registry uid; 0: none)
+
+    def in_scope(self, name: str) -> bool:
+        """Whether layer `name` is one the slots may wrap (under `scope`, where one is set)."""
+        return self.scope is None or name.startswith(f"{self.scope}.")
 
     def prepare(
         self, name: str, a: torch.Tensor, b: torch.Tensor, scaling: float

@@ -20,8 +20,9 @@ without a plan or with styles this does not implement (packed or fused projectio
 and heads that do not split evenly, and a plan that splits no attention heads (every rank
 would hold every head, in a KV pool sized for its share). KV heads: when there are fewer than
 N but N is a multiple of them, each rank keeps the one its query heads read (replicated, as
-vLLM does). Where the library's plan leaves a Llama-like attention whole (gpt-oss's, in
-transformers 5: its embedding only), ATTENTION_PLANS splits it, attention sinks included.
+vLLM does). Where the library's plan leaves a Llama-like attention whole (gpt-oss's and
+Qwen3-VL's language model's, in transformers 5: their embedding only), ATTENTION_PLANS
+splits it, attention sinks included (Qwen3-VL's MLP too).
 Where it gathers fused projections whole (Phi-3's q|k|v and gate|up, `colwise_gather_output`
 then `rowwise_split_input`), FUSED_PLANS splits them instead: gate|up with the library's
 `packed_colwise` (each rank its share of each half), q|k|v loaded whole and cut by
@@ -35,6 +36,10 @@ kv_b_proj expands them. Its routed experts run on the library's split (EXPERT_PL
 rank its share of every expert's intermediate features (gate|up packed, down by its input
 columns), the experts' partial output all-reduced (`moe_tp_experts`), the router whole.
 Qwen3-Next's experts likewise.
+
+A vision-language model's plan (transformers') splits its language model only, its entries
+under the language model (`language_model_prefix`); the vision tower and projector load
+whole on every rank.
 
 Gated DeltaNet (Qwen3-Next, Qwen3.5), whose state layers the library's plan computes whole
 on every rank (`colwise_gather_output`), STATE_PLANS splits by heads as the attention is:
@@ -57,6 +62,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .architectures import IMAGE_FAMILIES
 from .shard_layout import ShardingError, ShardLayout
 from .state_layers import state_layers
 
@@ -97,6 +103,18 @@ ATTENTION_PLANS: dict[str, dict[str, str]] = {
         "layers.*.self_attn.v_proj": COLWISE,
         "layers.*.self_attn.o_proj": ROWWISE,
         "layers.*.self_attn.sinks": COLWISE,
+    },
+    # Qwen3-VL's language model, whose plan in transformers 5 splits its embedding only:
+    # Qwen3's split (its per-head q/k norms run on each rank's heads as they are), the
+    # MLP's too
+    "qwen3_vl_text": {
+        "layers.*.self_attn.q_proj": COLWISE,
+        "layers.*.self_attn.k_proj": COLWISE,
+        "layers.*.self_attn.v_proj": COLWISE,
+        "layers.*.self_attn.o_proj": ROWWISE,
+        "layers.*.mlp.gate_proj": COLWISE,
+        "layers.*.mlp.up_proj": COLWISE,
+        "layers.*.mlp.down_proj": ROWWISE,
     },
     # multi-head latent attention: q_proj or, with q_lora_rank, q_b_proj (one of them:
     # tp_plan_overrides keeps what the config builds) and kv_b_proj per head; the latents'
@@ -164,7 +182,7 @@ def tp_plan_overrides(model_class: type, config, layout: ShardLayout) -> dict[st
     plan = dict(getattr(model_class, "_tp_plan", None) or {})
     text = config.get_text_config()
     base = getattr(text, "base_model_tp_plan", None) or {}
-    prefix = getattr(model_class, "base_model_prefix", "model")
+    prefix = language_model_prefix(model_class, config)
     plan.update({f"{prefix}.{k}": v for k, v in base.items()})
     if not base:
         raise ShardingError(
@@ -209,6 +227,24 @@ def tp_plan_overrides(model_class: type, config, layout: ShardLayout) -> dict[st
     if layout.kv_replicated:
         added.update({k: "replicate" for k in plan if k.rsplit(".", 1)[-1] in KV_PROJECTIONS})
     return {k: LOADED_AS.get(s, s) for k, s in added.items()}
+
+
+def language_model_prefix(model_class: type, config) -> str:
+    """Where the plan's entries (the text config's) sit in the model: under its base model,
+    or, in a vision-language model, under its language model (`model.language_model`,
+    Idefics 3's `model.text_model`), found on an empty (meta) instance."""
+    prefix = getattr(model_class, "base_model_prefix", "model")
+    if getattr(config, "model_type", None) not in IMAGE_FAMILIES:
+        return prefix
+    with torch.device("meta"):
+        return language_model(model_class._from_config(config))
+
+
+def language_model(model: torch.nn.Module) -> str:
+    """The name of a vision-language model's language model (`model.language_model`,
+    Idefics 3's `model.text_model`): the module that holds its token embedding."""
+    embedding = model.get_input_embeddings()
+    return next(n for n, m in model.named_modules() if m is embedding).rpartition(".")[0]
 
 
 def localize(model: torch.nn.Module, rank: int, layout: ShardLayout) -> None:

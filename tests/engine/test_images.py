@@ -545,3 +545,55 @@ def test_smolvlm_processor_from_a_checkpoint_layout(tmp_path):
     assert text == prompt(expected)
     ids = [p(images=[picture(RED)], text=text)["input_ids"] for p in (processor, expected)]
     assert ids[0] == ids[1]
+
+
+def test_a_sharded_step_sends_its_images_rope_rows_and_key_limits(monkeypatch):
+    """What rank 0 sends of a step (runners/sharded.py) is what the other ranks receive:
+    its images (each one's inputs in their dtypes, digest and positions; the rows each slice
+    takes), M-RoPE rows and key limits, beside the plain inputs."""
+    import numpy as np
+    import torch.distributed as dist
+    from textgen.service.engine.runners.image_encoder import ImageSlice
+    from textgen.service.engine.runners.model_runner import StepInputs
+    from textgen.service.engine.runners.sharded import Op, ShardGroup
+    from textgen.service.engine.types import ImageInput
+
+    sent: list[torch.Tensor] = []
+    monkeypatch.setattr(dist, "broadcast", lambda t, src, group: sent.append(t.clone()))
+    image = ImageInput(
+        b"\x01" * 32,
+        np.arange(2 * 3 * 4 * 4, dtype=np.float32).reshape(2, 3, 4, 4),
+        (3, 4, 5, 6, 9, 10),
+        {"image_grid_thw": np.array([[1, 2, 3]]), "pixel_attention_mask": np.ones((2, 4), bool)},
+    )
+    other = ImageInput(b"\x02" * 32, np.zeros((1, 3, 4, 4), np.float32), (0, 1))
+    inputs = StepInputs(
+        [7, 8, 9, 10],
+        [3, 4, 5, 0],
+        [3, 1],
+        [6, 1],
+        [[0, 1], [2]],
+        [2, 3],
+        lora_slots=[-1, -1],
+        state_slots=[-1, -1],
+        images=[ImageSlice(image, 0, (0, 1, 2)), ImageSlice(other, 1, (3,))],
+        key_limits=[5, 5, 5, 0],
+        rope_positions=[[3, 3, 3, 9], [3, 4, 4, 9], [3, 4, 5, 9]],
+    )
+    group = ShardGroup(0, 2, None, None, 10, 5, torch.device("cpu"))
+    group.send(Op.STEP, inputs)
+    replay = iter(sent)
+    monkeypatch.setattr(dist, "broadcast", lambda t, src, group: t.copy_(next(replay)))
+    op, received = ShardGroup(1, 2, None, None, 10, 5, torch.device("cpu")).receive()
+    assert op is Op.STEP
+    slices = received.images
+    received.images = inputs.images
+    assert received == inputs
+    assert [(s.first_row, s.targets) for s in slices] == [(0, (0, 1, 2)), (1, (3,))]
+    for got, want in zip(slices, inputs.images, strict=True):
+        assert (got.image.digest, got.image.positions) == (want.image.digest, want.image.positions)
+        assert np.array_equal(got.image.pixel_values, want.image.pixel_values)
+        assert got.image.extra.keys() == want.image.extra.keys()
+        for name, value in want.image.extra.items():
+            assert got.image.extra[name].dtype == value.dtype
+            assert np.array_equal(got.image.extra[name], value)

@@ -9,6 +9,16 @@ stack (eager, compiled or CUDA graphs, the same choice on every rank since it de
 on the inputs), and the ranks' vocabulary slices of the kept logits are gathered to rank 0,
 which samples. Workers loop in `follow_steps()`.
 
+A vision-language model's step carries more: its tokens' key limits (a span attended both
+ways: Gemma 3, PaliGemma) and M-RoPE rows (Qwen2.5-VL, Qwen3-VL) go in the int64 tensor
+too, and the images it merges (image_encoder.py's ImageSlice: each image's processed
+inputs, digest and placeholder positions, the rows the chunk takes) follow as one numpy
+`.npz` archive in a uint8 tensor, read back without pickle. Every rank holds the whole
+vision tower and projector (the plan splits the language model only) and encodes the
+images itself, into its own encoder cache: the same features on every rank with no
+collective of the encoder's own, where rank 0 encoding and broadcasting the features would
+add a broadcast per image and a second path for cached images.
+
 Control messages go over a gloo group (the inputs are host lists; on CUDA the model's own
 group is NCCL); an idle engine sends a heartbeat every HEARTBEAT_S so that a worker waiting
 for the next step can tell a quiet rank 0 from a dead one (the groups' timeout).
@@ -23,22 +33,25 @@ receives as it is: `incomplete_generation`, naming the rank.
 from __future__ import annotations
 
 import enum
+import io
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ...errors import ErrorType
-from ..types import EngineError
+from ..types import EngineError, ImageInput
+from .image_encoder import ImageSlice
 from .model_runner import StepInputs, StepRunner
 
 log = logging.getLogger("textgen.engine")
 
-HEADER_SIZE = 8
+HEADER_SIZE = 11  # op, _sizes' 7 counts, key limits (0/1), M-RoPE rows, image bytes
 HEARTBEAT_S = 5.0  # an idle rank 0 says it is alive this often
 # How long a failed step waits for a local shard's exit to show: the dead process's sockets
 # close (failing the collective) a moment before its exit status can be read.
@@ -72,11 +85,17 @@ class ShardGroup:
         payload = encode(inputs) if inputs is not None else None
         header = torch.zeros(HEADER_SIZE, dtype=torch.long)
         header[0] = op
+        images = encode_images(inputs.images) if inputs is not None and inputs.images else None
         if inputs is not None:
             header[1:8] = torch.tensor(_sizes(inputs))
+            header[8] = inputs.key_limits is not None
+            header[9] = len(inputs.rope_positions)
+            header[10] = len(images) if images is not None else 0
         dist.broadcast(header, 0, group=self.control)
         if payload is not None:
             dist.broadcast(payload, 0, group=self.control)
+        if images is not None:
+            dist.broadcast(images, 0, group=self.control)
 
     def receive(self) -> tuple[Op, StepInputs | None]:
         """Ranks 1..N-1: the next op from rank 0 (and a step's inputs)."""
@@ -86,9 +105,19 @@ class ShardGroup:
         if op is not Op.STEP:
             return op, None
         sizes = header[1:8].tolist()
-        payload = torch.empty(_payload_length(*sizes), dtype=torch.long)
+        limits, rope_rows, image_bytes = header[8:11].tolist()
+        extra = (limits + rope_rows) * sizes[0]  # [T] key limits, [rows][T] rope positions
+        payload = torch.empty(_payload_length(*sizes) + extra, dtype=torch.long)
         dist.broadcast(payload, 0, group=self.control)
-        return op, decode(payload, *sizes)
+        inputs = decode(payload, *sizes)
+        tail = payload[len(payload) - extra :].view(-1, sizes[0]).tolist() if extra else []
+        inputs.key_limits = tail[0] if limits else None
+        inputs.rope_positions = tail[limits:]
+        if image_bytes:
+            images = torch.empty(image_bytes, dtype=torch.uint8)
+            dist.broadcast(images, 0, group=self.control)
+            inputs.images = decode_images(images)
+        return op, inputs
 
     def lost(self, error: RuntimeError) -> ShardLost | None:
         """Rank 0: the rank gone, when a step's `error` is a collective failing for it: a
@@ -160,7 +189,8 @@ def encode(inputs: StepInputs) -> torch.Tensor:
     """ids | positions | query lens | context lens | table lens | tables | keep | block
     copies (source, destination) | LoRA slots (one per entry, -1: none) | LoRA writes
     (slot, uid) | state slots (one per entry, -1: none) | state copies (source,
-    destination)."""
+    destination) | key limits (when some) | M-RoPE rows (when some): the header says
+    which of the last two are there (`receive` reads them)."""
     flat: list[int] = [*inputs.token_ids, *inputs.positions, *inputs.query_lens]
     flat += inputs.context_lens
     flat += [len(t) for t in inputs.block_tables]
@@ -175,6 +205,9 @@ def encode(inputs: StepInputs) -> torch.Tensor:
     flat += inputs.state_slots or [-1] * len(inputs.query_lens)
     for source, destination in inputs.state_copies:
         flat += (source, destination)
+    flat += inputs.key_limits or []
+    for row in inputs.rope_positions:
+        flat += row
     return torch.tensor(flat, dtype=torch.long)
 
 
@@ -218,6 +251,54 @@ def decode(
     )
 
 
+def encode_images(slices: list[ImageSlice]) -> torch.Tensor:
+    """A step's ImageSlices as the bytes of one `.npz` archive (arrays only: no pickle):
+    per image its digest, placeholder positions and processor inputs; per slice its image,
+    first row and targets."""
+    arrays: dict[str, np.ndarray] = {}
+    index: dict[bytes, int] = {}
+    for part in slices:
+        image = part.image
+        if image.digest in index:
+            continue
+        k = index[image.digest] = len(index)
+        arrays[f"{k}.digest"] = np.frombuffer(image.digest, dtype=np.uint8)
+        arrays[f"{k}.positions"] = np.asarray(image.positions, dtype=np.int64)
+        arrays[f"{k}.input.pixel_values"] = np.asarray(image.pixel_values)
+        for name, value in image.extra.items():
+            arrays[f"{k}.input.{name}"] = np.asarray(value)
+    arrays["slices"] = np.asarray(
+        [(index[p.image.digest], p.first_row, len(p.targets)) for p in slices], dtype=np.int64
+    ).reshape(-1, 3)
+    arrays["targets"] = np.asarray([t for p in slices for t in p.targets], dtype=np.int64)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def decode_images(data: torch.Tensor) -> list[ImageSlice]:
+    """`encode_images`' archive back as the step's ImageSlices."""
+    archive = np.load(io.BytesIO(data.numpy().tobytes()), allow_pickle=False)
+    images, inputs = {}, {}
+    for key in archive.files:
+        k, _, name = key.partition(".")
+        if name.startswith("input."):
+            inputs.setdefault(int(k), {})[name.removeprefix("input.")] = archive[key]
+    for k, given in inputs.items():
+        pixels = given.pop("pixel_values")
+        images[k] = ImageInput(
+            archive[f"{k}.digest"].tobytes(),
+            pixels,
+            tuple(archive[f"{k}.positions"].tolist()),
+            given,
+        )
+    targets, at, slices = archive["targets"].tolist(), 0, []
+    for k, first_row, count in archive["slices"].tolist():
+        slices.append(ImageSlice(images[k], first_row, tuple(targets[at : at + count])))
+        at += count
+    return slices
+
+
 class ShardedRunner(StepRunner):
     """Rank 0's runner (the Runner protocol, model_runner.py): each step's inputs to every rank,
     the same device side on each, the logits gathered here."""
@@ -239,6 +320,10 @@ class ShardedRunner(StepRunner):
     @property
     def batch_invariant(self) -> bool:
         return self.inner.batch_invariant
+
+    @property
+    def rope(self):  # M-RoPE rows are laid out here, by the host side (execute)
+        return self.inner.rope
 
     @property
     def stats(self):  # the inner strategy's counters (compiled or graph steps)
