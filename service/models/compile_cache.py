@@ -4,6 +4,8 @@ model and build, so a new container with the same cache volume reuses them.
     <cache root>/compile/<model>-<key>/   (torch's inductor cache dir: FX graphs,
                                             AOTAutograd entries, the compiled kernels)
     <cache root>/compile/<model>-<key>/key.json   (what the key hashes, for an operator)
+    <cache root>/compile/<kernel>-<key>/   (a kernel compiled for every model, e.g. the
+                                            CPU decode attention: by torch and CPU only)
 
 torch's own cache keys already cover the graph, the config and the compiler, so a stale
 artifact is never used; the folder key splits the cache by what makes artifacts useless
@@ -48,6 +50,21 @@ def compile_cache_dir(loaded: LoadedModel, root: Path | None = None) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", key["model_id"].rsplit("/", 1)[-1])[:48]
     folder = (root or default_cache_root()) / "compile" / f"{slug}-{digest}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "key.json").write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
+    return folder
+
+
+def kernel_cache_dir(name: str, root: Path | None = None) -> Path:
+    """The folder for a kernel's compile artifacts that any model shares (created, with its
+    key.json): what invalidates them is torch and the CPU's vector ISA."""
+    key = {
+        "kernel": name,
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    folder = (root or default_cache_root()) / "compile" / f"{name}-{digest}"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "key.json").write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
     return folder

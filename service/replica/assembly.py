@@ -16,6 +16,7 @@ import torch
 
 from .. import __version__
 from ..engine.adapters import AdapterRegistry
+from ..engine.attention import cpu_decode
 from ..engine.config import EngineConfig, every_layer_window
 from ..engine.draft_model import DraftModelProposer, TokenizerMismatch, check_same_tokenizer
 from ..engine.grammar import GrammarMasks
@@ -40,7 +41,7 @@ from ..models.architectures import (
     module_sdpa_only_terms,
     no_graphs_reason,
 )
-from ..models.compile_cache import compile_cache_dir
+from ..models.compile_cache import compile_cache_dir, kernel_cache_dir
 from ..models.loader import LoadOptions, LoraSetup, ModelShard
 from ..models.lora import AdapterError, read_adapter
 from ..models.lora_layers import LoraLayers
@@ -122,6 +123,19 @@ def compile_settings(settings: Settings, loaded: LoadedModel) -> CompileSettings
     )
 
 
+def place_cpu_kernel_artifacts(settings: Settings, loaded: LoadedModel) -> None:
+    """The CPU decode attention's compiled kernel (engine/attention/cpu_decode.py, compiled
+    at warm-up) keeps its artifacts in the textgen cache, as --compile's do, so a later start
+    or a new container with the same cache reads them; if that cache can't be written, in
+    torch's default (the temp dir)."""
+    if loaded.device.type != "cpu" or settings.disable_custom_kernels:
+        return
+    try:
+        cpu_decode.CACHE_DIR = kernel_cache_dir("cpu-decode-attention")
+    except OSError as exc:
+        log.warning("compile cache unavailable (%s): the CPU decode kernel compiles in tmp", exc)
+
+
 def speculation_settings(settings: Settings) -> SpeculationSettings | None:
     if not settings.speculate:
         return None
@@ -165,6 +179,7 @@ def engine_config(
     request (CUDA graphs' block tables are sized for it)."""
     compiled = compile_settings(settings, loaded)
     graphs = cuda_graph_settings(settings, loaded, max_total_tokens)
+    place_cpu_kernel_artifacts(settings, loaded)
     hybrid = has_state_layers(loaded.model)
     if hybrid:
         log_state_pool(settings, loaded)

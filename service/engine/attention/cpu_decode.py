@@ -20,6 +20,9 @@ one long sequence spreads over every thread (a split over the context).
   attend MIN_KEYS keys or more; `--disable-custom-kernels` or `TEXTGEN_CPU_DECODE_KERNEL=0`
   (or `ENABLED = False`) turns it off, and so does a failed compile (inductor needs a C++
   compiler), with a warning.
+- Its compiled artifacts go to `CACHE_DIR`, which a replica sets to the textgen cache
+  (models/compile_cache.py `kernel_cache_dir`), so a later start reads them (~3 s instead of
+  ~18 s here); None: torch's default, the temp dir.
 """
 
 from __future__ import annotations
@@ -29,8 +32,11 @@ import os
 import time
 import types
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+from ..compile_artifacts import artifacts_in
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +51,9 @@ MIN_KEYS = 1024
 # element and the kernel was 1.3-1.5x slower than the gathered path at 1000-8000 tokens
 # (0.94 at 8000 x 4; `measure_decode_attention.py --micro --dtype bfloat16`)
 DTYPES = (torch.float32,)
+# where the compiles keep their artifacts (set by the replica: replica/assembly.py); None:
+# torch's default
+CACHE_DIR: Path | None = None
 
 
 class Stats:
@@ -122,7 +131,8 @@ def attend(
         return function(rows, keys, values, tables, lengths, scale)
     start = time.perf_counter()  # this kind's first call compiles it
     try:
-        out = function(rows, keys, values, tables, lengths, scale)
+        with artifacts_in(CACHE_DIR):
+            out = function(rows, keys, values, tables, lengths, scale)
     except Exception:  # e.g. no C++ compiler for inductor (the Docker image has none)
         global ENABLED
         ENABLED = False

@@ -22,13 +22,11 @@ under the temp dir, so a new container that mounts the same cache skips the code
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 import torch
 from tqdm import tqdm
@@ -36,6 +34,7 @@ from tqdm import tqdm
 from ...models.architectures import MROPE_NO_STRATEGY
 from ...models.lora_layers import bound_lora
 from ..attention.paged import BatchMetadata, bound_metadata
+from ..compile_artifacts import artifacts_in
 from ..speculation import SpeculationSettings
 from .model_runner import ModelRunner, StepInputs, StepRunner
 
@@ -155,7 +154,7 @@ class CompiledRunner(StepRunner):
         hits_before = _cache_hits()
         with (
             torch._dynamo.config.patch(recompile_limit=limit),
-            _artifacts_in(self.settings.cache_dir),
+            artifacts_in(self.settings.cache_dir),
         ):
             for bucket in bar:
                 bar.set_postfix(batch=bucket)
@@ -234,31 +233,6 @@ def token_bucket(inputs: StepInputs, buckets: list[int]) -> int | None:
     if not n or len(inputs.keep) != n or inputs.keep[-1] != n - 1:
         return None  # `keep` is ascending and unique: n rows ending at n - 1 are all of them
     return next((b for b in buckets if b >= n), None)
-
-
-@contextlib.contextmanager
-def _artifacts_in(cache_dir: Path | None):
-    """torch's compile caches in cache_dir while the block runs: inductor reads the folder
-    from TORCHINDUCTOR_CACHE_DIR at each use (torch's own helper sets it, and clears the
-    in-memory caches keyed on it). The C++ wrapper's precompiled header (~150 MB) goes there
-    too: inductor puts it in the temp dir, fixed at import, and rebuilds it (~8 s here) even
-    when every graph is a cache hit, since its path is part of each kernel's build key."""
-    if cache_dir is None:
-        yield
-        return
-    from torch._inductor import codecache
-    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
-
-    headers = cache_dir / "precompiled_headers"
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(temporary_cache_dir(str(cache_dir)))
-        if hasattr(codecache, "_HEADER_DIR") and hasattr(codecache, "_HEADER_LOCK_DIR"):
-            stack.enter_context(
-                mock.patch.multiple(
-                    codecache, _HEADER_DIR=str(headers), _HEADER_LOCK_DIR=str(headers / "locks")
-                )
-            )
-        yield
 
 
 def _cache_hits() -> int:
