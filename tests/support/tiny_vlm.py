@@ -18,6 +18,15 @@ from .tiny_model import build_tokenizer
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 16  # pixels a side after the processor
 PATCH = 4  # -> (16 / 4)^2 = 16 image tokens per image
+# the vision towers' sizes (CLIP, SigLIP, Idefics 3's, Pixtral's config classes all take them)
+TOWER = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "image_size": IMAGE_SIZE,
+    "patch_size": PATCH,
+}
 # the template writes an image part as <image>, as LLaVA's own templates do
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -58,15 +67,7 @@ def _llama(tokenizer):
 def _clip():
     from transformers import CLIPVisionConfig
 
-    return CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH,
-        projection_dim=32,
-    )
+    return CLIPVisionConfig(**TOWER, projection_dim=32)
 
 
 def _save(path: Path, model, processor, tokenizer, projector: str = "multi_modal_projector"):
@@ -174,43 +175,9 @@ IDEFICS3_TOKENS = [
 
 def build_tiny_idefics3(path: Path, *, seed: int = 0) -> Path:
     """A tiny random Idefics 3 (SigLIP-like tower, pixel-shuffle connector, Llama)."""
-    import torch
-    from transformers import (
-        Idefics3Config,
-        Idefics3ForConditionalGeneration,
-        Idefics3ImageProcessorPil,
-        Idefics3Processor,
-        Idefics3VisionConfig,
-    )
+    import transformers
 
-    tokenizer = _tokenizer(IMAGE_TOKEN, *IDEFICS3_TOKENS)
-    vision = Idefics3VisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH,
-    )
-    config = Idefics3Config(
-        vision_config=vision,
-        text_config=_llama(tokenizer),
-        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        scale_factor=SCALE,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config)
-    images = Idefics3ImageProcessorPil(
-        size={"longest_edge": TILES_EDGE}, max_image_size={"longest_edge": IMAGE_SIZE}
-    )
-    processor = Idefics3Processor(
-        image_processor=images,
-        tokenizer=tokenizer,
-        image_seq_len=(IMAGE_SIZE // PATCH) ** 2 // SCALE**2,
-        chat_template=tokenizer.chat_template,
-    )
-    return _save(path, model, processor, tokenizer, projector="connector")
+    return _build_idefics3_layout(path, seed, "Idefics3", transformers.Idefics3Processor)
 
 
 # SmolVLM: Idefics 3's model and tiles under its own classes; its processor writes an
@@ -219,38 +186,35 @@ def build_tiny_idefics3(path: Path, *, seed: int = 0) -> Path:
 def build_tiny_smolvlm(path: Path, *, seed: int = 0) -> Path:
     """A tiny random SmolVLM (SigLIP-like tower, pixel-shuffle connector, Llama) with its
     processor (SmolVLMImageProcessorPil), images only."""
-    import torch
+    import transformers
     from textgen.service.models.processors import images_only
-    from transformers import (
-        SmolVLMConfig,
-        SmolVLMForConditionalGeneration,
-        SmolVLMImageProcessorPil,
-        SmolVLMProcessor,
-        SmolVLMVisionConfig,
-    )
+
+    return _build_idefics3_layout(path, seed, "SmolVLM", images_only(transformers.SmolVLMProcessor))
+
+
+def _build_idefics3_layout(path: Path, seed: int, family: str, processor_class) -> Path:
+    """Idefics 3's layout under `family`'s classes (Idefics3Config, ...), its processor
+    `processor_class`."""
+    import torch
+    import transformers
+
+    def named(suffix: str):
+        return getattr(transformers, family + suffix)
 
     tokenizer = _tokenizer(IMAGE_TOKEN, *IDEFICS3_TOKENS)
-    vision = SmolVLMVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH,
-    )
-    config = SmolVLMConfig(
-        vision_config=vision,
+    config = named("Config")(
+        vision_config=named("VisionConfig")(**TOWER),
         text_config=_llama(tokenizer),
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         scale_factor=SCALE,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = SmolVLMForConditionalGeneration(config)
-    images = SmolVLMImageProcessorPil(
+    model = named("ForConditionalGeneration")(config)
+    images = named("ImageProcessorPil")(
         size={"longest_edge": TILES_EDGE}, max_image_size={"longest_edge": IMAGE_SIZE}
     )
-    processor = images_only(SmolVLMProcessor)(
+    processor = processor_class(
         image_processor=images,
         tokenizer=tokenizer,
         image_seq_len=(IMAGE_SIZE // PATCH) ** 2 // SCALE**2,
@@ -291,14 +255,7 @@ def build_tiny_gemma3(path: Path, *, seed: int = 0) -> Path:
     named.save_pretrained(path)  # reloaded with its named tokens, as Gemma 3's processor reads
     tokenizer = AutoTokenizer.from_pretrained(path, extra_special_tokens=GEMMA3_TOKENS)
     text = Gemma3TextConfig(**family_config("gemma3_text", tokenizer).to_dict())
-    vision = SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH,
-    )
+    vision = SiglipVisionConfig(**TOWER)
     ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in GEMMA3_TOKENS.items()}
     config = Gemma3Config(
         text_config=text,
@@ -348,15 +305,7 @@ def build_tiny_mistral3(path: Path, *, seed: int = 0) -> Path:
     )
 
     tokenizer = _tokenizer(*MISTRAL3_TOKENS)
-    vision = PixtralVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        head_dim=16,
-        image_size=MISTRAL3_EDGE,
-        patch_size=PATCH,
-    )
+    vision = PixtralVisionConfig(**{**TOWER, "image_size": MISTRAL3_EDGE}, head_dim=16)
     text = MistralConfig(**{**_llama(tokenizer).to_dict(), "sliding_window": None})
     config = Mistral3Config(
         vision_config=vision,
@@ -427,14 +376,7 @@ def build_tiny_paligemma(path: Path, *, seed: int = 0) -> Path:
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    vision = SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH,
-    )
+    vision = SiglipVisionConfig(**TOWER)
     config = PaliGemmaConfig(
         vision_config=vision,
         text_config=text,

@@ -30,13 +30,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from ..compile_artifacts import artifacts_in
+from ..compiling import artifacts_in, own_code
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +96,7 @@ _seen: set[tuple] = set()  # the kinds, each with or without a batch of one, com
 def _compiled_function(kind: tuple) -> Callable[..., torch.Tensor]:
     function = _compiled.get(kind)
     if function is None:
-        code = _decode_attention.__code__
-        copy = types.FunctionType(
-            code.replace(co_name=f"{code.co_name}_{len(_compiled)}"), _decode_attention.__globals__
-        )
+        copy = own_code(_decode_attention, f"_decode_attention_{len(_compiled)}")
         # indices come from the block manager's tables: in bounds, no per-element check
         function = torch.compile(copy, fullgraph=True, options={"assert_indirect_indexing": False})
         _compiled[kind] = function

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import time
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from tqdm import tqdm
 from ...models.architectures import MROPE_NO_STRATEGY
 from ...models.lora_layers import bound_lora
 from ..attention.paged import BatchMetadata, bound_metadata
-from ..compile_artifacts import artifacts_in
+from ..compiling import artifacts_in, own_code
 from ..speculation import SpeculationSettings
 from .model_runner import ModelRunner, StepInputs, StepRunner
 
@@ -118,7 +117,9 @@ class CompiledRunner(StepRunner):
         # on the inputs: each cuts ~1 ms of a ~25 ms step (docs/performance.md).
         # "max-autotune-no-cudagraphs" measured no faster than the default mode.
         self._compiled = torch.compile(
-            _own_copy(_logits),
+            # its own code: with no guards on the model (below), another engine's graphs
+            # of the same input shapes could otherwise serve this one's model
+            own_code(_logits),
             dynamic=False,
             fullgraph=True,
             options={
@@ -245,12 +246,3 @@ def _cache_hits() -> int:
 def _logits(model, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor):
     out = model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
     return out.logits[0]
-
-
-def _own_copy(fn):
-    """fn with a code object of its own. Dynamo keeps compiled graphs per code object, and
-    without guards on the model (above) one engine's graphs could otherwise serve another
-    model of the same input shapes in this process."""
-    return types.FunctionType(
-        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-    )

@@ -1,12 +1,17 @@
-"""Where torch.compile's artifacts go while a compile runs: the textgen cache's folder the
-caller names (models/compile_cache.py), so that a new process or container with the same
-cache volume reads them instead of compiling again. Used by the compiled decode step
-(runners/compiled.py) and the CPU decode attention's kernel (attention/cpu_decode.py)."""
+"""What textgen's two torch.compile users share (the compiled decode step,
+runners/compiled.py, and the CPU decode attention's kernel, attention/cpu_decode.py):
+
+- `artifacts_in`: where the compile's artifacts go while it runs, the textgen cache's folder
+  the caller names (models/compile_cache.py), so that a new process or container with the
+  same cache volume reads them instead of compiling again;
+- `own_code`: a function with a code object of its own, so that it has its own compiled
+  graphs, guards and recompile limit."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -35,3 +40,12 @@ def artifacts_in(cache_dir: Path | None) -> Iterator[None]:
                 )
             )
         yield
+
+
+def own_code(fn: Callable, name: str | None = None) -> Callable:
+    """`fn` with a code object of its own (named `name`): dynamo keeps compiled graphs,
+    and counts recompiles, per code object, so two copies never share them."""
+    code = fn.__code__.replace(co_name=name) if name else fn.__code__.replace()
+    return types.FunctionType(
+        code, fn.__globals__, name or fn.__name__, fn.__defaults__, fn.__closure__
+    )
