@@ -38,6 +38,7 @@ from .sharding import (
     lora_slices,
     tp_plan_overrides,
 )
+from .small_steps import SMALL_STEP_ROWS, add_small_step_weights
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -126,6 +127,23 @@ def select_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return chosen
 
 
+def auto_dtype_reason(loaded: LoadedModel) -> str:
+    """Why --dtype auto gave `loaded` its dtype, in a phrase (/info, the startup line)."""
+    name = str(loaded.dtype).removeprefix("torch.")
+    if loaded.quantize:
+        return f"{name}: what --quantize {loaded.quantize} computes in on {loaded.device.type}"
+    if loaded.device.type == "cuda":
+        return f"{name}: " + ("native on this GPU" if name == "bfloat16" else "no native bf16")
+    if loaded.device.type != "cpu":
+        return f"{name}: the default on {loaded.device.type}"
+    if name == "bfloat16":
+        return "bfloat16: this CPU computes bf16 natively (avx512_bf16, amx_bf16 or Arm bf16)"
+    reason = "float32: this CPU has no native bf16 (emulated bfloat16 is slower)"
+    if loaded.small_step_rows:
+        reason += f"; steps of up to {loaded.small_step_rows} tokens read int8 weight copies"
+    return reason
+
+
 @dataclass(frozen=True)
 class ModelShard:
     """Load one rank's slice of the model (sharding.py); the process group is up."""
@@ -147,6 +165,10 @@ class LoadOptions:
     # the context of a model whose config states none (Bloom, Mamba): the one the settings
     # chose (Settings.context_length: --max-total-tokens); a config's own always wins
     context: int | None = None
+    # where --dtype auto chose float32 (a CPU without native bf16), give small steps int8
+    # weight copies (small_steps.py); the assembly says no where a setting needs the weights
+    # as loaded
+    small_step_int8: bool = False
 
 
 @dataclass(frozen=True)
@@ -174,6 +196,9 @@ class LoadedModel:
     # a vision-language model's processor (its image processor and placeholder tokens);
     # None: a text model
     processor: object | None = None
+    # steps of up to this many rows read int8 copies of the Linear weights (small_steps.py);
+    # 0: every step reads the weights as loaded
+    small_step_rows: int = 0
 
 
 def load_model(
@@ -256,6 +281,9 @@ def load_model(
         quantize = library.method
     elif quantize is not None:
         quantize_model(model, quantize, dev)
+    small_step_rows = 0
+    if options.small_step_int8 and not (quantize or lora or shard) and _float32_cpu(dev, dt):
+        small_step_rows = SMALL_STEP_ROWS if add_small_step_weights(model) else 0
     lora_layers = None
     if lora is not None:
         from .lora_layers import LoraLayers
@@ -274,12 +302,13 @@ def load_model(
         raise ModelError(f"{resolved.model_id} names no EOS token (generation_config or tokenizer)")
     max_pos = served_context(model.config.get_text_config().to_dict(), options)
     logger.info(
-        "loaded %s (%s) on %s as %s%s in %.1f s: %.0fM params, context %d, eos %s",
+        "loaded %s (%s) on %s as %s%s%s in %.1f s: %.0fM params, context %d, eos %s",
         resolved.model_id,
         resolved.sha or resolved.path,
         dev,
         str(dt).removeprefix("torch."),
         f", weights {quantize}" if quantize else "",
+        f", int8 copies for steps of <= {small_step_rows} rows" if small_step_rows else "",
         time.monotonic() - started,
         params / 1e6,
         max_pos,
@@ -299,7 +328,12 @@ def load_model(
         vocab=vocab,
         lora=lora_layers,
         processor=processor,
+        small_step_rows=small_step_rows,
     )
+
+
+def _float32_cpu(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32
 
 
 def _processor(path: Path, options: LoadOptions, model_type: str | None = None):

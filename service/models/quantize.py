@@ -209,6 +209,20 @@ def _torchao_config(fmt: str, device: torch.device):
     )
 
 
+def int8_per_row(
+    weight: torch.Tensor, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, one scale per output row in `scale_dtype`), symmetric. The scale is
+    rounded to `scale_dtype` first and the weight divided by that rounded scale, so the
+    kernel's scale is the one quantized against (a bfloat16 scale alone would be off by up
+    to 0.4 % per row)."""
+    wide = weight.float()
+    absmax = wide.abs().amax(dim=1).clamp(min=1e-12)
+    scale = (absmax / 127).to(scale_dtype)
+    q = torch.round(wide / scale.float().unsqueeze(1)).clamp(-128, 127).to(torch.int8)
+    return q.contiguous(), scale
+
+
 class Int8Linear(torch.nn.Module):
     """A Linear whose weight is int8 with one scale per output row, multiplied by torch's
     fused CPU kernel (the int8 weight is read once, never widened in memory)."""
@@ -223,18 +237,13 @@ class Int8Linear(torch.nn.Module):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear) -> Int8Linear:
-        """Symmetric per-row int8. The scale is rounded to the compute dtype first and the
-        weight divided by that rounded scale, so the kernel's scale is the one quantized
-        against (a bfloat16 scale alone would be off by up to 0.4 % per row)."""
+        """Symmetric per-row int8 (int8_per_row), scales in the weight's dtype."""
         if linear.in_features % INT8_CPU_K_MULTIPLE:
             raise ValueError(f"in_features must be a multiple of {INT8_CPU_K_MULTIPLE}")
         weight = linear.weight.detach()
-        wide = weight.float()
-        absmax = wide.abs().amax(dim=1).clamp(min=1e-12)
-        scale = (absmax / 127).to(weight.dtype)
-        q = torch.round(wide / scale.float().unsqueeze(1)).clamp(-128, 127).to(torch.int8)
+        q, scale = int8_per_row(weight, weight.dtype)
         bias = None if linear.bias is None else linear.bias.detach()
-        return cls(q.contiguous(), scale, bias)
+        return cls(q, scale, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

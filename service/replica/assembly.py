@@ -42,7 +42,7 @@ from ..models.architectures import (
     no_graphs_reason,
 )
 from ..models.compile_cache import compile_cache_dir, kernel_cache_dir
-from ..models.loader import LoadOptions, LoraSetup, ModelShard
+from ..models.loader import LoadOptions, LoraSetup, ModelShard, auto_dtype_reason
 from ..models.lora import AdapterError, read_adapter
 from ..models.lora_layers import LoraLayers
 from ..models.state_layers import (
@@ -161,7 +161,9 @@ def load_draft(settings: Settings, loaded: LoadedModel) -> LoadedModel | None:
         str(loaded.dtype).removeprefix("torch."),
         str(loaded.device),
         # it proposes for the model's sequences: their context, where its config states none
-        options=LoadOptions(context=loaded.max_position_embeddings),
+        options=LoadOptions(
+            context=loaded.max_position_embeddings, small_step_int8=loaded.small_step_rows > 0
+        ),
     )
     try:
         check_same_tokenizer(loaded.tokenizer, draft.tokenizer)
@@ -327,7 +329,15 @@ def load_options(settings: Settings) -> LoadOptions:
         rope=settings.rope,
         chat_template=chat_template_of(template) if template is not None else None,
         context=settings.max_total_tokens,  # where the config states none: context_length's
+        small_step_int8=small_step_int8(settings),
     )
+
+
+def small_step_int8(settings: Settings) -> bool:
+    """Whether small steps may read int8 weight copies where --dtype auto computes in
+    float32 (models/small_steps.py): not where every step must compute alike
+    (--deterministic) or a compiled graph was traced on the float32 layers (--compile)."""
+    return settings.dtype == "auto" and not (settings.deterministic or settings.compile)
 
 
 def cap_cuda_memory(settings: Settings, device: str) -> None:
@@ -450,6 +460,9 @@ def served_model(
         info.sha = commit
     if loaded.quantize:
         info.quantize = loaded.quantize
+    if settings.dtype == "auto":
+        info.dtype_reason = auto_dtype_reason(loaded)
+    info.small_step_int8_tokens = loaded.small_step_rows
     if settings.speculate and settings.speculate_model:
         info.speculate_model = settings.speculate_model
     return ServedModel(info=info, created=int(time.time()))

@@ -306,9 +306,10 @@ async def serve(settings: Settings) -> None:
             await replica.stop()
             raise
     log.info(
-        "textgen ready: model=%s dtype=%s%s%s device=%s grpc=%s:%d%s (%.1fs)",
+        "textgen ready: model=%s dtype=%s%s%s%s device=%s grpc=%s:%d%s (%.1fs)",
         replica.loaded.resolved.model_id,
         replica.servicer.served.info.model_dtype,
+        f" ({reason})" if (reason := replica.servicer.served.info.dtype_reason) else "",
         f" quantize={replica.loaded.quantize}" if replica.loaded.quantize else "",
         f" kv_cache_dtype={settings.kv_cache_dtype}" if settings.kv_cache_dtype else "",
         replica.loaded.device,

@@ -835,6 +835,19 @@ class InfoResponse(betterproto2.Message):
     Most images in one request (--max-images-per-request); 0 for a text-only model.
     """
 
+    dtype_reason: "str | None" = betterproto2.field(50, betterproto2.TYPE_STRING, optional=True)
+    """
+    Why --dtype auto chose model_dtype on this device (absent when --dtype named one),
+    e.g. "float32: this CPU has no native bf16".
+    """
+
+    small_step_int8_tokens: "int" = betterproto2.field(51, betterproto2.TYPE_UINT32)
+    """
+    Steps of up to this many tokens read int8 copies of the Linear weights, the rest the
+    model_dtype ones (--dtype auto on a CPU without native bf16); 0: every step reads
+    the weights as loaded.
+    """
+
 
 default_message_pool.register_message("textgen.v1", "InfoResponse", InfoResponse)
 

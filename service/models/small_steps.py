@@ -1,0 +1,96 @@
+"""Int8 copies of the Linear weights for small steps: what `--dtype auto` adds on a CPU
+without native bfloat16 (no avx512_bf16/amx_bf16), where it computes in float32.
+
+A step of a few rows (one stream's decode, a verification of 1 + N proposals, a handful of
+streams) waits on reading every weight once: float32's 4 bytes a weight. Such steps read an
+int8 copy of each Linear layer's weight (one scale per output row) through torch's fused
+`_weight_int8pack_mm`, whose CPU kernel takes bfloat16 activations: the rows are rounded to
+bfloat16 on the way in and the output widened back, so everything else (norms, attention,
+the residual stream, the KV cache) stays float32. Steps of more rows (prefill chunks, large
+batches) are compute-bound, where the float32 GEMM is faster, and read the float32 weight
+as before: the copies cost a quarter of the weights' memory on top.
+
+Measured on a 2-core AMD EPYC without avx512 (docs/performance.md, "`--dtype auto` on a CPU
+without native bf16"): a decode step 1.3-1.7x faster at 1 stream, ~2x at 4, 1.6x at 8, 1.1x
+at 16, 0.95x at 32 (hence 16 rows at most); perplexity on the test chapter +0.02 %
+(tests/service/test_small_steps.py asserts it within 1 %). `--dtype float32` keeps the exact
+float32 path; so do the settings that need every step's arithmetic alike (--deterministic),
+their own weights (--quantize, a quantized checkpoint, LoRA slots, shards) or their own
+graph (--compile): the loader is told by the replica's assembly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .quantize import INT8_CPU_K_MULTIPLE, int8_per_row
+
+logger = logging.getLogger("textgen.models")
+
+# the most rows (tokens of a step) a Linear reads its int8 copy for: above, float32's GEMM wins
+SMALL_STEP_ROWS = 16
+# the copies are made only when the machine has this many times their size available
+MEMORY_MARGIN = 2
+
+
+class SmallStepLinear(torch.nn.Linear):
+    """A float32 Linear that also holds its weight in int8 per row, read by steps of at most
+    SMALL_STEP_ROWS rows. Still an nn.Linear (same weight and bias parameters): code that
+    reads `.weight` (tied embeddings, transformers' dtype probes) sees what it saw."""
+
+    int8_weight: torch.Tensor
+    int8_scale: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows > SMALL_STEP_ROWS or x.dtype != torch.float32:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.int8_weight, self.int8_scale)
+        y = y.to(torch.float32).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def add_small_step_weights(model: torch.nn.Module) -> int:
+    """Give `model`'s float32 Linear layers int8 copies for small steps, in place (each
+    becomes a SmallStepLinear); -> how many. None when the machine's available memory is
+    under MEMORY_MARGIN times the copies' size (then it says so and the model stays as is)."""
+    linears = [m for m in model.modules() if _eligible(m)]
+    size = sum(m.weight.numel() for m in linears)
+    available = available_memory()
+    if available is not None and available < MEMORY_MARGIN * size:
+        logger.info(
+            "no int8 copies for small steps: they need %.0f MiB, %.0f MiB is available",
+            size / 2**20,
+            available / 2**20,
+        )
+        return 0
+    for linear in linears:
+        q, scale = int8_per_row(linear.weight.detach(), torch.bfloat16)
+        linear.register_buffer("int8_weight", q, persistent=False)
+        linear.register_buffer("int8_scale", scale, persistent=False)
+        linear.__class__ = SmallStepLinear
+    return len(linears)
+
+
+def _eligible(module: torch.nn.Module) -> bool:
+    return (
+        type(module) is torch.nn.Linear
+        and module.weight.dtype == torch.float32
+        and module.weight.device.type == "cpu"
+        and module.in_features % INT8_CPU_K_MULTIPLE == 0
+    )
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is none: not Linux)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
