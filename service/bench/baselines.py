@@ -57,6 +57,8 @@ class CoreAlone:
         self.sampling = sampling
         loaded, self.core = standalone_engine(settings)
         self.dtype = str(loaded.dtype).removeprefix("torch.")
+        if loaded.small_step_rows:
+            self.dtype += f" + int8 for steps <= {loaded.small_step_rows}"
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self._requests = 0

@@ -31,6 +31,9 @@ logger = logging.getLogger("textgen.models")
 
 # the most rows (tokens of a step) a Linear reads its int8 copy for: above, float32's GEMM wins
 SMALL_STEP_ROWS = 16
+# where torch's int8 kernel is vectorised (x86's AVX2 and AVX-512 builds of it; elsewhere
+# its scalar loop is slower than float32's GEMM)
+VECTOR_CAPABILITIES = ("AVX2", "AVX512")
 # the copies are made only when the machine has this many times their size available
 MEMORY_MARGIN = 2
 
@@ -55,8 +58,15 @@ class SmallStepLinear(torch.nn.Linear):
 
 def add_small_step_weights(model: torch.nn.Module) -> int:
     """Give `model`'s float32 Linear layers int8 copies for small steps, in place (each
-    becomes a SmallStepLinear); -> how many. None when the machine's available memory is
-    under MEMORY_MARGIN times the copies' size (then it says so and the model stays as is)."""
+    becomes a SmallStepLinear); -> how many. None where torch's int8 kernel has no vector
+    path on this CPU, or when the machine's available memory is under MEMORY_MARGIN times
+    the copies' size (then it says so and the model stays as is)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in VECTOR_CAPABILITIES:
+        logger.info(
+            "no int8 copies for small steps: torch's int8 kernel is scalar on %s", capability
+        )
+        return 0
     linears = [m for m in model.modules() if _eligible(m)]
     size = sum(m.weight.numel() for m in linears)
     available = available_memory()

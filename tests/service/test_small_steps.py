@@ -86,6 +86,13 @@ def test_weights_are_shared_not_copied_and_memory_bounds_them(monkeypatch):
     assert type(model[0]) is torch.nn.Linear
 
 
+def test_no_copies_where_the_int8_kernel_is_scalar(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    model = torch.nn.Sequential(torch.nn.Linear(96, 48))
+    assert add_small_step_weights(model) == 0
+    assert type(model[0]) is torch.nn.Linear
+
+
 def test_only_dense_float32_linears_get_copies():
     model = torch.nn.Sequential(
         torch.nn.Linear(96, 48), torch.nn.Linear(40, 8), torch.nn.Linear(96, 8).bfloat16()
