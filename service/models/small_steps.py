@@ -11,9 +11,10 @@ batches) are compute-bound, where the float32 GEMM is faster, and read the float
 as before: the copies cost a quarter of the weights' memory on top.
 
 Measured on a 2-core AMD EPYC without avx512 (docs/performance.md, "`--dtype auto` on a CPU
-without native bf16"): a decode step 1.3-1.7x faster at 1 stream, ~2x at 4, 1.6x at 8, 1.1x
-at 16, 0.95x at 32 (hence 16 rows at most); perplexity on the test chapter +0.02 %
-(tests/service/test_small_steps.py asserts it within 1 %). `--dtype float32` keeps the exact
+without native bf16", 2 threads): a decode step 1.69x faster at 1 stream, 2.18x at 4, 1.55x
+at 8, 1.19x at 16, 0.98x at 32 (hence 16 rows at most); perplexity on the test chapter
+18.906 in float32, 18.890 through the copies (tests/service/test_small_steps.py asserts
+it within 1 %). `--dtype float32` keeps the exact
 float32 path; so do the settings that need every step's arithmetic alike (--deterministic),
 their own weights (--quantize, a quantized checkpoint, LoRA slots, shards) or their own
 graph (--compile): the loader is told by the replica's assembly.
@@ -58,7 +59,7 @@ class SmallStepLinear(torch.nn.Linear):
 
 def add_small_step_weights(model: torch.nn.Module) -> int:
     """Give `model`'s float32 Linear layers int8 copies for small steps, in place (each
-    becomes a SmallStepLinear); -> how many. None where torch's int8 kernel has no vector
+    becomes a SmallStepLinear); -> how many. 0 where torch's int8 kernel has no vector
     path on this CPU, or when the machine's available memory is under MEMORY_MARGIN times
     the copies' size (then it says so and the model stays as is)."""
     capability = torch.backends.cpu.get_cpu_capability()

@@ -56,9 +56,7 @@ def test_small_steps_compute_with_the_int8_weights(rows):
     x = torch.randn(1, rows, 96)
     with torch.inference_mode():
         y = layer(x)
-        expected = torch.nn.functional.linear(
-            x.bfloat16().float(), widened(layer), layer.bias
-        )
+        expected = torch.nn.functional.linear(x.bfloat16().float(), widened(layer), layer.bias)
         exact = plain(x)
     assert y.dtype == torch.float32 and y.shape == (1, rows, 48)
     # the kernel's bfloat16 output is the only rounding left
@@ -77,7 +75,7 @@ def test_larger_steps_read_the_float32_weights_bit_for_bit():
 
 
 def test_weights_are_shared_not_copied_and_memory_bounds_them(monkeypatch):
-    plain, layer = linear_pair()
+    _, layer = linear_pair()
     assert layer.int8_weight.dtype == torch.int8 and layer.int8_weight.shape == (48, 96)
     assert "int8_weight" not in layer.state_dict()  # never saved with the model
     model = torch.nn.Sequential(torch.nn.Linear(96, 48))
