@@ -22,6 +22,7 @@ from support import quantized_checkpoints as checkpoints
 from support.servers import ServerThread, tiny_settings
 from textgen.service.models import QuantizationError
 from textgen.service.models import checkpoint_quant as cq
+from textgen.service.models.loader import cpu_has_native_bf16
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
 from textgen.service.settings.preflight import preflight
@@ -80,18 +81,25 @@ def library_generate(path: Path, prompt: list[int], dtype: torch.dtype, **load) 
     return out[0, len(prompt) :].tolist()
 
 
+# --dtype auto on this CPU: bfloat16 where it computes bf16 natively, else float32
+AUTO = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+# gptqmodel's CPU kernel: its AVX-512 one where the CPU has AVX-512
+AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+GPTQ_LAYER = "TorchCpuAvx512Linear" if AVX512 else "TorchAtenLinear"
+AWQ_LAYER = "TorchCpuAvx512AwqLinear" if AVX512 else "TorchAtenAwqLinear"
+
 # (checkpoint format, --quantize as TGI names it, the dtype it computes in here, its layers)
 CPU_FORMATS = [
-    ("gptq", "gptq", torch.bfloat16, "TorchAtenLinear"),
-    ("awq", "awq", torch.bfloat16, "TorchAtenAwqLinear"),
-    ("bitsandbytes-8bit", "bitsandbytes", torch.float32, "Linear8bitLt"),
-    ("bitsandbytes-nf4", "bitsandbytes-nf4", torch.float32, "Linear4bit"),
-    ("bitsandbytes-fp4", "bitsandbytes-fp4", torch.float32, "Linear4bit"),
+    ("gptq", "gptq", torch.bfloat16, GPTQ_LAYER),
+    ("awq", "awq", torch.bfloat16, AWQ_LAYER),
+    ("bitsandbytes-8bit", "bitsandbytes", AUTO, "Linear8bitLt"),
+    ("bitsandbytes-nf4", "bitsandbytes-nf4", AUTO, "Linear4bit"),
+    ("bitsandbytes-fp4", "bitsandbytes-fp4", AUTO, "Linear4bit"),
     # no CPU kernels: widened at load to the compute dtype
-    ("compressed-tensors-int8", "compressed-tensors", torch.float32, "Linear"),
-    ("compressed-tensors-int4", "compressed-tensors", torch.float32, "Linear"),
-    ("compressed-tensors-fp8", "compressed-tensors", torch.float32, "Linear"),
-    ("fp8", "fp8", torch.float32, "Linear"),
+    ("compressed-tensors-int8", "compressed-tensors", AUTO, "Linear"),
+    ("compressed-tensors-int4", "compressed-tensors", AUTO, "Linear"),
+    ("compressed-tensors-fp8", "compressed-tensors", AUTO, "Linear"),
+    ("fp8", "fp8", AUTO, "Linear"),
 ]
 
 
@@ -102,7 +110,7 @@ def test_served_greedy_tokens_are_the_librarys(
 ):
     path = build(kind, tiny_model_dir, tmp_path / kind)
     assert "quantization_config" in json.loads((path / "config.json").read_text())
-    # no --quantize: the checkpoint's format applies; --dtype auto (float32 on this CPU)
+    # no --quantize: the checkpoint's format applies; --dtype auto (AUTO on this CPU)
     prompt, served, (quantize, loaded_dtype, layer_type, packed) = served_tokens(
         tiny_settings(path, dtype="auto")
     )
@@ -154,16 +162,16 @@ def test_mxfp4_checkpoint_is_the_layout_transformers_loads(mxfp4_dir):
 @pytest.mark.server
 def test_served_mxfp4_gpt_oss_greedy_tokens_are_transformers(mxfp4_dir):
     """No --quantize (TGI has no mxfp4 value): the checkpoint's format applies; no CPU
-    kernel here, so the experts are dequantized at load to the compute dtype (float32:
-    --dtype auto on this CPU), as transformers' own `from_pretrained(dtype=float32)` does."""
+    kernel here, so the experts are dequantized at load to the compute dtype (--dtype auto
+    on this CPU), as transformers' own `from_pretrained(dtype=...)` does."""
     prompt, served, (quantize, dtype, experts, packed) = served_tokens(
         tiny_settings(mxfp4_dir, dtype="auto", device="cpu")
     )
     assert (quantize, experts.__name__, packed) == ("mxfp4", "GptOssExperts", False)
-    assert dtype == torch.float32
-    assert served == library_generate(mxfp4_dir, prompt, torch.float32)
+    assert dtype == AUTO
+    assert served == library_generate(mxfp4_dir, prompt, AUTO)
     # the 4-bit experts are what runs: the dense model's tokens differ
-    assert served != library_generate(mxfp4_dir.parent / "dense", prompt, torch.float32)
+    assert served != library_generate(mxfp4_dir.parent / "dense", prompt, AUTO)
 
 
 def test_mxfp4_plans_dequantize_where_transformers_kernels_cant_run(monkeypatch):
