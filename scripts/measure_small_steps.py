@@ -1,12 +1,13 @@
 """Measure the decode step with int8 copies for small steps (service/models/small_steps.py,
-what --dtype auto adds on a CPU without native bf16) against exact float32 (not a test).
+what --dtype auto adds on a CPU) against the exact dtype (not a test).
 
-For each batch size: two PagedCores, one on the float32 model, one on the same model with
-the copies, decode the same ~100-token prompts, their steps alternating so load from other
-processes hits both alike; medians of wall and CPU time, and whether the greedy tokens are
-the same.
+For each batch size: two PagedCores, one on the float32 (or bfloat16) model, one on the
+same model with the copies, decode the same ~100-token prompts, their steps alternating so
+load from other processes hits both alike; medians of wall and CPU time, and whether the
+greedy tokens are the same.
 
     .venv/bin/python scripts/measure_small_steps.py [--threads 2] [--batches 1 4 8 16 32]
+        [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -45,21 +46,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    exact, name = load_model(torch.float32)
-    copies, _ = load_model(torch.float32)
+    dtype = getattr(torch, args.dtype)
+    exact, name = load_model(dtype)
+    copies, _ = load_model(dtype)
     layers = add_small_step_weights(copies)
     print(f"{name}: {layers} layers with int8 copies, {args.threads} threads")
     print(
-        "| batch | float32 step (ms, wall / CPU) | with copies (ms, wall / CPU) | faster "
+        f"| batch | {args.dtype} step (ms, wall / CPU) | with copies (ms, wall / CPU) | faster "
         "| same tokens |"
     )
     print("| --- | --- | --- | --- | --- |")
     with torch.inference_mode():
         for batch in args.batches:
             cores = {
-                "float32": decoding_core(exact, batch, args.steps),
+                "exact": decoding_core(exact, batch, args.steps),
                 "copies": decoding_core(copies, batch, args.steps),
             }
             wall = {k: [] for k in cores}
@@ -71,13 +74,13 @@ def main() -> None:
                     cpu[key].append(1000 * (time.process_time() - c))
                     wall[key].append(1000 * (time.perf_counter() - w))
             med = {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in cores}
-            same = [s.output_ids for s in cores["float32"][1]] == [
+            same = [s.output_ids for s in cores["exact"][1]] == [
                 s.output_ids for s in cores["copies"][1]
             ]
             print(
-                f"| {batch} | {med['float32'][0]:.1f} / {med['float32'][1]:.1f} "
+                f"| {batch} | {med['exact'][0]:.1f} / {med['exact'][1]:.1f} "
                 f"| {med['copies'][0]:.1f} / {med['copies'][1]:.1f} "
-                f"| {med['float32'][0] / med['copies'][0]:.2f}x | {'yes' if same else 'no'} |",
+                f"| {med['exact'][0] / med['copies'][0]:.2f}x | {'yes' if same else 'no'} |",
                 flush=True,
             )
 

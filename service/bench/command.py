@@ -609,8 +609,8 @@ async def served_settings(args) -> Settings:
         )
     return replace(
         settings,
-        # a server whose auto gave small steps int8 copies: the core the same (its float32
-        # model_dtype named would load without them; the plain loop's auto has none)
+        # a server whose auto gave small steps int8 copies: the core the same (its
+        # model_dtype named would load without them; the plain loop has none)
         dtype="auto" if info.small_step_int8_tokens else info.model_dtype,
         max_batch_total_tokens=info.max_batch_total_tokens,
         num_shard=None,  # the engine alone runs on one shard

@@ -137,8 +137,9 @@ def auto_dtype_reason(loaded: LoadedModel) -> str:
     if loaded.device.type != "cpu":
         return f"{name}: the default on {loaded.device.type}"
     if name == "bfloat16":
-        return "bfloat16: this CPU computes bf16 natively (avx512_bf16, amx_bf16 or Arm bf16)"
-    reason = "float32: this CPU has no native bf16 (emulated bfloat16 is slower)"
+        reason = "bfloat16: this CPU computes bf16 natively (avx512_bf16, amx_bf16 or Arm bf16)"
+    else:
+        reason = "float32: this CPU has no native bf16 (emulated bfloat16 is slower)"
     if loaded.small_step_rows:
         reason += f"; steps of up to {loaded.small_step_rows} tokens read int8 weight copies"
     return reason
@@ -165,9 +166,9 @@ class LoadOptions:
     # the context of a model whose config states none (Bloom, Mamba): the one the settings
     # chose (Settings.context_length: --max-total-tokens); a config's own always wins
     context: int | None = None
-    # where --dtype auto chose float32 (a CPU without native bf16), give small steps int8
-    # weight copies (small_steps.py); the assembly says no where a setting needs the weights
-    # as loaded
+    # where --dtype auto chose float32 or bfloat16 on a CPU, give small steps int8 weight
+    # copies (small_steps.py); the assembly says no where a setting needs the weights as
+    # loaded
     small_step_int8: bool = False
 
 
@@ -282,8 +283,8 @@ def load_model(
     elif quantize is not None:
         quantize_model(model, quantize, dev)
     small_step_rows = 0
-    if options.small_step_int8 and not (quantize or lora or shard) and _float32_cpu(dev, dt):
-        small_step_rows = SMALL_STEP_ROWS if add_small_step_weights(model) else 0
+    if options.small_step_int8 and not (quantize or lora or shard) and _small_step_cpu(dev, dt):
+        small_step_rows = SMALL_STEP_ROWS[dt] if add_small_step_weights(model) else 0
     lora_layers = None
     if lora is not None:
         from .lora_layers import LoraLayers
@@ -332,8 +333,8 @@ def load_model(
     )
 
 
-def _float32_cpu(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32
+def _small_step_cpu(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in SMALL_STEP_ROWS
 
 
 def _processor(path: Path, options: LoadOptions, model_type: str | None = None):

@@ -1,23 +1,28 @@
-"""Int8 copies of the Linear weights for small steps: what `--dtype auto` adds on a CPU
-without native bfloat16 (no avx512_bf16/amx_bf16), where it computes in float32.
+"""Int8 copies of the Linear weights for small steps: what `--dtype auto` adds on a CPU,
+to the float32 model (a CPU without native bfloat16) or the bfloat16 one (avx512_bf16,
+amx_bf16, Arm bf16).
 
 A step of a few rows (one stream's decode, a verification of 1 + N proposals, a handful of
-streams) waits on reading every weight once: float32's 4 bytes a weight. Such steps read an
-int8 copy of each Linear layer's weight (one scale per output row) through torch's fused
-`_weight_int8pack_mm`, whose CPU kernel takes bfloat16 activations: the rows are rounded to
-bfloat16 on the way in and the output widened back, so everything else (norms, attention,
-the residual stream, the KV cache) stays float32. Steps of more rows (prefill chunks, large
-batches) are compute-bound, where the float32 GEMM is faster, and read the float32 weight
-as before: the copies cost a quarter of the weights' memory on top.
+streams) waits on reading every weight once: 4 bytes a weight in float32, 2 in bfloat16.
+Such steps read an int8 copy of each Linear layer's weight (one scale per output row)
+through torch's fused `_weight_int8pack_mm`, whose CPU kernel takes bfloat16 activations:
+float32 rows are rounded to bfloat16 on the way in and the output widened back, so
+everything else (norms, attention, the residual stream, the KV cache) stays in the model's
+dtype. Steps of more rows (prefill chunks, large batches) are compute-bound, where the
+dtype's own GEMM is faster, and read the model's weight as before: the copies cost a
+quarter (float32) or half (bfloat16) of the weights' memory on top.
 
-Measured on a 2-core AMD EPYC without avx512 (docs/performance.md, "`--dtype auto` on a CPU
-without native bf16", 2 threads): a decode step 1.69x faster at 1 stream, 2.18x at 4, 1.55x
-at 8, 1.19x at 16, 0.98x at 32 (hence 16 rows at most); perplexity on the test chapter
-18.906 in float32, 18.890 through the copies (tests/service/test_small_steps.py asserts
-it within 1 %). `--dtype float32` keeps the exact
-float32 path; so do the settings that need every step's arithmetic alike (--deterministic),
-their own weights (--quantize, a quantized checkpoint, LoRA slots, shards) or their own
-graph (--compile): the loader is told by the replica's assembly.
+Measured (docs/performance.md, "`--dtype auto` on a CPU without native bf16" and "... with
+native bf16", 2 threads), the decode step against the dtype's own: float32 on a 2-core AMD
+EPYC without avx512 1.69x faster at 1 stream, 2.18x at 4, 1.55x at 8, 1.19x at 16, 0.98x at
+32 (hence 16 rows at most); bfloat16 on a 2-core AMD EPYC with avx512_bf16 1.66x at 1,
+1.49x at 2, 1.32x at 4, 1.07x at 8, 0.96x at 16 (hence 8). Perplexity on the test chapter:
+float32 18.906, through the copies 18.890; bfloat16 18.921, through the copies 18.924
+(tests/service/test_small_steps.py asserts each within 1 %). `--dtype float32` or
+`--dtype bfloat16` named keeps that dtype's exact path; so do the settings that need every
+step's arithmetic alike (--deterministic), their own weights (--quantize, a quantized
+checkpoint, LoRA slots, shards) or their own graph (--compile): the loader is told by the
+replica's assembly.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ from .quantize import INT8_CPU_K_MULTIPLE, int8_per_row
 
 logger = logging.getLogger("textgen.models")
 
-# the most rows (tokens of a step) a Linear reads its int8 copy for: above, float32's GEMM wins
-SMALL_STEP_ROWS = 16
+# the most rows (tokens of a step) a Linear reads its int8 copy for, by the model's dtype:
+# above, the dtype's own GEMM wins (measured: see the docstring)
+SMALL_STEP_ROWS = {torch.float32: 16, torch.bfloat16: 8}
 # where torch's int8 kernel is vectorised (x86's AVX2 and AVX-512 builds of it; elsewhere
 # its scalar loop is slower than float32's GEMM)
 VECTOR_CAPABILITIES = ("AVX2", "AVX512")
@@ -40,26 +46,29 @@ MEMORY_MARGIN = 2
 
 
 class SmallStepLinear(torch.nn.Linear):
-    """A float32 Linear that also holds its weight in int8 per row, read by steps of at most
-    SMALL_STEP_ROWS rows. Still an nn.Linear (same weight and bias parameters): code that
-    reads `.weight` (tied embeddings, transformers' dtype probes) sees what it saw."""
+    """A float32 or bfloat16 Linear that also holds its weight in int8 per row, read by
+    steps of at most `max_rows` rows. Still an nn.Linear (same weight and bias parameters):
+    code that reads `.weight` (tied embeddings, transformers' dtype probes) sees what it saw."""
 
     int8_weight: torch.Tensor
     int8_scale: torch.Tensor
+    max_rows: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows > SMALL_STEP_ROWS or x.dtype != torch.float32:
+        if rows > self.max_rows or x.dtype != self.weight.dtype:
             return torch.nn.functional.linear(x, self.weight, self.bias)
+        # the kernel takes bfloat16 rows: float32's are rounded on the way in
         flat = x.reshape(rows, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int8pack_mm(flat, self.int8_weight, self.int8_scale)
-        y = y.to(torch.float32).reshape(*x.shape[:-1], self.out_features)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
-def add_small_step_weights(model: torch.nn.Module) -> int:
-    """Give `model`'s float32 Linear layers int8 copies for small steps, in place (each
-    becomes a SmallStepLinear); -> how many. 0 where torch's int8 kernel has no vector
+def add_small_step_weights(model: torch.nn.Module, max_rows: int | None = None) -> int:
+    """Give `model`'s float32 and bfloat16 Linear layers int8 copies for steps of up to
+    `max_rows` rows (SMALL_STEP_ROWS for their dtype by default), in place (each becomes a
+    SmallStepLinear); -> how many. 0 where torch's int8 kernel has no vector
     path on this CPU, or when the machine's available memory is under MEMORY_MARGIN times
     the copies' size (then it says so and the model stays as is)."""
     capability = torch.backends.cpu.get_cpu_capability()
@@ -82,6 +91,7 @@ def add_small_step_weights(model: torch.nn.Module) -> int:
         q, scale = int8_per_row(linear.weight.detach(), torch.bfloat16)
         linear.register_buffer("int8_weight", q, persistent=False)
         linear.register_buffer("int8_scale", scale, persistent=False)
+        linear.max_rows = max_rows or SMALL_STEP_ROWS[linear.weight.dtype]
         linear.__class__ = SmallStepLinear
     return len(linears)
 
@@ -89,7 +99,7 @@ def add_small_step_weights(model: torch.nn.Module) -> int:
 def _eligible(module: torch.nn.Module) -> bool:
     return (
         type(module) is torch.nn.Linear
-        and module.weight.dtype == torch.float32
+        and module.weight.dtype in SMALL_STEP_ROWS
         and module.weight.device.type == "cpu"
         and module.in_features % INT8_CPU_K_MULTIPLE == 0
     )

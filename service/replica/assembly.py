@@ -334,8 +334,8 @@ def load_options(settings: Settings) -> LoadOptions:
 
 
 def small_step_int8(settings: Settings) -> bool:
-    """Whether small steps may read int8 weight copies where --dtype auto computes in
-    float32 (models/small_steps.py): not where every step must compute alike
+    """Whether small steps may read int8 weight copies where --dtype auto computes on a
+    CPU (models/small_steps.py): not where every step must compute alike
     (--deterministic) or a compiled graph was traced on the float32 layers (--compile)."""
     return settings.dtype == "auto" and not (settings.deterministic or settings.compile)
 

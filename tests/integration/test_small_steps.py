@@ -37,9 +37,9 @@ def stub(auto_server):
 def test_info_says_what_auto_chose_and_why(stub):
     info = stub.Info(svc.InfoRequest(), timeout=30)
     assert info.model_dtype == "float32"
-    assert info.small_step_int8_tokens == SMALL_STEP_ROWS
+    assert info.small_step_int8_tokens == SMALL_STEP_ROWS[torch.float32]
     assert info.dtype_reason.startswith("float32: this CPU has no native bf16")
-    assert f"steps of up to {SMALL_STEP_ROWS} tokens read int8" in info.dtype_reason
+    assert f"steps of up to {SMALL_STEP_ROWS[torch.float32]} tokens read int8" in info.dtype_reason
 
 
 def greedy(model, tokenizer, prompt: str, new_tokens: int) -> list[int]:

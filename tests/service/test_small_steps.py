@@ -1,8 +1,9 @@
 """Int8 copies of the Linear weights for small steps (service/models/small_steps.py): what
---dtype auto adds where a CPU without native bf16 computes in float32. Their arithmetic
-against the int8 weights widened by hand, steps over the threshold bit for bit float32's,
-who gets them (not --dtype float32, --quantize, LoRA, --deterministic, --compile), and the
-embedded model's perplexity through them within 1 % of float32's."""
+--dtype auto adds to the float32 (a CPU without native bf16) or bfloat16 model. Their
+arithmetic against the int8 weights widened by hand, steps over the threshold bit for bit
+the dtype's own, who gets them (not --dtype float32/bfloat16, --quantize, LoRA,
+--deterministic, --compile), and the embedded model's perplexity through them within 1 % of
+the dtype's own."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from textgen.service.models.small_steps import (
     SmallStepLinear,
     add_small_step_weights,
 )
+
+FLOAT32_ROWS = SMALL_STEP_ROWS[torch.float32]
 from textgen.service.replica.assembly import small_step_int8
 from textgen.service.settings.table import Settings
 
@@ -37,10 +40,12 @@ def no_native_bf16(monkeypatch):
     monkeypatch.setattr("textgen.service.models.loader.cpu_has_native_bf16", lambda: False)
 
 
-def linear_pair(seed: int = 0, bias: bool = True) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+def linear_pair(
+    seed: int = 0, bias: bool = True, dtype: torch.dtype = torch.float32
+) -> tuple[torch.nn.Linear, torch.nn.Linear]:
     torch.manual_seed(seed)
-    plain = torch.nn.Linear(96, 48, bias=bias)
-    model = torch.nn.Sequential(torch.nn.Linear(96, 48, bias=bias))
+    plain = torch.nn.Linear(96, 48, bias=bias, dtype=dtype)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 48, bias=bias, dtype=dtype))
     model[0].load_state_dict(plain.state_dict())
     assert add_small_step_weights(model) == 1
     return plain, model[0]
@@ -50,7 +55,7 @@ def widened(layer: SmallStepLinear) -> torch.Tensor:
     return layer.int8_weight.float() * layer.int8_scale.float().unsqueeze(1)
 
 
-@pytest.mark.parametrize("rows", [1, 4, SMALL_STEP_ROWS])
+@pytest.mark.parametrize("rows", [1, 4, FLOAT32_ROWS])
 def test_small_steps_compute_with_the_int8_weights(rows):
     plain, layer = linear_pair()
     x = torch.randn(1, rows, 96)
@@ -66,9 +71,25 @@ def test_small_steps_compute_with_the_int8_weights(rows):
     assert (y - exact).norm() / exact.norm() < 0.02
 
 
-def test_larger_steps_read_the_float32_weights_bit_for_bit():
-    plain, layer = linear_pair(bias=False)
-    x = torch.randn(SMALL_STEP_ROWS + 1, 96)
+@pytest.mark.parametrize("rows", [1, SMALL_STEP_ROWS[torch.bfloat16]])
+def test_bfloat16_small_steps_read_the_int8_weights_without_widening(rows):
+    plain, layer = linear_pair(dtype=torch.bfloat16)
+    assert layer.max_rows == SMALL_STEP_ROWS[torch.bfloat16]
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        y = layer(x)
+        expected = torch.nn.functional.linear(x.float(), widened(layer), layer.bias.float())
+        exact = plain(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 48)
+    torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=2e-2)
+    assert not torch.equal(y, exact)
+    assert (y.float() - exact.float()).norm() / exact.float().norm() < 0.03
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_larger_steps_read_the_dtypes_weights_bit_for_bit(dtype):
+    plain, layer = linear_pair(bias=False, dtype=dtype)
+    x = torch.randn(SMALL_STEP_ROWS[dtype] + 1, 96, dtype=dtype)
     with torch.inference_mode():
         assert torch.equal(layer(x), plain(x))
     assert isinstance(layer, torch.nn.Linear) and layer.weight is not None
@@ -91,12 +112,17 @@ def test_no_copies_where_the_int8_kernel_is_scalar(monkeypatch):
     assert type(model[0]) is torch.nn.Linear
 
 
-def test_only_dense_float32_linears_get_copies():
+def test_only_dense_float32_and_bfloat16_linears_get_copies():
     model = torch.nn.Sequential(
-        torch.nn.Linear(96, 48), torch.nn.Linear(40, 8), torch.nn.Linear(96, 8).bfloat16()
+        torch.nn.Linear(96, 48),
+        torch.nn.Linear(40, 8),  # in_features not a multiple the kernel takes
+        torch.nn.Linear(96, 8).bfloat16(),
+        torch.nn.Linear(96, 8).half(),
     )
-    assert add_small_step_weights(model) == 1
-    assert [type(m) for m in model] == [SmallStepLinear, torch.nn.Linear, torch.nn.Linear]
+    assert add_small_step_weights(model) == 2
+    kinds = [SmallStepLinear, torch.nn.Linear, SmallStepLinear, torch.nn.Linear]
+    assert [type(m) for m in model] == kinds
+    assert (model[0].max_rows, model[2].max_rows) == (FLOAT32_ROWS, SMALL_STEP_ROWS[torch.bfloat16])
 
 
 def test_the_assembly_asks_only_where_auto_and_nothing_needs_the_float32_path():
@@ -109,7 +135,7 @@ def test_the_assembly_asks_only_where_auto_and_nothing_needs_the_float32_path():
 
 def test_loader_adds_them_on_a_cpu_without_native_bf16(tiny_dir, no_native_bf16):
     loaded = load_model(str(tiny_dir), dtype="auto", options=LoadOptions(small_step_int8=True))
-    assert loaded.dtype == torch.float32 and loaded.small_step_rows == SMALL_STEP_ROWS
+    assert loaded.dtype == torch.float32 and loaded.small_step_rows == FLOAT32_ROWS
     layers = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
     assert layers and all(type(m) is SmallStepLinear for m in layers)
     assert "int8 weight copies" in auto_dtype_reason(loaded)
@@ -132,32 +158,46 @@ def test_loader_leaves_weights_that_another_setting_owns(tiny_dir, no_native_bf1
     assert not any(isinstance(m, SmallStepLinear) for m in loaded.model.modules())
 
 
-def test_no_copies_where_bfloat16_is_native(tiny_dir, monkeypatch):
+def test_loader_adds_them_to_bfloat16_where_it_is_native(tiny_dir, monkeypatch):
     monkeypatch.setattr("textgen.service.models.loader.cpu_has_native_bf16", lambda: True)
     loaded = load_model(str(tiny_dir), dtype="auto", options=LoadOptions(small_step_int8=True))
-    assert loaded.dtype == torch.bfloat16 and loaded.small_step_rows == 0
-    assert auto_dtype_reason(loaded).startswith("bfloat16: this CPU computes bf16 natively")
+    rows = SMALL_STEP_ROWS[torch.bfloat16]
+    assert loaded.dtype == torch.bfloat16 and loaded.small_step_rows == rows
+    layers = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert layers and all(type(m) is SmallStepLinear for m in layers)
+    reason = auto_dtype_reason(loaded)
+    assert reason.startswith("bfloat16: this CPU computes bf16 natively")
+    assert f"steps of up to {rows} tokens read int8 weight copies" in reason
+
+
+def test_an_explicit_dtype_keeps_its_own_weights(tiny_dir):
+    """--dtype bfloat16 or float32 asks for that arithmetic: the assembly asks for no copies."""
+    settings = Settings(model_id="m", dtype="bfloat16")
+    assert not small_step_int8(settings)
+    loaded = load_model(str(tiny_dir), dtype="bfloat16", options=LoadOptions())
+    assert not any(isinstance(m, SmallStepLinear) for m in loaded.model.modules())
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_embedded_perplexity_through_small_steps_within_one_percent(monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_embedded_perplexity_through_small_steps_within_one_percent(dtype):
     """The test chapter in one forward, every row through the int8 copies (each row is
-    computed alone, so a long forward is what as many decode steps compute), against float32."""
+    computed alone, so a long forward is what as many decode steps compute), against the
+    dtype's own weights."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # see test_quantize_quality.py: a shared 2-core machine
     try:
-        loaded = load_model(None, dtype="float32", device="cpu")
+        loaded = load_model(None, dtype=dtype, device="cpu")
         ids = loaded.tokenizer(TEXT.read_text(encoding="utf-8"), return_tensors="pt")["input_ids"]
         assert ids.shape[1] > 1000
         with torch.inference_mode():
             exact = math.exp(loaded.model(input_ids=ids, labels=ids).loss.item())
-            monkeypatch.setattr(small_steps, "SMALL_STEP_ROWS", ids.shape[1])
-            assert add_small_step_weights(loaded.model) > 200
+            assert add_small_step_weights(loaded.model, max_rows=ids.shape[1]) > 200
             ppl = math.exp(loaded.model(input_ids=ids, labels=ids).loss.item())
     finally:
         torch.set_num_threads(threads)
-    print(f"perplexity float32 {exact:.3f}, int8 small steps {ppl:.3f}")
+    print(f"perplexity {dtype} {exact:.3f}, int8 small steps {ppl:.3f}")
     assert 15 < exact < 25
     assert ppl != exact  # the rows did read the copies
     assert ppl <= exact * 1.01, (ppl, exact)

@@ -844,7 +844,7 @@ class InfoResponse(betterproto2.Message):
     small_step_int8_tokens: "int" = betterproto2.field(51, betterproto2.TYPE_UINT32)
     """
     Steps of up to this many tokens read int8 copies of the Linear weights, the rest the
-    model_dtype ones (--dtype auto on a CPU without native bf16); 0: every step reads
+    model_dtype ones (--dtype auto on a CPU); 0: every step reads
     the weights as loaded.
     """
 
