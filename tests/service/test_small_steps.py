@@ -21,10 +21,10 @@ from textgen.service.models.small_steps import (
     SmallStepLinear,
     add_small_step_weights,
 )
-
-FLOAT32_ROWS = SMALL_STEP_ROWS[torch.float32]
 from textgen.service.replica.assembly import small_step_int8
 from textgen.service.settings.table import Settings
+
+FLOAT32_ROWS = SMALL_STEP_ROWS[torch.float32]
 
 TEXT = Path(__file__).parent.parent / "data" / "pride-and-prejudice-ch1.txt"
 
@@ -125,7 +125,7 @@ def test_only_dense_float32_and_bfloat16_linears_get_copies():
     assert (model[0].max_rows, model[2].max_rows) == (FLOAT32_ROWS, SMALL_STEP_ROWS[torch.bfloat16])
 
 
-def test_the_assembly_asks_only_where_auto_and_nothing_needs_the_float32_path():
+def test_the_assembly_asks_only_where_auto_and_nothing_needs_the_dtypes_own_path():
     base = Settings(model_id="m")
     assert small_step_int8(base)
     assert not small_step_int8(replace(base, dtype="float32"))
