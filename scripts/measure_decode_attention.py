@@ -6,10 +6,11 @@ cpu_decode.py's in-place kernel, alternating in one process (not a test).
    once a round, each context x batch, the two paths alternating; medians of process CPU
    time. Beside it the bytes the layers must read (context x 2 x KVH x D x 4 x 30) and the
    time a plain sum of those bytes takes at this machine's bandwidth (a 256 MB tensor's sum).
-2. `--core`: the embedded SmolLM2-135M's core (float32) decoding B sequences of ~N tokens,
-   the kernel switched on and off on alternate steps of the same core (on: where its
-   threshold, MIN_KEYS, takes it); step time and the attention's share of it
-   (`_sdpa_attention`'s time summed over the step's layers).
+2. `--core`: the embedded SmolLM2-135M's core decoding B sequences of ~N tokens (float32,
+   or `--dtype bfloat16` with the int8 copies for small steps that `--dtype auto` gives it
+   on a CPU with native bf16), the kernel switched on and off on alternate steps of the same
+   core (on: where `cpu_decode.takes` and its threshold, MIN_KEYS, take it); step time and
+   the attention's share of it (`_sdpa_attention`'s time summed over the step's layers).
 
     .venv/bin/python scripts/measure_decode_attention.py --threads 1 --micro --core \
         --contexts 100 2000 8000 --batches 1 4
@@ -87,10 +88,13 @@ def micro(context: int, batch: int, rounds: int, gbs: float, dtype: torch.dtype)
     )
 
 
-def core(context: int, batch: int, steps: int) -> None:
+def core(context: int, batch: int, steps: int, dtype: torch.dtype) -> None:
     from measure_core import CoreDecoder, load_model, prompts  # scripts/, beside this one
+    from textgen.service.models.small_steps import add_small_step_weights
 
-    model, _ = load_model(torch.float32)
+    model, _ = load_model(dtype)
+    if dtype == torch.bfloat16:  # as `--dtype auto` loads it where the CPU has native bf16
+        add_small_step_weights(model)
     batch_prompts = prompts(batch, model.config.vocab_size, seed=batch, context=context)
     decoder = CoreDecoder(model, batch_prompts, 2 * steps + 2)
     spent = [0.0]
@@ -137,7 +141,9 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[100, 2000, 8000])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--micro", action="store_true")
-    parser.add_argument("--dtype", default="float32", help="micro: the pool's and query's")
+    parser.add_argument(
+        "--dtype", default="float32", help="the pool's and query's (core: the model's)"
+    )
     parser.add_argument("--core", action="store_true")
     parser.add_argument("--rounds", type=int, default=11, help="micro: rounds a case")
     parser.add_argument("--steps", type=int, default=8, help="core: steps a path, a case")
@@ -159,14 +165,14 @@ def main() -> None:
                 micro(context, batch, args.rounds, gbs, getattr(torch, args.dtype))
         cpu_decode.MIN_KEYS = threshold
     if args.core:
-        print("core decode step, SmolLM2-135M float32, CPU ms (process time), medians:")
+        print(f"core decode step, SmolLM2-135M {args.dtype}, CPU ms (process time), medians:")
         print(
             f"{'context':>7} {'batch':>5} {'gathered':>10} {'attn':>7} "
             f"{'in place':>10} {'attn':>7} {'ratio':>10}"
         )
         for context in args.contexts:
             for batch in args.batches:
-                core(context, batch, args.steps)
+                core(context, batch, args.steps, getattr(torch, args.dtype))
     cpu_decode.ENABLED = True
 
 

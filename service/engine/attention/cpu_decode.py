@@ -15,11 +15,13 @@ one long sequence spreads over every thread (a split over the context).
 - Compiled by the runner's warm-up forward (paged.py's `_warm_up_in_place`), else on first
   use, with the batch, the table's width and the pool's size dynamic: one graph for one
   sequence and one for several (dynamo specializes a size of 1), whatever the context.
-- Taken by paged.py's SDPA path only for float32 decodes with none of the extra terms
-  (softcap, sinks, ALiBi, windows, chunks, 8-bit pools, batch-invariant mode), where they
-  attend MIN_KEYS keys or more; `--disable-custom-kernels` or `TEXTGEN_CPU_DECODE_KERNEL=0`
-  (or `ENABLED = False`) turns it off, and so does a failed compile (inductor needs a C++
-  compiler), with a warning.
+- Taken by paged.py's SDPA path for decodes with none of the extra terms (softcap, sinks,
+  ALiBi, windows, chunks, 8-bit pools, batch-invariant mode) that attend MIN_KEYS keys or
+  more, in float32, and in bfloat16 for one sequence alone where the CPU has native bf16
+  (`takes`); it computes in float32 either way (inductor widens each element as it loads
+  it, so bfloat16 pools are read at their own size). `--disable-custom-kernels` or
+  `TEXTGEN_CPU_DECODE_KERNEL=0` (or `ENABLED = False`) turns it off, and so does a failed
+  compile (inductor needs a C++ compiler), with a warning.
 - Its compiled artifacts go to `CACHE_DIR`, which a replica sets to the textgen cache
   (models/compile_cache.py `kernel_cache_dir`), so a later start reads them (~3 s instead of
   ~18 s here); None: torch's default, the temp dir.
@@ -46,13 +48,31 @@ ENABLED = os.environ.get("TEXTGEN_CPU_DECODE_KERNEL", "1") != "0"
 # layer) outweighs what it saves. Measured (docs/performance.md, issue 49 item 4): one
 # sequence gains from ~1000 tokens, four from ~256 each.
 MIN_KEYS = 1024
-# the query's and pools' dtypes it takes: not bfloat16, where inductor's loops widen every
-# element and the kernel was 1.3-1.5x slower than the gathered path at 1000-8000 tokens
-# (0.94 at 8000 x 4; `measure_decode_attention.py --micro --dtype bfloat16`)
-DTYPES = (torch.float32,)
+# bfloat16 is taken for one sequence alone, and only where the CPU has native bf16
+# (avx512_bf16, amx_bf16, Arm's bf16): there a one-stream step at 2,300 tokens of context took
+# 0.80-0.87x the gathered path's time and 0.69-0.72x at 8,000, but several sequences did not gain
+# (0.98-1.03 at 2,300 x 2-4), nor did a CPU without it (1.3-1.5x slower); docs/performance.md
+# "Decode at long context". None: not read yet (`_native_bf16`); tests set it.
+NATIVE_BF16: bool | None = None
 # where the compiles keep their artifacts (set by the replica: replica/assembly.py); None:
 # torch's default
 CACHE_DIR: Path | None = None
+
+
+def takes(dtype: torch.dtype, num_seqs: int) -> bool:
+    """Whether the kernel attends `num_seqs` decodes whose query and pools are `dtype`."""
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and num_seqs == 1 and _native_bf16()
+
+
+def _native_bf16() -> bool:
+    global NATIVE_BF16
+    if NATIVE_BF16 is None:
+        from ...models.loader import cpu_has_native_bf16
+
+        NATIVE_BF16 = cpu_has_native_bf16()
+    return NATIVE_BF16
 
 
 class Stats:
@@ -72,8 +92,9 @@ def _decode_attention(
 ) -> torch.Tensor:
     num_blocks = tables.shape[1]
     block_size = keys.shape[1]
+    out_dtype, rows = rows.dtype, rows.float()  # float32 throughout (a no-op in float32)
     # scores [B, nb, bs, KVH, G]: each block's keys read in place, q.k over the head dim
-    key_blocks = keys[tables]  # [B, nb, bs, KVH, D], an indexed read inside the loops
+    key_blocks = keys[tables].float()  # [B, nb, bs, KVH, D], an indexed read inside the loops
     scores = (rows[:, None, None] * key_blocks[:, :, :, :, None, :]).sum(-1) * scale
     position = torch.arange(num_blocks * block_size, device=rows.device).view(num_blocks, -1)
     seen = (position[None] < lengths[:, None, None])[..., None, None]
@@ -81,9 +102,9 @@ def _decode_attention(
     probs = torch.exp(scores - scores.amax((1, 2), keepdim=True))
     total = probs.sum((1, 2))  # [B, KVH, G]
     # p.v a block at a time (its rows in cache), then the blocks' partial sums
-    value_blocks = values[tables]
+    value_blocks = values[tables].float()
     partial = (probs[..., None] * value_blocks[:, :, :, :, None, :]).sum(2)  # [B, nb, KVH, G, Dv]
-    return partial.sum(1) / total[..., None]
+    return (partial.sum(1) / total[..., None]).to(out_dtype)
 
 
 # per kind of call (head shapes, dtype): the compiled function, each over its own copy of

@@ -20,8 +20,9 @@ Three backends; this module only picks one per call (`_pick_kernel`):
   its gathered keys with no mask: SDPA's fastest case, as in plain transformers' decode. With
   `batch_invariant` the keys are cut into fixed chunks and each row's result no longer
   depends on the rest of the batch (invariant.py).
-  Float32 decodes at long contexts (cpu_decode.MIN_KEYS keys or more, none of the extra
-  terms) skip the gather: cpu_decode.py's compiled kernel reads the pool in place.
+  Long-context decodes (cpu_decode.MIN_KEYS keys or more, none of the extra terms) in
+  float32, and a bfloat16 one alone where the CPU has native bf16, skip the gather:
+  cpu_decode.py's compiled kernel reads the pool in place.
 - CUDA with `triton`: triton_kernel.py's kernel, one launch per layer for decodes and
   chunks alike, reading the pool in place through the block tables.
 - CUDA with the `flash_attn` package: `flash_attn_varlen_func` over the unpadded batch.
@@ -821,15 +822,17 @@ def _sdpa_attention(
 
 def _in_place_takes(query: torch.Tensor, cache: LayerCache, group: AttentionGroup) -> bool:
     """Whether cpu_decode.py's kernel attends this group (the caller has checked the layer
-    has no window, softcap, sinks, ALiBi or chunks): CPU decodes, float32 query and pools,
-    not batch-invariant, cpu_decode.MIN_KEYS keys or more (sequences x padded context)."""
+    has no window, softcap, sinks, ALiBi or chunks): CPU decodes, query and pools of a dtype
+    it takes for this many sequences (cpu_decode.takes), not batch-invariant,
+    cpu_decode.MIN_KEYS keys or more (sequences x padded context)."""
     return (
         cpu_decode.ENABLED
         and group.max_query_len == 1
         and group.chunk_tokens is None
         and group.num_seqs * group.max_blocks * group.block_size >= cpu_decode.MIN_KEYS
         and query.device.type == "cpu"
-        and query.dtype == cache.keys.dtype == cache.values.dtype in cpu_decode.DTYPES
+        and query.dtype == cache.keys.dtype == cache.values.dtype
+        and cpu_decode.takes(query.dtype, group.num_seqs)
     )
 
 
@@ -843,7 +846,7 @@ def _warm_up_in_place(
         cpu_decode.ENABLED
         and not meta.batch_invariant
         and query.device.type == "cpu"
-        and query.dtype == cache.keys.dtype == cache.values.dtype in cpu_decode.DTYPES
+        and query.dtype == cache.keys.dtype == cache.values.dtype
     ):
         return
     num_heads, head_dim = query.shape[1], query.shape[3]
@@ -853,6 +856,8 @@ def _warm_up_in_place(
     for batch in (1, 4):
         if not cpu_decode.ENABLED:  # its compile failed (cpu_decode.attend)
             return
+        if not cpu_decode.takes(query.dtype, batch):
+            continue
         rows = query.new_zeros(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         tables = torch.zeros(batch, num_blocks, dtype=torch.long, device=query.device)
         lengths = torch.full((batch,), num_blocks * meta.pool.block_size, device=query.device)
