@@ -576,7 +576,7 @@ class Settings:
         False,
         "on CUDA, attend with flash-attn or torch SDPA instead of textgen's Triton "
         "paged-attention kernel (CUDA graphs, which replay it, are then off); on CPU, long "
-        "float32 decodes (and a bfloat16 one alone, on a CPU with native bf16) gather their "
+        "float32 decodes (and bfloat16 ones on a CPU with native bf16) gather their "
         "K/V for SDPA instead of textgen's compiled in-place kernel (which also skips its "
         "compile at startup)",
     )

@@ -65,12 +65,11 @@ def test_in_place_decodes_equal_the_sdpa_path(seqs, num_heads, num_kv_heads, hea
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])
-def test_a_bfloat16_decode_alone_takes_the_kernel_where_the_cpu_has_native_bf16(
-    native_bf16, monkeypatch
-):
-    """One bfloat16 sequence at a long context: the kernel (computing in float32) gives the
-    SDPA path's output to bfloat16's precision where the CPU has native bf16; elsewhere, and
-    for several sequences, bfloat16 keeps the gathered path."""
+def test_bfloat16_decodes_take_the_kernel_where_the_cpu_has_native_bf16(native_bf16, monkeypatch):
+    """One bfloat16 sequence at a long context, and several at BF16_SEVERAL_MIN_TOKENS: the
+    kernel (computing in float32) gives the SDPA path's output to bfloat16's precision where
+    the CPU has native bf16; elsewhere, and for several at shorter contexts, bfloat16 keeps
+    the gathered path."""
     monkeypatch.setattr(cpu_decode, "NATIVE_BF16", native_bf16)
     shape = {"block_size": 16, "num_heads": 9, "num_kv_heads": 3, "head_dim": 64}
     alone = make_batch(dtype=torch.bfloat16, seqs=[(1, 2 * LONG + 37)], seed=5, **shape)
@@ -84,6 +83,13 @@ def test_a_bfloat16_decode_alone_takes_the_kernel_where_the_cpu_has_native_bf16(
     calls = cpu_decode.Stats.calls
     attend(several, in_place=True, monkeypatch=monkeypatch)
     assert cpu_decode.Stats.calls == calls
+    longer = cpu_decode.BF16_SEVERAL_MIN_TOKENS  # several sequences from this context on
+    several = make_batch(dtype=torch.bfloat16, seqs=[(1, longer + 9), (1, longer)], seed=7, **shape)
+    gathered = attend(several, in_place=False, monkeypatch=monkeypatch)
+    calls = cpu_decode.Stats.calls
+    in_place = attend(several, in_place=True, monkeypatch=monkeypatch)
+    assert cpu_decode.Stats.calls - calls == int(native_bf16)
+    torch.testing.assert_close(in_place, gathered, atol=2e-2, rtol=2e-2)
 
 
 def test_the_kernel_is_not_taken_where_it_must_not_be(monkeypatch):
@@ -230,17 +236,15 @@ def test_the_start_up_forward_compiles_the_kernel_before_any_request(tiny_llama,
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])
-def test_a_bfloat16_model_compiles_the_one_sequence_kind_where_it_is_taken(
-    tiny_llama, native_bf16, monkeypatch
-):
-    """In bfloat16 the start-up forward compiles only the kind the kernel takes there (one
-    sequence), and nothing on a CPU without native bf16."""
+def test_a_bfloat16_model_compiles_the_kinds_taken_there(tiny_llama, native_bf16, monkeypatch):
+    """In bfloat16 the start-up forward compiles the kinds the kernel takes there (one
+    sequence, several), and nothing on a CPU without native bf16."""
     monkeypatch.setattr(cpu_decode, "NATIVE_BF16", native_bf16)
     monkeypatch.setattr(cpu_decode, "_compiled", {})
     monkeypatch.setattr(cpu_decode, "_seen", set())
     core = make_core(engine_copy(tiny_llama).to(torch.bfloat16), prefill_tokens=2048)
     core.warm_up()
-    assert [kind[0] for kind in cpu_decode._seen] == ([True] if native_bf16 else [])
+    assert sorted(kind[0] for kind in cpu_decode._seen) == ([False, True] if native_bf16 else [])
 
 
 def test_a_failed_compile_turns_the_kernel_off(monkeypatch, caplog):

@@ -17,9 +17,10 @@ one long sequence spreads over every thread (a split over the context).
   sequence and one for several (dynamo specializes a size of 1), whatever the context.
 - Taken by paged.py's SDPA path for decodes with none of the extra terms (softcap, sinks,
   ALiBi, windows, chunks, 8-bit pools, batch-invariant mode) that attend MIN_KEYS keys or
-  more, in float32, and in bfloat16 for one sequence alone where the CPU has native bf16
-  (`takes`); it computes in float32 either way (inductor widens each element as it loads
-  it, so bfloat16 pools are read at their own size). `--disable-custom-kernels` or
+  more, in float32, and in bfloat16 where the CPU has native bf16 for one sequence alone or
+  several at BF16_SEVERAL_MIN_TOKENS tokens (`takes`); it computes in float32 either way
+  (inductor widens each element as it loads it, so bfloat16 pools are read at their own
+  size). `--disable-custom-kernels` or
   `TEXTGEN_CPU_DECODE_KERNEL=0` (or `ENABLED = False`) turns it off, and so does a failed
   compile (inductor needs a C++ compiler), with a warning.
 - Its compiled artifacts go to `CACHE_DIR`, which a replica sets to the textgen cache
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,22 +50,33 @@ ENABLED = os.environ.get("TEXTGEN_CPU_DECODE_KERNEL", "1") != "0"
 # layer) outweighs what it saves. Measured (docs/performance.md, issue 49 item 4): one
 # sequence gains from ~1000 tokens, four from ~256 each.
 MIN_KEYS = 1024
-# bfloat16 is taken for one sequence alone, and only where the CPU has native bf16
-# (avx512_bf16, amx_bf16, Arm's bf16): there a one-stream step at 2,300 tokens of context took
-# 0.80-0.87x the gathered path's time and 0.69-0.72x at 8,000, but several sequences did not gain
-# (0.98-1.03 at 2,300 x 2-4), nor did a CPU without it (1.3-1.5x slower); docs/performance.md
-# "Decode at long context". None: not read yet (`_native_bf16`); tests set it.
+# bfloat16 is taken only where the CPU has native bf16 (avx512_bf16, amx_bf16, Arm's bf16),
+# for one sequence from MIN_KEYS keys and for several from BF16_SEVERAL_MIN_TOKENS tokens of
+# context: there a one-stream step at 2,300 tokens took 0.80-0.87x the gathered path's time
+# and 0.69-0.72x at 8,000, four sequences 0.85x at 4,000 and 0.80x at 6,000, but four at
+# 2,300 did not gain (0.98-1.03), nor did a CPU without native bf16 (1.3-1.5x slower);
+# docs/performance.md "Decode at long context". NATIVE_BF16 None: not read yet; tests set it.
+BF16_SEVERAL_MIN_TOKENS = 4096
 NATIVE_BF16: bool | None = None
 # where the compiles keep their artifacts (set by the replica: replica/assembly.py); None:
 # torch's default
 CACHE_DIR: Path | None = None
 
 
-def takes(dtype: torch.dtype, num_seqs: int) -> bool:
-    """Whether the kernel attends `num_seqs` decodes whose query and pools are `dtype`."""
+def takes(dtype: torch.dtype, num_seqs: int, context_tokens: int) -> bool:
+    """Whether the kernel attends `num_seqs` decodes whose query and pools are `dtype` and
+    whose longest context is `context_tokens` (the caller checks MIN_KEYS)."""
     if dtype == torch.float32:
         return True
-    return dtype == torch.bfloat16 and num_seqs == 1 and _native_bf16()
+    if dtype != torch.bfloat16 or not _native_bf16():
+        return False
+    return num_seqs == 1 or context_tokens >= BF16_SEVERAL_MIN_TOKENS
+
+
+def ever_takes(dtype: torch.dtype, num_seqs: int) -> bool:
+    """Whether the kernel attends `num_seqs` such decodes at some context (the warm-up
+    compiles those kinds)."""
+    return takes(dtype, num_seqs, sys.maxsize)
 
 
 def _native_bf16() -> bool:

@@ -21,7 +21,8 @@ Three backends; this module only picks one per call (`_pick_kernel`):
   `batch_invariant` the keys are cut into fixed chunks and each row's result no longer
   depends on the rest of the batch (invariant.py).
   Long-context decodes (cpu_decode.MIN_KEYS keys or more, none of the extra terms) in
-  float32, and a bfloat16 one alone where the CPU has native bf16, skip the gather:
+  float32, and in bfloat16 where the CPU has native bf16 (one alone, or several at
+  cpu_decode.BF16_SEVERAL_MIN_TOKENS), skip the gather:
   cpu_decode.py's compiled kernel reads the pool in place.
 - CUDA with `triton`: triton_kernel.py's kernel, one launch per layer for decodes and
   chunks alike, reading the pool in place through the block tables.
@@ -832,7 +833,7 @@ def _in_place_takes(query: torch.Tensor, cache: LayerCache, group: AttentionGrou
         and group.num_seqs * group.max_blocks * group.block_size >= cpu_decode.MIN_KEYS
         and query.device.type == "cpu"
         and query.dtype == cache.keys.dtype == cache.values.dtype
-        and cpu_decode.takes(query.dtype, group.num_seqs)
+        and cpu_decode.takes(query.dtype, group.num_seqs, group.max_blocks * group.block_size)
     )
 
 
@@ -856,7 +857,7 @@ def _warm_up_in_place(
     for batch in (1, 4):
         if not cpu_decode.ENABLED:  # its compile failed (cpu_decode.attend)
             return
-        if not cpu_decode.takes(query.dtype, batch):
+        if not cpu_decode.ever_takes(query.dtype, batch):
             continue
         rows = query.new_zeros(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         tables = torch.zeros(batch, num_blocks, dtype=torch.long, device=query.device)
