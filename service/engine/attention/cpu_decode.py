@@ -20,9 +20,9 @@ one long sequence spreads over every thread (a split over the context).
   more, in float32, and in bfloat16 where the CPU has native bf16 for one sequence alone or
   several at BF16_SEVERAL_MIN_TOKENS tokens (`takes`); it computes in float32 either way
   (inductor widens each element as it loads it, so bfloat16 pools are read at their own
-  size). `--disable-custom-kernels` or
-  `TEXTGEN_CPU_DECODE_KERNEL=0` (or `ENABLED = False`) turns it off, and so does a failed
-  compile (inductor needs a C++ compiler), with a warning.
+  size). `--disable-custom-kernels` or `TEXTGEN_CPU_DECODE_KERNEL=0` (or `ENABLED = False`)
+  turns it off, and so does a failed compile (inductor needs a C++ compiler), with a
+  warning.
 - Its compiled artifacts go to `CACHE_DIR`, which a replica sets to the textgen cache
   (models/compile_cache.py `kernel_cache_dir`), so a later start reads them (~3 s instead of
   ~18 s here); None: torch's default, the temp dir.

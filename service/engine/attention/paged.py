@@ -22,8 +22,8 @@ Three backends; this module only picks one per call (`_pick_kernel`):
   depends on the rest of the batch (invariant.py).
   Long-context decodes (cpu_decode.MIN_KEYS keys or more, none of the extra terms) in
   float32, and in bfloat16 where the CPU has native bf16 (one alone, or several at
-  cpu_decode.BF16_SEVERAL_MIN_TOKENS), skip the gather:
-  cpu_decode.py's compiled kernel reads the pool in place.
+  cpu_decode.BF16_SEVERAL_MIN_TOKENS), skip the gather: cpu_decode.py's compiled kernel
+  reads the pool in place.
 - CUDA with `triton`: triton_kernel.py's kernel, one launch per layer for decodes and
   chunks alike, reading the pool in place through the block tables.
 - CUDA with the `flash_attn` package: `flash_attn_varlen_func` over the unpadded batch.
