@@ -20,6 +20,7 @@ setup(
     package_data={
         "textgen.envoy": ["*.binpb", "*.yaml", "*.json"],
         "textgen.service.proto": ["*.pyi"],
+        "textgen.service.engine.attention": ["*.cpp"],
         "textgen.sdk": ["py.typed"],
         "textgen.sdk._generated": ["py.typed"],
     },

@@ -9,7 +9,7 @@ cpu_decode.py's in-place kernel, alternating in one process (not a test).
 2. `--core`: the embedded SmolLM2-135M's core decoding B sequences of ~N tokens (float32,
    or `--dtype bfloat16` with the int8 copies for small steps that `--dtype auto` gives it
    on a CPU with native bf16), the kernel switched on and off on alternate steps of the same
-   core (on: where `cpu_decode.takes` and its threshold, MIN_KEYS, take it); step time and
+   core (on: where `cpu_decode.takes` takes it); step time and
    the attention's share of it (`_sdpa_attention`'s time summed over the step's layers).
 
     .venv/bin/python scripts/measure_decode_attention.py --threads 1 --micro --core \
@@ -152,7 +152,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"torch threads {torch.get_num_threads()}")
     if args.micro:
-        threshold, cpu_decode.MIN_KEYS = cpu_decode.MIN_KEYS, 0  # both paths at any length
         gbs = bandwidth_gbs()
         print(f"bandwidth (sum of 256 MB): {gbs:.1f} GB/s")
         print("attention alone, 30 layers, CPU ms (process time), medians:")
@@ -163,7 +162,6 @@ def main() -> None:
         for context in args.contexts:
             for batch in args.batches:
                 micro(context, batch, args.rounds, gbs, getattr(torch, args.dtype))
-        cpu_decode.MIN_KEYS = threshold
     if args.core:
         print(f"core decode step, SmolLM2-135M {args.dtype}, CPU ms (process time), medians:")
         print(

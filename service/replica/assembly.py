@@ -124,10 +124,10 @@ def compile_settings(settings: Settings, loaded: LoadedModel) -> CompileSettings
 
 
 def place_cpu_kernel_artifacts(settings: Settings, loaded: LoadedModel) -> None:
-    """The CPU decode attention's compiled kernel (engine/attention/cpu_decode.py, compiled
-    at warm-up) keeps its artifacts in the textgen cache, as --compile's do, so a later start
-    or a new container with the same cache reads them; if that cache can't be written, in
-    torch's default (the temp dir)."""
+    """The CPU decode attention's C++ kernel (engine/attention/cpu_decode.py, compiled at
+    warm-up) keeps its library in the textgen cache, as --compile's artifacts, so a later
+    start or a new container with the same cache loads it; if that cache can't be written,
+    in torch's default (the temp dir)."""
     if loaded.device.type != "cpu" or settings.disable_custom_kernels:
         return
     try:

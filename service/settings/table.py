@@ -575,10 +575,9 @@ class Settings:
     disable_custom_kernels: bool = switch(
         False,
         "on CUDA, attend with flash-attn or torch SDPA instead of textgen's Triton "
-        "paged-attention kernel (CUDA graphs, which replay it, are then off); on CPU, long "
-        "float32 decodes (and bfloat16 ones on a CPU with native bf16) gather their "
-        "K/V for SDPA instead of textgen's compiled in-place kernel (which also skips its "
-        "compile at startup)",
+        "paged-attention kernel (CUDA graphs, which replay it, are then off); on CPU, "
+        "float32 and bfloat16 decodes gather their K/V for SDPA instead of textgen's C++ "
+        "kernel reading the KV cache in place (which also skips its compile at startup)",
     )
     compile: bool = switch(
         False,

@@ -182,7 +182,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--weights-cache-override", Setting("weights_cache_override")),
     Flag("--disable-custom-kernels", Setting("disable_custom_kernels", "textgen's custom "
                                              "kernels: its Triton paged attention, its "
-                                             "compiled CPU decode attention"),
+                                             "C++ CPU decode attention"),
          switch=True, tgi_default="off"),
     Flag("--cuda-memory-fraction", Setting("cuda_memory_fraction"), tgi_default="1.0"),
     Flag("--rope-scaling", Setting("rope_scaling")),

@@ -1,7 +1,7 @@
-"""cpu_decode.py: CPU decodes at long contexts attend the paged pool in place (a compiled
-kernel over the block table) instead of gathering their K/V for SDPA. It gives the SDPA
-path's output, one decode alone or several of different lengths, is taken only where it
-may be, compiles once per kind (one sequence, several) whatever the lengths, and the engine
+"""cpu_decode.py: CPU decodes attend the paged pool in place (a C++ kernel over the block
+table) instead of gathering their K/V for SDPA. It gives the SDPA path's output, one decode
+alone or several of different lengths, short or long, in float32 and bfloat16; it is taken
+only where it may be, compiles once per kind of layer whatever the lengths, and the engine
 with it still decodes as transformers' generate."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .factories import (
     run_to_completion,
 )
 
-LONG = cpu_decode.MIN_KEYS  # a decode alone takes the kernel from this context (in blocks)
+SPLIT = cpu_decode.SPLIT  # the tokens of a sequence one work item attends
 
 
 def attend(batch, *, in_place: bool, monkeypatch, window=None, softcap=None) -> torch.Tensor:
@@ -39,19 +39,27 @@ def attend(batch, *, in_place: bool, monkeypatch, window=None, softcap=None) -> 
 @pytest.mark.parametrize(
     "seqs",
     [
-        [(1, LONG + 100)],  # one decode alone (its group has context_slots)
-        [(1, 2 * LONG)],  # a context ending on a block boundary
-        [(1, 2 * LONG + 1), (1, LONG + 15), (1, LONG + 16), (1, LONG + 17)],  # several lengths
-        [(1, 600), (1, 700), (37, 37), (9, 50)],  # decodes beside chunks
+        [(1, 1)],  # the first token's decode: one key
+        [(1, 37)],  # one decode alone, short (its group has context_slots)
+        [(1, 4 * SPLIT + 100)],  # long: five items merged
+        [(1, 2 * SPLIT)],  # a context ending on an item's and a block's boundary
+        [(1, 2 * SPLIT + 1), (1, SPLIT + 15), (1, SPLIT), (1, 17)],  # several lengths
+        [(1, 600), (1, 70), (37, 37), (9, 50)],  # decodes beside chunks
     ],
 )
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 4, 32), (6, 2, 16)])
-def test_in_place_decodes_equal_the_sdpa_path(seqs, num_heads, num_kv_heads, head_dim, monkeypatch):
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, value_dim",
+    [(9, 3, 64, 64), (4, 4, 32, 32), (6, 2, 16, 16), (8, 2, 40, 24)],  # last: 40 and 24 wide
+)
+def test_in_place_decodes_equal_the_sdpa_path(
+    seqs, num_heads, num_kv_heads, head_dim, value_dim, monkeypatch
+):
     batch = make_batch(
         block_size=16,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
+        value_dim=value_dim,
         dtype=torch.float32,
         seqs=seqs,
         seed=len(seqs) + head_dim,
@@ -60,43 +68,35 @@ def test_in_place_decodes_equal_the_sdpa_path(seqs, num_heads, num_kv_heads, hea
     calls = cpu_decode.Stats.calls
     in_place = attend(batch, in_place=True, monkeypatch=monkeypatch)
     assert cpu_decode.Stats.calls == calls + 1  # the decodes' group, once
-    assert in_place.shape == gathered.shape == (1, sum(n for n, _ in seqs), num_heads, head_dim)
+    assert in_place.shape == gathered.shape == (1, sum(n for n, _ in seqs), num_heads, value_dim)
     torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("native_bf16", [True, False])
-def test_bfloat16_decodes_take_the_kernel_where_the_cpu_has_native_bf16(native_bf16, monkeypatch):
-    """One bfloat16 sequence at a long context, and several at BF16_SEVERAL_MIN_TOKENS: the
-    kernel (computing in float32) gives the SDPA path's output to bfloat16's precision where
-    the CPU has native bf16; elsewhere, and for several at shorter contexts, bfloat16 keeps
-    the gathered path."""
-    monkeypatch.setattr(cpu_decode, "NATIVE_BF16", native_bf16)
-    shape = {"block_size": 16, "num_heads": 9, "num_kv_heads": 3, "head_dim": 64}
-    alone = make_batch(dtype=torch.bfloat16, seqs=[(1, 2 * LONG + 37)], seed=5, **shape)
-    gathered = attend(alone, in_place=False, monkeypatch=monkeypatch)
+@pytest.mark.parametrize("seqs", [[(1, 3 * SPLIT + 37)], [(1, 700), (1, 300), (1, 9)]])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_bfloat16_decodes_equal_the_sdpa_path(seqs, block_size, monkeypatch):
+    """bfloat16 pools are read as they are, on any CPU (the kernel widens each element to
+    float32 itself), and the output is rounded back to bfloat16."""
+    batch = make_batch(
+        block_size=block_size,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        seqs=seqs,
+        seed=5,
+    )
+    gathered = attend(batch, in_place=False, monkeypatch=monkeypatch)
     calls = cpu_decode.Stats.calls
-    in_place = attend(alone, in_place=True, monkeypatch=monkeypatch)
-    assert cpu_decode.Stats.calls - calls == int(native_bf16)
+    in_place = attend(batch, in_place=True, monkeypatch=monkeypatch)
+    assert cpu_decode.Stats.calls == calls + 1
     assert in_place.dtype == gathered.dtype == torch.bfloat16
-    torch.testing.assert_close(in_place, gathered, atol=2e-2, rtol=2e-2)
-    several = make_batch(dtype=torch.bfloat16, seqs=[(1, LONG + 5), (1, LONG)], seed=6, **shape)
-    calls = cpu_decode.Stats.calls
-    attend(several, in_place=True, monkeypatch=monkeypatch)
-    assert cpu_decode.Stats.calls == calls
-    longer = cpu_decode.BF16_SEVERAL_MIN_TOKENS  # several sequences from this context on
-    several = make_batch(dtype=torch.bfloat16, seqs=[(1, longer + 9), (1, longer)], seed=7, **shape)
-    gathered = attend(several, in_place=False, monkeypatch=monkeypatch)
-    calls = cpu_decode.Stats.calls
-    in_place = attend(several, in_place=True, monkeypatch=monkeypatch)
-    assert cpu_decode.Stats.calls - calls == int(native_bf16)
     torch.testing.assert_close(in_place, gathered, atol=2e-2, rtol=2e-2)
 
 
 def test_the_kernel_is_not_taken_where_it_must_not_be(monkeypatch):
-    """Too few keys, layers with a window or soft-capping, bfloat16 for several sequences
-    and 8-bit pools, the batch-invariant path, --disable-custom-kernels and the switch off
-    all keep the gathered path."""
-    monkeypatch.setattr(cpu_decode, "NATIVE_BF16", True)
+    """Layers with a window or soft-capping, float16 and 8-bit pools, the batch-invariant
+    path, --disable-custom-kernels and the switch off all keep the gathered path."""
     seqs = [(1, 600), (1, 515)]
     shape = {"block_size": 16, "num_heads": 6, "num_kv_heads": 2, "head_dim": 32, "seqs": seqs}
 
@@ -109,9 +109,7 @@ def test_the_kernel_is_not_taken_where_it_must_not_be(monkeypatch):
     assert calls_for(float32) == 1
     assert calls_for(float32, window=64) == 0
     assert calls_for(float32, softcap=30.0) == 0
-    for short in ([(1, LONG - 16)], [(1, 400), (1, 40)]):  # 1008 and 2 x 400 keys
-        assert calls_for(make_batch(dtype=torch.float32, **{**shape, "seqs": short})) == 0
-    assert calls_for(make_batch(dtype=torch.bfloat16, **shape)) == 0
+    assert calls_for(make_batch(dtype=torch.float16, **shape)) == 0
     fp8 = make_batch(dtype=torch.float32, kv_dtype=torch.float8_e4m3fn, **shape)
     assert calls_for(fp8) == 0
     invariant = attention.BatchMetadata.build(
@@ -139,25 +137,31 @@ def test_the_kernel_is_not_taken_where_it_must_not_be(monkeypatch):
     assert cpu_decode.Stats.calls == calls
 
 
-def test_one_compile_per_kind_whatever_the_lengths_and_batch():
-    """After one call with one sequence and one with several, other context lengths and
-    batch size or pools run the compiled code as it is: dynamo would raise on a recompile."""
+def test_one_compile_per_kind_whatever_the_lengths_and_batch(monkeypatch):
+    """A kind of layer (head shapes, block size, dtype) compiles once: other context
+    lengths, batch sizes and pools reuse its kernel; another kind compiles its own."""
+    monkeypatch.setattr(cpu_decode, "_kernels", {})
     generator = torch.Generator().manual_seed(0)
 
-    def call(lengths: list[int], pool_blocks: int = 300) -> None:
-        keys = torch.randn(pool_blocks, 16, 2, 32, generator=generator)
-        values = torch.randn(pool_blocks, 16, 2, 32, generator=generator)
-        shape = (len(lengths), -(-max(lengths) // 16))
+    def call(lengths: list[int], pool_blocks: int = 300, block_size: int = 16) -> None:
+        keys = torch.randn(pool_blocks, block_size, 2, 32, generator=generator)
+        values = torch.randn(pool_blocks, block_size, 2, 32, generator=generator)
+        shape = (len(lengths), -(-max(lengths) // block_size))
         tables = torch.randint(0, pool_blocks, shape, generator=generator)
         rows = torch.randn(len(lengths), 2, 3, 32, generator=generator)
-        cpu_decode.attend(rows, keys, values, tables, torch.tensor(lengths), 0.2)
+        out = cpu_decode.attend(rows, keys, values, tables, torch.tensor(lengths), 0.2)
+        reference = cpu_decode._reference(rows, keys, values, tables, torch.tensor(lengths), 0.2)
+        torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
 
-    call([LONG + 1])
-    call([LONG + 5, LONG])
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for lengths in ([3 * LONG], [LONG + 99], [LONG, 2 * LONG, LONG + 7], [4 * LONG] * 5):
-            call(lengths)
-        call([LONG, LONG + 1], pool_blocks=500)  # another pool's size
+    call([SPLIT + 1])
+    assert len(cpu_decode._kernels) == 1
+    compiled = cpu_decode.Stats.compile_seconds
+    for lengths in ([3 * SPLIT], [99], [SPLIT, 2 * SPLIT, 7], [4 * SPLIT] * 5):
+        call(lengths)
+    call([SPLIT, SPLIT + 1], pool_blocks=500)  # another pool's size
+    assert len(cpu_decode._kernels) == 1 and cpu_decode.Stats.compile_seconds == compiled
+    call([SPLIT], block_size=32)
+    assert len(cpu_decode._kernels) == 2
 
 
 @pytest.mark.parametrize("batched", [False, True])
@@ -208,56 +212,48 @@ def test_the_compiled_decode_step_takes_the_kernel_inside_its_opaque_attention(t
     assert_matches_generate(tiny_llama, seqs)
 
 
-def test_the_start_up_forward_compiles_the_kernel_before_any_request(tiny_llama, monkeypatch):
-    """warm_up() compiles both kinds (one sequence, several) for the model's shapes; the
-    long decodes after it compile nothing."""
-    monkeypatch.setattr(cpu_decode, "_compiled", {})
-    monkeypatch.setattr(cpu_decode, "_seen", set())
-    core = make_core(tiny_llama, prefill_tokens=2048)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_start_up_forward_compiles_the_kernel_before_any_request(
+    tiny_llama, dtype, monkeypatch
+):
+    """warm_up() compiles the model's kind (its layers share one); the decodes after it,
+    short and long, alone and together, compile nothing."""
+    monkeypatch.setattr(cpu_decode, "_kernels", {})
+    model = engine_copy(tiny_llama).to(dtype)
+    core = make_core(model, prefill_tokens=2048)
     before = cpu_decode.Stats.compile_seconds
     core.warm_up()
-    assert len(cpu_decode._seen) == 2 and cpu_decode.Stats.compile_seconds > before
+    assert len(cpu_decode._kernels) == 1 and cpu_decode.Stats.compile_seconds > before
     compiled = cpu_decode.Stats.compile_seconds
     generator = torch.Generator().manual_seed(11)
     seqs = [
         make_seq(random_prompt(n, 300, generator), request_id=str(n), max_new_tokens=3)
-        for n in (1012, 600, 700)
+        for n in (1012, 600, 30)
     ]
     core.add(seqs[0])
     calls = cpu_decode.Stats.calls
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        run_to_completion(core)  # one stream
-        for seq in seqs[1:]:
-            core.add(seq)
-        run_to_completion(core)  # two
+    run_to_completion(core)  # one stream
+    for seq in seqs[1:]:
+        core.add(seq)
+    run_to_completion(core)  # two
     assert cpu_decode.Stats.calls - calls == 2 * 2 * 2
-    assert cpu_decode.Stats.compile_seconds == compiled and len(cpu_decode._seen) == 2
-    assert_matches_generate(tiny_llama, seqs)
-
-
-@pytest.mark.parametrize("native_bf16", [True, False])
-def test_a_bfloat16_model_compiles_the_kinds_taken_there(tiny_llama, native_bf16, monkeypatch):
-    """In bfloat16 the start-up forward compiles the kinds the kernel takes there (one
-    sequence, several), and nothing on a CPU without native bf16."""
-    monkeypatch.setattr(cpu_decode, "NATIVE_BF16", native_bf16)
-    monkeypatch.setattr(cpu_decode, "_compiled", {})
-    monkeypatch.setattr(cpu_decode, "_seen", set())
-    core = make_core(engine_copy(tiny_llama).to(torch.bfloat16), prefill_tokens=2048)
-    core.warm_up()
-    assert sorted(kind[0] for kind in cpu_decode._seen) == ([False, True] if native_bf16 else [])
+    assert cpu_decode.Stats.compile_seconds == compiled and len(cpu_decode._kernels) == 1
+    if dtype == torch.float32:
+        assert_matches_generate(tiny_llama, seqs)
 
 
 def test_a_failed_compile_turns_the_kernel_off(monkeypatch, caplog):
-    """Inductor needs a C++ compiler (the Docker image has none): the first call's failure
-    leaves decodes to the gathered path, this call's result computed eagerly."""
+    """Inductor's C++ toolchain needs a compiler (the Docker image has none): the first
+    call's failure leaves decodes to the gathered path, this call's result computed by
+    torch's ops."""
+    from torch._inductor.codecache import CppCodeCache
 
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(cpu_decode, "ENABLED", True)
-    monkeypatch.setattr(cpu_decode, "_compiled", {})
-    monkeypatch.setattr(cpu_decode, "_seen", set())
-    monkeypatch.setattr(torch, "compile", lambda function, **options: broken)
+    monkeypatch.setattr(cpu_decode, "_kernels", {})
+    monkeypatch.setattr(CppCodeCache, "load", broken)
     batch = make_batch(
         block_size=16, num_heads=6, num_kv_heads=2, head_dim=32, dtype=torch.float32,
         seqs=[(1, 600), (1, 700)],

@@ -20,10 +20,8 @@ Three backends; this module only picks one per call (`_pick_kernel`):
   its gathered keys with no mask: SDPA's fastest case, as in plain transformers' decode. With
   `batch_invariant` the keys are cut into fixed chunks and each row's result no longer
   depends on the rest of the batch (invariant.py).
-  Long-context decodes (cpu_decode.MIN_KEYS keys or more, none of the extra terms) in
-  float32, and in bfloat16 where the CPU has native bf16 (one alone, or several at
-  cpu_decode.BF16_SEVERAL_MIN_TOKENS), skip the gather: cpu_decode.py's compiled kernel
-  reads the pool in place.
+  Decodes in float32 or bfloat16 with none of the extra terms skip the gather:
+  cpu_decode.py's C++ kernel reads the pool in place (2-4x faster than gather + SDPA).
 - CUDA with `triton`: triton_kernel.py's kernel, one launch per layer for decodes and
   chunks alike, reading the pool in place through the block tables.
 - CUDA with the `flash_attn` package: `flash_attn_varlen_func` over the unpadded batch.
@@ -241,7 +239,7 @@ class BatchMetadata:
     device: torch.device
     use_flash: bool = False  # CUDA + flash_attn: the varlen kernel may be used
     use_triton: bool = False  # CUDA + triton: the paged Triton kernel may be used
-    # CPU: cpu_decode.py's compiled kernel may attend long decodes (off with
+    # CPU: cpu_decode.py's kernel may attend the decodes (off with
     # --disable-custom-kernels, as the Triton kernel)
     use_cpu_kernel: bool = True
     batch_invariant: bool = False  # the SDPA path's keys in fixed chunks (invariant_attention)
@@ -254,8 +252,8 @@ class BatchMetadata:
     _flash: FlashIndices | None = None
     _block_table: BlockTableIndices | None = None
     _static_positions: torch.Tensor | None = None  # static_decode's positions (refresh_static)
-    # the runner's start-up forward: each layer also compiles cpu_decode.py's kernel for
-    # its shapes, so that no request's step pays the compile
+    # the runner's start-up forward: the layers also compile cpu_decode.py's kernel for
+    # their shapes, so that no request's step pays the compile
     warm_up: bool = False
 
     @classmethod
@@ -824,45 +822,36 @@ def _sdpa_attention(
 def _in_place_takes(query: torch.Tensor, cache: LayerCache, group: AttentionGroup) -> bool:
     """Whether cpu_decode.py's kernel attends this group (the caller has checked the layer
     has no window, softcap, sinks, ALiBi or chunks): CPU decodes, query and pools of a dtype
-    it takes for this many sequences (cpu_decode.takes), not batch-invariant,
-    cpu_decode.MIN_KEYS keys or more (sequences x padded context)."""
+    it takes, not batch-invariant."""
     return (
         cpu_decode.ENABLED
         and group.max_query_len == 1
         and group.chunk_tokens is None
-        and group.num_seqs * group.max_blocks * group.block_size >= cpu_decode.MIN_KEYS
         and query.device.type == "cpu"
         and query.dtype == cache.keys.dtype == cache.values.dtype
-        and cpu_decode.takes(query.dtype, group.num_seqs, group.max_blocks * group.block_size)
+        and cpu_decode.takes(query.dtype)
     )
 
 
 def _warm_up_in_place(
     query: torch.Tensor, cache: LayerCache, meta: BatchMetadata, scaling: float
 ) -> None:
-    """Compile cpu_decode.py's kernel for this layer (its head shapes, dtype and scale), one
-    sequence and several, over block 0 repeated (free at start-up, finite): the graphs every
-    later decode of these shapes runs. A no-op where the kernel is never taken."""
+    """Compile cpu_decode.py's kernel for this layer's kind (head shapes, block size and
+    dtype) and run it once over block 0: a no-op where the kernel is never taken."""
     if not (
         cpu_decode.ENABLED
         and not meta.batch_invariant
         and query.device.type == "cpu"
         and query.dtype == cache.keys.dtype == cache.values.dtype
+        and cpu_decode.takes(query.dtype)
     ):
         return
     num_heads, head_dim = query.shape[1], query.shape[3]
     num_kv_heads = cache.keys.shape[2]
-    # size hints as a long context's (inductor picks its loops' split from them)
-    num_blocks = -(-4 * cpu_decode.MIN_KEYS // meta.pool.block_size)
-    for batch in (1, 4):
-        if not cpu_decode.ENABLED:  # its compile failed (cpu_decode.attend)
-            return
-        if not cpu_decode.ever_takes(query.dtype, batch):
-            continue
-        rows = query.new_zeros(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        tables = torch.zeros(batch, num_blocks, dtype=torch.long, device=query.device)
-        lengths = torch.full((batch,), num_blocks * meta.pool.block_size, device=query.device)
-        cpu_decode.attend(rows, cache.keys, cache.values, tables, lengths, scaling)
+    rows = query.new_zeros(1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    tables = torch.zeros(1, 1, dtype=torch.long, device=query.device)
+    lengths = torch.ones(1, dtype=torch.long, device=query.device)
+    cpu_decode.attend(rows, cache.keys, cache.values, tables, lengths, scaling)
 
 
 def _attend_in_place(
@@ -876,9 +865,7 @@ def _attend_in_place(
     if group.decode_lengths is None:  # once a step, for all layers
         group.decode_lengths = group.query_pos[:, 0] + 1
     tables = group.block_index.view(b, group.max_blocks)
-    out = cpu_decode.attend(
-        rows.contiguous(), cache.keys, cache.values, tables, group.decode_lengths, scaling
-    )
+    out = cpu_decode.attend(rows, cache.keys, cache.values, tables, group.decode_lengths, scaling)
     return out.reshape(b, num_heads, out.shape[-1])
 
 

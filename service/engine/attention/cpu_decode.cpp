@@ -1,0 +1,183 @@
+// Decode attention over the paged K/V pool, read in place (cpu_decode.py compiles and calls
+// this file). One query token a sequence; the G query heads of each KV head share its keys.
+//
+// cpu_decode.py prepends the layer's shapes as constants (so that loops unroll and the
+// accumulators stay in registers) and the pool's element type:
+//   KV_HEADS, GROUP (query heads per KV head), HEAD_DIM, V_DIM, BLOCK_SIZE, POOL_T
+//   (float, or uint16_t holding bfloat16 bits).
+//
+// Work is split into items of SPLIT tokens of one sequence, shared among the threads: each
+// item scores its keys (pass 1), takes their softmax against its own maximum, sums its
+// values weighted by it (pass 2) and leaves (maximum, sum, weighted values) per query head;
+// a second loop merges each sequence's items (the split-K of paged attention's v2 kernels).
+// Keys and values are read once, where they lie, and widened to float32 in registers.
+
+#include <torch/csrc/inductor/cpp_prefix.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#if !defined(KV_HEADS) || !defined(GROUP) || !defined(HEAD_DIM) || !defined(V_DIM) || \
+    !defined(BLOCK_SIZE) || !defined(POOL_T)
+#error "cpu_decode.py defines the layer's shapes"
+#endif
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t H = KV_HEADS, G = GROUP, D = HEAD_DIM, DV = V_DIM, BS = BLOCK_SIZE;
+constexpr int64_t R = H * G;  // query heads
+constexpr int64_t SPLIT = 256;  // tokens an item attends
+constexpr int64_t AHEAD = 16;  // tokens ahead whose rows are prefetched (blocks lie anywhere)
+constexpr int64_t W = Vec::size();
+constexpr int64_t ND = (D + W - 1) / W, NV = (DV + W - 1) / W;  // vectors a row spans
+constexpr int64_t PART = DV + 2;  // an item's result per query head: max, sum, values
+constexpr float NEG = -std::numeric_limits<float>::infinity();
+
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) {  // bfloat16: the high half of a float32
+  const uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void narrow(float x, float* out) { *out = x; }
+inline void narrow(float x, uint16_t* out) {  // to the nearest bfloat16, ties to even
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if (x != x) {  // NaN stays NaN
+    *out = uint16_t((bits >> 16) | 0x40);
+    return;
+  }
+  *out = uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// N elements at `row` as float32 in `out` (the caller's zeros past N stay)
+#pragma GCC push_options
+#pragma GCC optimize("tree-loop-vectorize")
+template <int64_t N>
+inline void widen_row(const POOL_T* row, float* out) {
+#pragma omp simd
+  for (int64_t i = 0; i < N; ++i) out[i] = widen(row[i]);
+}
+#pragma GCC pop_options
+
+inline void prefetch_row(const POOL_T* row, int64_t n) {
+  for (int64_t at = 0; at < n * int64_t(sizeof(POOL_T)); at += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + at);
+}
+
+inline float sum_lanes(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
+}
+
+// one item: tokens [t0, t1) of a sequence whose block table is `table`
+void attend_item(const POOL_T* q, float scale, const POOL_T* keys, const POOL_T* values, const int64_t* table,
+                 int64_t t0, int64_t t1, float* part, float* scores) {
+  alignas(64) float row[std::max(ND, NV) * W] = {};
+  const auto at = [&](const POOL_T* pool, int64_t t, int64_t h, int64_t dim) {
+    return pool + ((table[t / BS] * BS + t % BS) * H + h) * dim;
+  };
+  for (int64_t h = 0; h < H; ++h) {  // pass 1: scores, the query rows in registers
+    Vec qv[G][ND];
+    for (int64_t j = 0; j < G; ++j) {
+      widen_row<D>(q + (h * G + j) * D, row);
+      for (int64_t c = 0; c < ND; ++c) qv[j][c] = Vec::loadu(row + c * W) * Vec(scale);
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      if (t + AHEAD < t1) prefetch_row(at(keys, t + AHEAD, h, D), D);
+      widen_row<D>(at(keys, t, h, D), row);
+      Vec kv[ND];
+      for (int64_t c = 0; c < ND; ++c) kv[c] = Vec::loadu(row + c * W);
+      for (int64_t j = 0; j < G; ++j) {
+        Vec dot = qv[j][0] * kv[0];
+        for (int64_t c = 1; c < ND; ++c) dot = at::vec::fmadd(qv[j][c], kv[c], dot);
+        scores[(h * G + j) * SPLIT + (t - t0)] = sum_lanes(dot);
+      }
+    }
+  }
+  const int64_t n = t1 - t0;
+  for (int64_t r = 0; r < R; ++r) {  // softmax against the item's own maximum
+    float* s = scores + r * SPLIT;
+    float top = NEG;
+    for (int64_t i = 0; i < n; ++i) top = std::max(top, s[i]);
+    Vec sum(0.f);
+    int64_t i = 0;
+    for (; i + W <= n; i += W) {
+      const Vec e = (Vec::loadu(s + i) - Vec(top)).exp_u20();
+      e.store(s + i);
+      sum = sum + e;
+    }
+    float total = sum_lanes(sum);
+    for (; i < n; ++i) total += (s[i] = std::exp(s[i] - top));
+    part[r * PART] = top;
+    part[r * PART + 1] = total;
+  }
+  for (int64_t h = 0; h < H; ++h) {  // pass 2: weighted values, accumulated in registers
+    Vec acc[G][NV];
+    for (int64_t j = 0; j < G; ++j)
+      for (int64_t c = 0; c < NV; ++c) acc[j][c] = Vec(0.f);
+    for (int64_t t = t0; t < t1; ++t) {
+      if (t + AHEAD < t1) prefetch_row(at(values, t + AHEAD, h, DV), DV);
+      widen_row<DV>(at(values, t, h, DV), row);
+      Vec vv[NV];
+      for (int64_t c = 0; c < NV; ++c) vv[c] = Vec::loadu(row + c * W);
+      for (int64_t j = 0; j < G; ++j) {
+        const Vec p(scores[(h * G + j) * SPLIT + (t - t0)]);
+        for (int64_t c = 0; c < NV; ++c) acc[j][c] = at::vec::fmadd(p, vv[c], acc[j][c]);
+      }
+    }
+    for (int64_t j = 0; j < G; ++j)
+      for (int64_t c = 0; c < NV; ++c) {
+        float* out = part + (h * G + j) * PART + 2 + c * W;
+        acc[j][c].store(out, std::min(W, DV - c * W));
+      }
+  }
+}
+
+}  // namespace
+
+// q [B, R, HEAD_DIM] (R = KV_HEADS x GROUP, the heads of a KV head adjacent); keys/values
+// [blocks, BLOCK_SIZE, KV_HEADS, dim]; tables [B, width] (padded with any valid block);
+// lengths [B] (a padding row's 0 gives zeros); out [B, R, V_DIM]; part: B * ceil(width * BLOCK_SIZE / SPLIT)
+// * R * (V_DIM + 2) floats of scratch. All contiguous; q, pools and out are POOL_T.
+extern "C" void textgen_decode_attention(const POOL_T* q, const POOL_T* keys,
+                                         const POOL_T* values, const int64_t* tables,
+                                         const int64_t* lengths, POOL_T* out, float* part,
+                                         int64_t batch, int64_t width, float scale, int threads) {
+  const int64_t splits = (width * BS + SPLIT - 1) / SPLIT;
+#pragma omp parallel num_threads(threads)
+  {
+    alignas(64) float scores[R * SPLIT];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < batch * splits; ++item) {
+      const int64_t b = item / splits, t0 = item % splits * SPLIT;
+      const int64_t t1 = std::min(lengths[b], t0 + SPLIT);
+      float* p = part + item * R * PART;
+      if (t0 >= t1) {  // past this sequence's end
+        for (int64_t r = 0; r < R; ++r) p[r * PART] = NEG;
+        continue;
+      }
+      attend_item(q + b * R * D, scale, keys, values, tables + b * width, t0, t1, p, scores);
+    }
+#pragma omp for
+    for (int64_t row = 0; row < batch * R; ++row) {  // merge a sequence's items
+      const int64_t b = row / R, r = row % R;
+      const float* first = part + (b * splits * R + r) * PART;
+      float top = NEG;
+      for (int64_t s = 0; s < splits; ++s) top = std::max(top, first[s * R * PART]);
+      float total = 0.f, merged[DV] = {};
+      for (int64_t s = 0; s < splits; ++s) {
+        const float* p = first + s * R * PART;
+        if (p[0] == NEG) continue;
+        const float w = std::exp(p[0] - top);
+        total += w * p[1];
+        for (int64_t i = 0; i < DV; ++i) merged[i] += w * p[2 + i];
+      }
+      const float scale_out = total > 0.f ? 1.f / total : 0.f;  // 0: a padding row, no keys
+      for (int64_t i = 0; i < DV; ++i) narrow(merged[i] * scale_out, out + row * DV + i);
+    }
+  }
+}
