@@ -1,19 +1,32 @@
-"""Children that die with the server: Envoy and the local shard processes."""
+"""Children that die with the server: Envoy and the local shard processes.
+
+Each is started through a few lines of Python that make the one prctl call (SIGTERM to the
+child when the server's spawning thread exits, even by SIGKILL) and then exec the command
+(same PID). Not as Popen's preexec_fn: that makes subprocess fork() the server itself, and
+the forked copy runs gRPC's fork handlers against the event-engine threads of this
+process's channels and servers: now and then it aborts before exec ("epoll_wait error: Bad
+file descriptor", SIGABRT, ~1 % of spawns), and Envoy or the shard never starts. Without a
+preexec_fn CPython spawns with vfork, which runs no fork handlers."""
 
 from __future__ import annotations
 
-import ctypes
-import signal
+import os
+import sys
 
-_PR_SET_PDEATHSIG = 1
-try:  # resolved before fork: the child only makes the call
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux
-    _prctl = None
+# argv: the parent's PID, then the command
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):  # not Linux: no parent-death signal
+    pass
+if os.getppid() != int(sys.argv[1]):  # the server is already gone
+    os._exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
 
-def die_with_parent() -> None:
-    """In the child (a preexec_fn): if the server is killed outright (SIGKILL), the child
-    gets SIGTERM. One prctl call, safe between fork and exec even with threads about."""
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def dying_with_parent(command: list[str]) -> list[str]:
+    """`command` (its first item a path to an executable) started so that it gets SIGTERM
+    if this server is killed outright."""
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]

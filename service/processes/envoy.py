@@ -35,7 +35,7 @@ from textgen.envoy.config import DEFAULT_HTTP, HttpOptions
 from textgen.envoy.docs import installed_swagger_ui
 from textgen.sdk.keepalive import DEFAULT_KEEPALIVE, Keepalive
 
-from .child_process import die_with_parent
+from .child_process import dying_with_parent
 
 log = logging.getLogger("textgen.envoy")
 
@@ -284,15 +284,13 @@ async def _launch(
         "--drain-strategy", "immediate",
     ]  # fmt: skip
     process = await asyncio.create_subprocess_exec(
-        envoy_binary(),
-        *args,
+        *dying_with_parent([envoy_binary(), *args]),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         # Its own process group: a terminal's Ctrl-C reaches only us, and we stop
         # Envoy last, after in-flight streams have drained through it.
         process_group=0,
-        preexec_fn=die_with_parent,
     )
     envoy = Envoy(process, workdir)
     try:

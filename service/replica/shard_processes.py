@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
-from ..processes.child_process import die_with_parent
+from ..processes.child_process import dying_with_parent
 from ..processes.cpus import available_cpus
 from ..settings.table import Settings, settings_argv
 
@@ -142,10 +142,9 @@ def _spawn(rank: int, world_size: int, argv: list[str]) -> subprocess.Popen:
     env = {**os.environ, "LOCAL_RANK": str(rank), "PYTHONUNBUFFERED": "1"}
     env.pop("OMP_NUM_THREADS", None)  # each shard sets its own threads
     return subprocess.Popen(
-        [*command, "--num-shard", str(world_size), *argv],
+        dying_with_parent([*command, "--num-shard", str(world_size), *argv]),
         env=env,
         stdin=subprocess.DEVNULL,
-        preexec_fn=die_with_parent,  # noqa: PLW1509 - one prctl call (processes/child_process.py)
     )
 
 
