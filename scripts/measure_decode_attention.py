@@ -14,6 +14,9 @@ cpu_decode.py's in-place kernel, alternating in one process (not a test).
 
     .venv/bin/python scripts/measure_decode_attention.py --threads 1 --micro --core \
         --contexts 100 2000 8000 --batches 1 4
+
+`--window N`, `--softcap C` and `--sinks` give the micro's layers those terms (Mistral's and
+Gemma's sliding windows, Gemma 2's soft-capping, gpt-oss's sinks).
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ def bandwidth_gbs() -> float:
     return big.numel() * 4 / statistics.median(times) / 1e9
 
 
-def micro(context: int, batch: int, rounds: int, gbs: float, dtype: torch.dtype) -> None:
+def micro(
+    context: int, batch: int, rounds: int, gbs: float, dtype: torch.dtype, terms: dict
+) -> None:
     lengths = [context - 3 * i for i in range(batch)]
     needed = [-(-n // BLOCK) for n in lengths]
     pool = KVCachePool(num_blocks=sum(needed) + 1, block_size=BLOCK)
@@ -69,7 +74,11 @@ def micro(context: int, batch: int, rounds: int, gbs: float, dtype: torch.dtype)
         meta = attention.BatchMetadata.build(
             pool, [1] * batch, lengths, tables, torch.device("cpu")
         )
-        return [attention._sdpa_attention(query, c, meta, scale, None, None) for c in caches]
+        window, softcap = terms["window"], terms["softcap"]
+        return [
+            attention._sdpa_attention(query, c, meta, scale, window, softcap, terms["sinks"])
+            for c in caches
+        ]
 
     for a, b in zip(run(False), run(True)):  # and the first call compiles
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
@@ -81,7 +90,8 @@ def micro(context: int, batch: int, rounds: int, gbs: float, dtype: torch.dtype)
             run(in_place)
             times[in_place].append(time.process_time() - start)
     gathered, in_place = median_ms(times[False]), median_ms(times[True])
-    mbytes = sum(lengths) * 2 * KV_HEADS * HEAD_DIM * dtype.itemsize * LAYERS / 1e6
+    seen = sum(min(n, terms["window"] or n) for n in lengths)  # the keys the layers read
+    mbytes = seen * 2 * KV_HEADS * HEAD_DIM * dtype.itemsize * LAYERS / 1e6
     print(
         f"{context:>7} {batch:>5} {gathered:>12.2f} {in_place:>12.2f} "
         f"{in_place / gathered:>8.2f} {mbytes:>8.1f} {mbytes / gbs:>10.2f}"
@@ -145,12 +155,20 @@ def main() -> None:
         "--dtype", default="float32", help="the pool's and query's (core: the model's)"
     )
     parser.add_argument("--core", action="store_true")
+    parser.add_argument("--window", type=int, help="micro: the layers' sliding window")
+    parser.add_argument("--softcap", type=float, help="micro: the layers' logit soft-cap")
+    parser.add_argument("--sinks", action="store_true", help="micro: attention sinks")
     parser.add_argument("--rounds", type=int, default=11, help="micro: rounds a case")
     parser.add_argument("--steps", type=int, default=8, help="core: steps a path, a case")
     args = parser.parse_args()
     keep_freed_memory()  # as textgen serve does: no page faults on each step's buffers
     torch.set_num_threads(args.threads)
     print(f"torch threads {torch.get_num_threads()}")
+    terms = {
+        "window": args.window,
+        "softcap": args.softcap,
+        "sinks": torch.randn(KV_HEADS * GROUPS) if args.sinks else None,
+    }
     if args.micro:
         gbs = bandwidth_gbs()
         print(f"bandwidth (sum of 256 MB): {gbs:.1f} GB/s")
@@ -161,7 +179,7 @@ def main() -> None:
         )
         for context in args.contexts:
             for batch in args.batches:
-                micro(context, batch, args.rounds, gbs, getattr(torch, args.dtype))
+                micro(context, batch, args.rounds, gbs, getattr(torch, args.dtype), terms)
     if args.core:
         print(f"core decode step, SmolLM2-135M {args.dtype}, CPU ms (process time), medians:")
         print(

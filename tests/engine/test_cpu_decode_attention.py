@@ -27,13 +27,16 @@ from .factories import (
 SPLIT = cpu_decode.SPLIT  # the tokens of a sequence one work item attends
 
 
-def attend(batch, *, in_place: bool, monkeypatch, window=None, softcap=None) -> torch.Tensor:
-    """The layer's SDPA-path output with the kernel on or off (fresh groups each time)."""
+def attend(batch, *, in_place: bool, monkeypatch, window=None, softcap=None, **terms):
+    """The layer's SDPA-path output with the kernel on or off (fresh groups each time);
+    terms: sinks, alibi, chunk."""
     monkeypatch.setattr(cpu_decode, "ENABLED", in_place)
     batch.meta._groups = None
     cache = batch.pool.layer(0, batch.key, batch.value)
     scale = batch.query.shape[-1] ** -0.5
-    return attention._sdpa_attention(batch.query, cache, batch.meta, scale, window, softcap)
+    return attention._sdpa_attention(
+        batch.query, cache, batch.meta, scale, window, softcap, **terms
+    )
 
 
 @pytest.mark.parametrize(
@@ -51,9 +54,12 @@ def attend(batch, *, in_place: bool, monkeypatch, window=None, softcap=None) -> 
     "num_heads, num_kv_heads, head_dim, value_dim",
     [(9, 3, 64, 64), (4, 4, 32, 32), (6, 2, 16, 16), (8, 2, 40, 24)],  # last: 40 and 24 wide
 )
+@pytest.mark.parametrize("terms", ["", "window", "softcap", "sinks", "window softcap sinks"])
 def test_in_place_decodes_equal_the_sdpa_path(
-    seqs, num_heads, num_kv_heads, head_dim, value_dim, monkeypatch
+    seqs, num_heads, num_kv_heads, head_dim, value_dim, terms, monkeypatch
 ):
+    """terms: the layer's sliding window (shorter than some contexts, longer than others),
+    Gemma 2's logit soft-capping, gpt-oss's attention sinks."""
     batch = make_batch(
         block_size=16,
         num_heads=num_heads,
@@ -64,9 +70,15 @@ def test_in_place_decodes_equal_the_sdpa_path(
         seqs=seqs,
         seed=len(seqs) + head_dim,
     )
-    gathered = attend(batch, in_place=False, monkeypatch=monkeypatch)
+    generator = torch.Generator().manual_seed(head_dim)
+    layer = {
+        "window": 300 if "window" in terms else None,
+        "softcap": 2.0 if "softcap" in terms else None,  # low: most scores are capped
+        "sinks": torch.randn(num_heads, generator=generator) if "sinks" in terms else None,
+    }
+    gathered = attend(batch, in_place=False, monkeypatch=monkeypatch, **layer)
     calls = cpu_decode.Stats.calls
-    in_place = attend(batch, in_place=True, monkeypatch=monkeypatch)
+    in_place = attend(batch, in_place=True, monkeypatch=monkeypatch, **layer)
     assert cpu_decode.Stats.calls == calls + 1  # the decodes' group, once
     assert in_place.shape == gathered.shape == (1, sum(n for n, _ in seqs), num_heads, value_dim)
     torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
@@ -95,8 +107,9 @@ def test_bfloat16_decodes_equal_the_sdpa_path(seqs, block_size, monkeypatch):
 
 
 def test_the_kernel_is_not_taken_where_it_must_not_be(monkeypatch):
-    """Layers with a window or soft-capping, float16 and 8-bit pools, the batch-invariant
-    path, --disable-custom-kernels and the switch off all keep the gathered path."""
+    """Layers with ALiBi or chunked local attention, float16 and 8-bit pools, the
+    batch-invariant path, --disable-custom-kernels and the switch off all keep the gathered
+    path."""
     seqs = [(1, 600), (1, 515)]
     shape = {"block_size": 16, "num_heads": 6, "num_kv_heads": 2, "head_dim": 32, "seqs": seqs}
 
@@ -107,8 +120,10 @@ def test_the_kernel_is_not_taken_where_it_must_not_be(monkeypatch):
 
     float32 = make_batch(dtype=torch.float32, **shape)
     assert calls_for(float32) == 1
-    assert calls_for(float32, window=64) == 0
-    assert calls_for(float32, softcap=30.0) == 0
+    assert calls_for(float32, window=64, softcap=30.0) == 1
+    alibi = attention.Alibi(torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.03, 0.01]), 1.0)
+    assert calls_for(float32, alibi=alibi) == 0
+    assert calls_for(float32, chunk=256) == 0
     assert calls_for(make_batch(dtype=torch.float16, **shape)) == 0
     fp8 = make_batch(dtype=torch.float32, kv_dtype=torch.float8_e4m3fn, **shape)
     assert calls_for(fp8) == 0

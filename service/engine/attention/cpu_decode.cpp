@@ -74,8 +74,9 @@ inline float sum_lanes(const Vec& v) {
 }
 
 // one item: tokens [t0, t1) of a sequence whose block table is `table`
-void attend_item(const POOL_T* q, float scale, const POOL_T* keys, const POOL_T* values, const int64_t* table,
-                 int64_t t0, int64_t t1, float* part, float* scores) {
+void attend_item(const POOL_T* q, float scale, float softcap, const POOL_T* keys,
+                 const POOL_T* values, const int64_t* table, int64_t t0, int64_t t1, float* part,
+                 float* scores) {
   alignas(64) float row[std::max(ND, NV) * W] = {};
   const auto at = [&](const POOL_T* pool, int64_t t, int64_t h, int64_t dim) {
     return pool + ((table[t / BS] * BS + t % BS) * H + h) * dim;
@@ -101,6 +102,12 @@ void attend_item(const POOL_T* q, float scale, const POOL_T* keys, const POOL_T*
   const int64_t n = t1 - t0;
   for (int64_t r = 0; r < R; ++r) {  // softmax against the item's own maximum
     float* s = scores + r * SPLIT;
+    if (softcap > 0.f) {
+      int64_t i = 0;
+      for (; i + W <= n; i += W)
+        ((Vec::loadu(s + i) * Vec(1.f / softcap)).tanh() * Vec(softcap)).store(s + i);
+      for (; i < n; ++i) s[i] = std::tanh(s[i] / softcap) * softcap;
+    }
     float top = NEG;
     for (int64_t i = 0; i < n; ++i) top = std::max(top, s[i]);
     Vec sum(0.f);
@@ -143,24 +150,29 @@ void attend_item(const POOL_T* q, float scale, const POOL_T* keys, const POOL_T*
 // [blocks, BLOCK_SIZE, KV_HEADS, dim]; tables [B, width] (padded with any valid block);
 // lengths [B] (a padding row's 0 gives zeros); out [B, R, V_DIM]; part: B * ceil(width * BLOCK_SIZE / SPLIT)
 // * R * (V_DIM + 2) floats of scratch. All contiguous; q, pools and out are POOL_T.
+// window: the keys a query sees, its own included (0: all); softcap (0: none); sinks: R
+// float32 logits, or null.
 extern "C" void textgen_decode_attention(const POOL_T* q, const POOL_T* keys,
                                          const POOL_T* values, const int64_t* tables,
                                          const int64_t* lengths, POOL_T* out, float* part,
-                                         int64_t batch, int64_t width, float scale, int threads) {
+                                         int64_t batch, int64_t width, float scale,
+                                         int64_t window, float softcap, const float* sinks,
+                                         int threads) {
   const int64_t splits = (width * BS + SPLIT - 1) / SPLIT;
 #pragma omp parallel num_threads(threads)
   {
     alignas(64) float scores[R * SPLIT];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < batch * splits; ++item) {
-      const int64_t b = item / splits, t0 = item % splits * SPLIT;
-      const int64_t t1 = std::min(lengths[b], t0 + SPLIT);
+      const int64_t b = item / splits, start = item % splits * SPLIT;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lengths[b] - window) : 0;
+      const int64_t t0 = std::max(start, first), t1 = std::min(lengths[b], start + SPLIT);
       float* p = part + item * R * PART;
       if (t0 >= t1) {  // past this sequence's end
         for (int64_t r = 0; r < R; ++r) p[r * PART] = NEG;
         continue;
       }
-      attend_item(q + b * R * D, scale, keys, values, tables + b * width, t0, t1, p, scores);
+      attend_item(q + b * R * D, scale, softcap, keys, values, tables + b * width, t0, t1, p, scores);
     }
 #pragma omp for
     for (int64_t row = 0; row < batch * R; ++row) {  // merge a sequence's items
@@ -168,7 +180,8 @@ extern "C" void textgen_decode_attention(const POOL_T* q, const POOL_T* keys,
       const float* first = part + (b * splits * R + r) * PART;
       float top = NEG;
       for (int64_t s = 0; s < splits; ++s) top = std::max(top, first[s * R * PART]);
-      float total = 0.f, merged[DV] = {};
+      if (sinks != nullptr) top = std::max(top, sinks[r]);
+      float total = sinks != nullptr ? std::exp(sinks[r] - top) : 0.f, merged[DV] = {};
       for (int64_t s = 0; s < splits; ++s) {
         const float* p = first + s * R * PART;
         if (p[0] == NEG) continue;

@@ -12,16 +12,18 @@ split over the context), so that one long sequence spreads over every thread.
 - `attend(rows, keys, values, tables, lengths, scale)`: rows `[B, KVH, G, D]` (the G query
   heads of each KV head), the layer's pools `[N, block_size, KVH, D]`, tables `[B, nb]`
   long (padded with any valid block), lengths `[B]` long -> `[B, KVH, G, Dv]`, in the
-  rows' dtype (float32 or bfloat16, the pools' too).
+  rows' dtype (float32 or bfloat16, the pools' too); optionally the layer's sliding
+  `window` (keys a query sees, its own included), logit `softcap` and attention `sinks`
+  (`[KVH * G]`, one logit per query head).
 - The kernel is compiled once per kind of layer (head counts and sizes, block size, dtype),
   with those shapes as constants, by inductor's C++ toolchain (the compiler, flags and
   vector ISA torch.compile's CPU kernels use), at the runner's warm-up (paged.py's
   `_warm_up_in_place`), else on first use. Its library goes to `CACHE_DIR`, which a replica
   sets to the textgen cache (models/compile_cache.py `kernel_cache_dir`): a later start
   loads it (~2-3 s a kind to compile the first time).
-- Taken by paged.py's SDPA path for CPU decodes with none of the extra terms (softcap,
-  sinks, ALiBi, windows, chunks, 8-bit pools, batch-invariant mode), in float32 and
-  bfloat16 (`takes`). `--disable-custom-kernels` or `TEXTGEN_CPU_DECODE_KERNEL=0` (or
+- Taken by paged.py's SDPA path for CPU decodes in float32 and bfloat16 (`takes`), windowed,
+  soft-capped or with sinks included; not for ALiBi, chunked local attention, 8-bit pools
+  or the batch-invariant mode. `--disable-custom-kernels` or `TEXTGEN_CPU_DECODE_KERNEL=0` (or
   `ENABLED = False`) turns it off, and so does a failed compile (there is no C++ compiler
   in the Docker image), with a warning.
 """
@@ -96,7 +98,16 @@ def compile_kernel(kind: tuple) -> Callable[..., None]:
     start = time.perf_counter()
     with artifacts_in(CACHE_DIR):
         kernel = CppCodeCache.load(source).textgen_decode_attention
-    kernel.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
+    kernel.argtypes = [
+        *[ctypes.c_void_p] * 7,  # q, keys, values, tables, lengths, out, scratch
+        ctypes.c_int64,  # batch
+        ctypes.c_int64,  # table width
+        ctypes.c_float,  # scale
+        ctypes.c_int64,  # window (0: none)
+        ctypes.c_float,  # softcap (0: none)
+        ctypes.c_void_p,  # sinks (None: none)
+        ctypes.c_int,  # threads
+    ]
     kernel.restype = None
     seconds = time.perf_counter() - start
     Stats.compile_seconds += seconds
@@ -112,6 +123,9 @@ def attend(
     tables: torch.Tensor,
     lengths: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See the module's docstring."""
     kind = kind_of(rows, keys, values)
@@ -124,11 +138,13 @@ def attend(
             "the CPU decode attention did not compile: decodes gather their K/V for SDPA",
             exc_info=True,
         )
-        return _reference(rows, keys, values, tables, lengths, scale)
+        return _reference(rows, keys, values, tables, lengths, scale, window, softcap, sinks)
     Stats.calls += 1
     # the kernel reads them as laid out here (no-ops on the paged path's tensors)
     rows, keys, values = rows.contiguous(), keys.contiguous(), values.contiguous()
     tables, lengths = tables.to(torch.long).contiguous(), lengths.to(torch.long).contiguous()
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
     batch, kv_heads, group, _ = rows.shape
     v_dim, width = values.shape[-1], tables.shape[1]
     splits = -(-width * keys.shape[1] // SPLIT)
@@ -145,6 +161,9 @@ def attend(
         batch,
         width,
         scale,
+        window or 0,
+        softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
         torch.get_num_threads(),
     )
     return out
@@ -157,12 +176,24 @@ def _reference(
     tables: torch.Tensor,
     lengths: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """attend()'s result through torch's ops (the call whose compile failed)."""
-    key_rows = keys[tables].flatten(1, 2).transpose(1, 2)  # [B, KVH, nb * bs, D]
-    value_rows = values[tables].flatten(1, 2).transpose(1, 2)
-    seen = torch.arange(key_rows.shape[2]) < lengths[:, None]  # [B, nb * bs]
-    mask = seen[:, None, None, :]
-    return torch.nn.functional.scaled_dot_product_attention(
-        rows, key_rows, value_rows, attn_mask=mask, scale=scale
-    )
+    """attend()'s result through torch's ops, softmax in float32 (the call whose compile
+    failed, and the tests' reference)."""
+    key_rows = keys[tables].flatten(1, 2).transpose(1, 2).float()  # [B, KVH, nb * bs, D]
+    value_rows = values[tables].flatten(1, 2).transpose(1, 2).float()
+    scores = torch.matmul(rows.float(), key_rows.transpose(-1, -2)) * scale  # [B, KVH, G, n]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    position = torch.arange(key_rows.shape[2], device=rows.device)
+    seen = position < lengths[:, None]  # [B, n]
+    if window:
+        seen &= position >= lengths[:, None] - window
+    scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+    if sinks is not None:  # one more logit a query head, with no value
+        sink = sinks.float().view(1, *rows.shape[1:3], 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., : value_rows.shape[2]]
+    return torch.matmul(probs, value_rows).to(rows.dtype)

@@ -671,7 +671,7 @@ def _paged_attention(
     cache = meta.pool.write(layer_idx, key, value, meta.slot_mapping)
     extra_terms = sinks is not None or alibi is not None or bool(chunk)
     attend = _pick_kernel(meta, query, cache, extra_terms)
-    in_place = meta.use_cpu_kernel and not (extra_terms or window or softcap)
+    in_place = meta.use_cpu_kernel and alibi is None and not chunk
     if meta.warm_up and attend is _sdpa_attention and in_place:
         _warm_up_in_place(query, cache, meta, scaling)
     if not extra_terms:
@@ -794,12 +794,13 @@ def _sdpa_attention(
 ) -> torch.Tensor:
     groups = meta.groups()  # the decodes, then runs of fresh chunks and of later ones
     terms = (scaling, window, softcap, sinks, alibi, chunk)
-    extra = window or softcap or sinks is not None or alibi is not None or chunk
-    extra = extra or not meta.use_cpu_kernel  # the in-place kernel is off
+    # the in-place kernel takes windows, soft-capping and sinks, not ALiBi or chunks
+    in_place = meta.use_cpu_kernel and alibi is None and not chunk
+    kernel_terms = (scaling, window, softcap, sinks)
     if len(groups) == 1:  # most steps (all decodes, or all chunks): no slice, no cat
         group = groups[0]
-        if not extra and _in_place_takes(query, cache, group):
-            return _attend_in_place(query[0], cache, group, scaling)[None]
+        if in_place and _in_place_takes(query, cache, group):
+            return _attend_in_place(query[0], cache, group, *kernel_terms)[None]
         if group.context_slots is not None:
             return _attend_single(query, cache, group, *terms)
         attend = _attend_decodes if group.max_query_len == 1 else _attend_chunks
@@ -807,8 +808,8 @@ def _sdpa_attention(
     outputs = []
     for group in groups:
         rows = query[0, :, group.token_start : group.token_end]  # [H, Tg, D]
-        if not extra and _in_place_takes(query, cache, group):
-            outputs.append(_attend_in_place(rows, cache, group, scaling))
+        if in_place and _in_place_takes(query, cache, group):
+            outputs.append(_attend_in_place(rows, cache, group, *kernel_terms))
             continue
         if group.context_slots is not None:  # one decode beside chunks
             rows = query[:, :, group.token_start : group.token_end]
@@ -821,8 +822,8 @@ def _sdpa_attention(
 
 def _in_place_takes(query: torch.Tensor, cache: LayerCache, group: AttentionGroup) -> bool:
     """Whether cpu_decode.py's kernel attends this group (the caller has checked the layer
-    has no window, softcap, sinks, ALiBi or chunks): CPU decodes, query and pools of a dtype
-    it takes, not batch-invariant."""
+    has no ALiBi or chunks): CPU decodes, query and pools of a dtype it takes, not
+    batch-invariant."""
     return (
         cpu_decode.ENABLED
         and group.max_query_len == 1
@@ -855,7 +856,13 @@ def _warm_up_in_place(
 
 
 def _attend_in_place(
-    query: torch.Tensor, cache: LayerCache, group: AttentionGroup, scaling: float
+    query: torch.Tensor,
+    cache: LayerCache,
+    group: AttentionGroup,
+    scaling: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decodes through cpu_decode.py, reading the pool in place: query `[H, b, D]` ->
     `[b, H, Dv]`."""
@@ -865,7 +872,10 @@ def _attend_in_place(
     if group.decode_lengths is None:  # once a step, for all layers
         group.decode_lengths = group.query_pos[:, 0] + 1
     tables = group.block_index.view(b, group.max_blocks)
-    out = cpu_decode.attend(rows, cache.keys, cache.values, tables, group.decode_lengths, scaling)
+    lengths = group.decode_lengths
+    out = cpu_decode.attend(
+        rows, cache.keys, cache.values, tables, lengths, scaling, window, softcap, sinks
+    )
     return out.reshape(b, num_heads, out.shape[-1])
 
 
