@@ -20,7 +20,7 @@ split over the context), so that one long sequence spreads over every thread.
   vector ISA torch.compile's CPU kernels use), at the runner's warm-up (paged.py's
   `_warm_up_in_place`), else on first use. Its library goes to `CACHE_DIR`, which a replica
   sets to the textgen cache (models/compile_cache.py `kernel_cache_dir`): a later start
-  loads it (~2-3 s a kind to compile the first time).
+  loads it (here ~10 s to compile the first time, with an empty cache; ~2 s to load).
 - Taken by paged.py's SDPA path for CPU decodes in float32 and bfloat16 (`takes`), windowed,
   soft-capped or with sinks included; not for ALiBi, chunked local attention, 8-bit pools
   or the batch-invariant mode. `--disable-custom-kernels` or `TEXTGEN_CPU_DECODE_KERNEL=0` (or
