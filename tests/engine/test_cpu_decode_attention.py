@@ -48,6 +48,9 @@ def attend(batch, *, in_place: bool, monkeypatch, window=None, softcap=None, **t
         [(1, 2 * SPLIT)],  # a context ending on an item's and a block's boundary
         [(1, 2 * SPLIT + 1), (1, SPLIT + 15), (1, SPLIT), (1, 17)],  # several lengths
         [(1, 600), (1, 70), (37, 37), (9, 50)],  # decodes beside chunks
+        [(4, 2 * SPLIT + 3)],  # a verification: 1 + 3 query tokens
+        [(4, 300), (2, 100), (8, 20)],  # verifications and a short chunk, padded rows
+        [(5, 5), (1, 40)],  # a short prompt's first chunk beside a decode
     ],
 )
 @pytest.mark.parametrize(
@@ -79,7 +82,9 @@ def test_in_place_decodes_equal_the_sdpa_path(
     gathered = attend(batch, in_place=False, monkeypatch=monkeypatch, **layer)
     calls = cpu_decode.Stats.calls
     in_place = attend(batch, in_place=True, monkeypatch=monkeypatch, **layer)
-    assert cpu_decode.Stats.calls == calls + 1  # the decodes' group, once
+    # once a group of up to MAX_QUERY query tokens a sequence (longer chunks gather)
+    taken = [g for g in batch.meta.groups() if g.max_query_len <= cpu_decode.MAX_QUERY]
+    assert cpu_decode.Stats.calls == calls + len(taken) > calls
     assert in_place.shape == gathered.shape == (1, sum(n for n, _ in seqs), num_heads, value_dim)
     torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
 
@@ -224,6 +229,30 @@ def test_the_compiled_decode_step_takes_the_kernel_inside_its_opaque_attention(t
     run_to_completion(core)
     assert core.runner.stats.compiled_steps == 3
     assert cpu_decode.Stats.calls - calls == 2 * 3
+    assert_matches_generate(tiny_llama, seqs)
+
+
+def test_speculation_verifies_through_the_kernel_and_equals_generate(tiny_llama):
+    """A verification (1 + N query tokens a sequence) attends each row as a decode of its
+    own: the speculating core's tokens stay those of transformers' generate."""
+    from .test_speculation import SPECULATE, ScriptedProposer, expected_outputs, requests, spec_core
+
+    seqs = requests(4, seed=3, max_len=40)
+    core = spec_core(tiny_llama, ScriptedProposer(expected_outputs(tiny_llama, seqs)))
+    for seq in seqs:
+        core.add(seq)
+    taken = []
+    kernel = cpu_decode.attend
+
+    def counting(rows, *args, **kwargs):
+        taken.append(rows.shape[0])
+        return kernel(rows, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_decode, "attend", counting)
+        run_to_completion(core)
+    assert core.stats().spec_accepted_tokens > 0
+    assert max(taken) >= len(seqs) * (1 + SPECULATE)  # a step of verifications, padded rows
     assert_matches_generate(tiny_llama, seqs)
 
 

@@ -116,9 +116,11 @@ class AttentionGroup:
     # own (a span's tokens see the whole span: Gemma 3's images, PaliGemma's prompt); None:
     # query_pos, causal
     query_limit: torch.Tensor | None = None
-    # decodes: each sequence's context length `[b]` (query_pos + 1), for cpu_decode.py; set
-    # by the first layer that needs it
+    # cpu_decode.py's view of the group, set by the first layer that needs it: each padded
+    # query row's context length `[b * q]` (query_pos + 1; 0 on padding rows) and block
+    # table `[b * q, nb]` (its sequence's)
     decode_lengths: torch.Tensor | None = None
+    row_tables: torch.Tensor | None = None
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # (window, chunk, G, dtype)
     _chunked_masks: dict[tuple, ChunkedMask] = field(default_factory=dict)
 
@@ -822,11 +824,13 @@ def _sdpa_attention(
 
 def _in_place_takes(query: torch.Tensor, cache: LayerCache, group: AttentionGroup) -> bool:
     """Whether cpu_decode.py's kernel attends this group (the caller has checked the layer
-    has no ALiBi or chunks): CPU decodes, query and pools of a dtype it takes, not
+    has no ALiBi or chunks): CPU queries of up to cpu_decode.MAX_QUERY tokens a sequence
+    (decodes, verifications), all causal, query and pools of a dtype it takes, not
     batch-invariant."""
     return (
         cpu_decode.ENABLED
-        and group.max_query_len == 1
+        and group.max_query_len <= cpu_decode.MAX_QUERY
+        and group.query_limit is None
         and group.chunk_tokens is None
         and query.device.type == "cpu"
         and query.dtype == cache.keys.dtype == cache.values.dtype
@@ -864,19 +868,37 @@ def _attend_in_place(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decodes through cpu_decode.py, reading the pool in place: query `[H, b, D]` ->
-    `[b, H, Dv]`."""
-    num_heads, b, head_dim = query.shape
+    """The group through cpu_decode.py, reading the pool in place: query `[H, Tg, D]` ->
+    `[Tg, H, Dv]`. Each query row is attended as a decode of its own (its context: the keys
+    up to its position), so a sequence's few query tokens (a verification) read its
+    context once each."""
+    num_heads, _, head_dim = query.shape
     num_kv_heads = cache.keys.shape[2]
-    rows = query.transpose(0, 1).reshape(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    if group.decode_lengths is None:  # once a step, for all layers
-        group.decode_lengths = group.query_pos[:, 0] + 1
-    tables = group.block_index.view(b, group.max_blocks)
-    lengths = group.decode_lengths
-    out = cpu_decode.attend(
-        rows, cache.keys, cache.values, tables, lengths, scaling, window, softcap, sinks
+    if group.max_query_len > 1:  # the padded rows, [H, b * q, D]
+        query = query.index_select(1, group.query_index)
+    num_rows = query.shape[1]
+    rows = query.transpose(0, 1).reshape(
+        num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim
     )
-    return out.reshape(b, num_heads, out.shape[-1])
+    if group.decode_lengths is None:  # once a step, for all layers
+        # a padding row's 0 keys give it zeros, dropped below
+        group.decode_lengths = ((group.query_pos + 1) * group.is_real_query).view(-1)
+        tables = group.block_index.view(group.num_seqs, group.max_blocks)
+        q = group.max_query_len
+        group.row_tables = tables if q == 1 else tables.repeat_interleave(q, 0)
+    out = cpu_decode.attend(
+        rows,
+        cache.keys,
+        cache.values,
+        group.row_tables,
+        group.decode_lengths,
+        scaling,
+        window,
+        softcap,
+        sinks,
+    )
+    out = out.reshape(num_rows, num_heads, out.shape[-1])
+    return out if group.max_query_len == 1 else out.index_select(0, group.output_index)
 
 
 def _attend_single(
