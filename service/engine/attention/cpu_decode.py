@@ -21,8 +21,9 @@ split over the context), so that one long sequence spreads over every thread.
   `_warm_up_in_place`), else on first use. Its library goes to `CACHE_DIR`, which a replica
   sets to the textgen cache (models/compile_cache.py `kernel_cache_dir`): a later start
   loads it (here ~10 s to compile the first time, with an empty cache; ~2 s to load).
-- Taken by paged.py's SDPA path for CPU decodes in float32 and bfloat16 (`takes`), windowed,
-  soft-capped or with sinks included; not for ALiBi, chunked local attention, 8-bit pools
+- Taken by paged.py's SDPA path for CPU decodes in float32 and bfloat16 (`takes`), and for
+  groups of up to MAX_QUERY query tokens a sequence (verifications), each query row as a
+  decode of its own; windowed, soft-capped or with sinks included; not for ALiBi, chunked local attention, 8-bit pools
   or the batch-invariant mode. `--disable-custom-kernels` or `TEXTGEN_CPU_DECODE_KERNEL=0` (or
   `ENABLED = False`) turns it off, and so does a failed compile (there is no C++ compiler
   in the Docker image), with a warning.

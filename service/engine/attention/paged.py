@@ -20,8 +20,9 @@ Three backends; this module only picks one per call (`_pick_kernel`):
   its gathered keys with no mask: SDPA's fastest case, as in plain transformers' decode. With
   `batch_invariant` the keys are cut into fixed chunks and each row's result no longer
   depends on the rest of the batch (invariant.py).
-  Decodes in float32 or bfloat16 with none of the extra terms skip the gather:
-  cpu_decode.py's C++ kernel reads the pool in place (2-4x faster than gather + SDPA).
+  Decodes and verifications (up to cpu_decode.MAX_QUERY query tokens a sequence) in float32
+  or bfloat16, without ALiBi or chunked attention, skip the gather: cpu_decode.py's C++
+  kernel reads the pool in place (2-5x faster than gather + SDPA).
 - CUDA with `triton`: triton_kernel.py's kernel, one launch per layer for decodes and
   chunks alike, reading the pool in place through the block tables.
 - CUDA with the `flash_attn` package: `flash_attn_varlen_func` over the unpadded batch.
