@@ -23,10 +23,10 @@ split over the context), so that one long sequence spreads over every thread.
   loads it (here ~10 s to compile the first time, with an empty cache; ~2 s to load).
 - Taken by paged.py's SDPA path for CPU decodes in float32 and bfloat16 (`takes`), and for
   groups of up to MAX_QUERY query tokens a sequence (verifications), each query row as a
-  decode of its own; windowed, soft-capped or with sinks included; not for ALiBi, chunked local attention, 8-bit pools
-  or the batch-invariant mode. `--disable-custom-kernels` or `TEXTGEN_CPU_DECODE_KERNEL=0` (or
-  `ENABLED = False`) turns it off, and so does a failed compile (there is no C++ compiler
-  in the Docker image), with a warning.
+  decode of its own; windowed, soft-capped or with sinks included; not for ALiBi, chunked
+  local attention, 8-bit pools or the batch-invariant mode. `--disable-custom-kernels` or
+  `TEXTGEN_CPU_DECODE_KERNEL=0` (or `ENABLED = False`) turns it off, and so does a failed
+  compile (there is no C++ compiler in the Docker image), with a warning.
 """
 
 from __future__ import annotations
