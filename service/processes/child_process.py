@@ -11,22 +11,26 @@ preexec_fn CPython spawns with vfork, which runs no fork handlers."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
-# argv: the parent's PID, then the command
+# argv: the parent's PID, the signal, then the command
 _DIE_WITH_PARENT = """
-import ctypes, os, signal, sys
+import ctypes, os, sys
 try:
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(sys.argv[2]))  # PR_SET_PDEATHSIG
 except (OSError, AttributeError):  # not Linux: no parent-death signal
     pass
-if os.getppid() != int(sys.argv[1]):  # the server is already gone
+if os.getppid() != int(sys.argv[1]):  # the parent is already gone
     os._exit(1)
-os.execv(sys.argv[2], sys.argv[2:])
+os.execv(sys.argv[3], sys.argv[3:])
 """
 
 
-def dying_with_parent(command: list[str]) -> list[str]:
-    """`command` (its first item a path to an executable) started so that it gets SIGTERM
-    if this server is killed outright."""
-    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
+def dying_with_parent(
+    command: list[str], death_signal: signal.Signals = signal.SIGTERM
+) -> list[str]:
+    """`command` (its first item a path to an executable) started so that it gets
+    `death_signal` if this process is killed outright."""
+    shim = [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT]
+    return [*shim, str(os.getpid()), str(int(death_signal)), *command]

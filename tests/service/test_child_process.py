@@ -5,6 +5,7 @@ a forked copy of the server), and still die when the server is killed outright."
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -68,4 +69,4 @@ def test_the_command_line_is_the_shim_then_the_command():
         "--config-path",
         "x.yaml",
     ]
-    assert command[-4] == str(os.getpid())
+    assert command[-5:-3] == [str(os.getpid()), str(int(signal.SIGTERM))]  # the default

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from textgen.service.processes.child_process import dying_with_parent
 from textgen.service.proto import text_generation_service_pb2 as svc_pb
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
 
@@ -41,21 +42,6 @@ def wait_until(predicate, timeout: float, interval: float = 0.05):
     return predicate()
 
 
-# Runs first in each child, then execs the command (same PID): PR_SET_PDEATHSIG, so
-# that nothing outlives a killed test run. TRAP: not as Popen's preexec_fn. That
-# makes subprocess fork() pytest itself, and the forked copy runs gRPC's fork
-# handlers against the event-engine threads of this process's channels: now and then
-# it aborts before exec ("epoll_wait error: Bad file descriptor", SIGABRT, ~1 % of
-# spawns), and the replica or proxy is simply dead. Without it CPython uses vfork.
-_DIE_WITH_PARENT = """
-import ctypes, os, signal, sys
-ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-if os.getppid() != int(sys.argv[1]):  # pytest already gone
-    os._exit(1)
-os.execv(sys.argv[2], sys.argv[2:])
-"""
-
-
 class Proc:
     """A `textgen` subprocess, its output in a file, stopped by PID."""
 
@@ -65,9 +51,10 @@ class Proc:
         # two replicas, a proxy and the test share 2 cores: one torch thread each
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         with open(log, "w") as out:
+            # SIGKILL when pytest dies: nothing outlives a killed test run (the shim, not
+            # a preexec_fn: processes/child_process.py says why)
             self.popen = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()),
-                 str(TEXTGEN), *args],
+                dying_with_parent([str(TEXTGEN), *args], signal.SIGKILL),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,

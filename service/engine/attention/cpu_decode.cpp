@@ -69,6 +69,17 @@ inline void prefetch_row(const POOL_T* row, int64_t n) {
     __builtin_prefetch(reinterpret_cast<const char*>(row) + at);
 }
 
+// row t of KV head h of `pool` (a block table's sequence, N wide) as float32 vectors in
+// `vecs`, widened through `row`; the row AHEAD tokens on (before t_end) is prefetched
+template <int64_t N, int64_t NVEC>
+inline void load_row(const POOL_T* pool, const int64_t* table, int64_t t, int64_t t_end,
+                     int64_t h, float* row, Vec (&vecs)[NVEC]) {
+  const auto at = [&](int64_t u) { return pool + ((table[u / BS] * BS + u % BS) * H + h) * N; };
+  if (t + AHEAD < t_end) prefetch_row(at(t + AHEAD), N);
+  widen_row<N>(at(t), row);
+  for (int64_t c = 0; c < NVEC; ++c) vecs[c] = Vec::loadu(row + c * W);
+}
+
 inline float sum_lanes(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
 }
@@ -78,9 +89,6 @@ void attend_item(const POOL_T* q, float scale, float softcap, const POOL_T* keys
                  const POOL_T* values, const int64_t* table, int64_t t0, int64_t t1, float* part,
                  float* scores) {
   alignas(64) float row[std::max(ND, NV) * W] = {};
-  const auto at = [&](const POOL_T* pool, int64_t t, int64_t h, int64_t dim) {
-    return pool + ((table[t / BS] * BS + t % BS) * H + h) * dim;
-  };
   for (int64_t h = 0; h < H; ++h) {  // pass 1: scores, the query rows in registers
     Vec qv[G][ND];
     for (int64_t j = 0; j < G; ++j) {
@@ -88,10 +96,8 @@ void attend_item(const POOL_T* q, float scale, float softcap, const POOL_T* keys
       for (int64_t c = 0; c < ND; ++c) qv[j][c] = Vec::loadu(row + c * W) * Vec(scale);
     }
     for (int64_t t = t0; t < t1; ++t) {
-      if (t + AHEAD < t1) prefetch_row(at(keys, t + AHEAD, h, D), D);
-      widen_row<D>(at(keys, t, h, D), row);
       Vec kv[ND];
-      for (int64_t c = 0; c < ND; ++c) kv[c] = Vec::loadu(row + c * W);
+      load_row<D>(keys, table, t, t1, h, row, kv);
       for (int64_t j = 0; j < G; ++j) {
         Vec dot = qv[j][0] * kv[0];
         for (int64_t c = 1; c < ND; ++c) dot = at::vec::fmadd(qv[j][c], kv[c], dot);
@@ -127,10 +133,8 @@ void attend_item(const POOL_T* q, float scale, float softcap, const POOL_T* keys
     for (int64_t j = 0; j < G; ++j)
       for (int64_t c = 0; c < NV; ++c) acc[j][c] = Vec(0.f);
     for (int64_t t = t0; t < t1; ++t) {
-      if (t + AHEAD < t1) prefetch_row(at(values, t + AHEAD, h, DV), DV);
-      widen_row<DV>(at(values, t, h, DV), row);
       Vec vv[NV];
-      for (int64_t c = 0; c < NV; ++c) vv[c] = Vec::loadu(row + c * W);
+      load_row<DV>(values, table, t, t1, h, row, vv);
       for (int64_t j = 0; j < G; ++j) {
         const Vec p(scores[(h * G + j) * SPLIT + (t - t0)]);
         for (int64_t c = 0; c < NV; ++c) acc[j][c] = at::vec::fmadd(p, vv[c], acc[j][c]);

@@ -77,29 +77,24 @@ class Stats:
 _kernels: dict[tuple, Callable[..., None]] = {}
 
 
-def kind_of(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple:
-    """What a compiled kernel is specialized to: the layer's head counts and sizes, block
-    size and dtype."""
+def _kernel(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> Callable[..., None]:
+    """The kernel for this kind of layer (its head counts and sizes, block size and dtype:
+    what a kernel is specialized to), compiled or loaded from the cache on first use;
+    raises if it can't be."""
     _, kv_heads, group, head_dim = rows.shape
-    return (kv_heads, group, head_dim, values.shape[-1], keys.shape[1], keys.dtype)
-
-
-def compile_kernel(kind: tuple) -> Callable[..., None]:
-    """The kernel for `kind`, compiled (or loaded from the cache) on first use; raises if
-    it can't be."""
+    kind = (kv_heads, group, head_dim, values.shape[-1], keys.shape[1], keys.dtype)
     kernel = _kernels.get(kind)
     if kernel is not None:
         return kernel
     from torch._inductor.codecache import CppCodeCache
 
-    kv_heads, group, head_dim, v_dim, block_size, dtype = kind
     constants = {
         "KV_HEADS": kv_heads,
         "GROUP": group,
         "HEAD_DIM": head_dim,
-        "V_DIM": v_dim,
-        "BLOCK_SIZE": block_size,
-        "POOL_T": POOL_TYPES[dtype],
+        "V_DIM": values.shape[-1],
+        "BLOCK_SIZE": keys.shape[1],
+        "POOL_T": POOL_TYPES[keys.dtype],
     }
     source = "".join(f"#define {k} {v}\n" for k, v in constants.items()) + SOURCE.read_text()
     start = time.perf_counter()
@@ -135,9 +130,8 @@ def attend(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See the module's docstring."""
-    kind = kind_of(rows, keys, values)
     try:
-        kernel = compile_kernel(kind)
+        kernel = _kernel(rows, keys, values)
     except Exception:  # e.g. no C++ compiler (the Docker image has none)
         global ENABLED
         ENABLED = False

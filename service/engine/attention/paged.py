@@ -120,7 +120,7 @@ class AttentionGroup:
     # cpu_decode.py's view of the group, set by the first layer that needs it: each padded
     # query row's context length `[b * q]` (query_pos + 1; 0 on padding rows) and block
     # table `[b * q, nb]` (its sequence's)
-    decode_lengths: torch.Tensor | None = None
+    row_lengths: torch.Tensor | None = None
     row_tables: torch.Tensor | None = None
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # (window, chunk, G, dtype)
     _chunked_masks: dict[tuple, ChunkedMask] = field(default_factory=dict)
@@ -166,7 +166,7 @@ class AttentionGroup:
         """Drop the cached masks: the group's tensors were rewritten in place."""
         self._masks.clear()
         self._chunked_masks.clear()
-        self.decode_lengths = None
+        self.row_lengths = self.row_tables = None
 
     def chunked_mask(
         self, window: int | None, num_groups: int, dtype: torch.dtype, chunk: int | None = None
@@ -674,9 +674,9 @@ def _paged_attention(
     cache = meta.pool.write(layer_idx, key, value, meta.slot_mapping)
     extra_terms = sinks is not None or alibi is not None or bool(chunk)
     attend = _pick_kernel(meta, query, cache, extra_terms)
-    in_place = meta.use_cpu_kernel and alibi is None and not chunk
-    if meta.warm_up and attend is _sdpa_attention and in_place:
-        _warm_up_in_place(query, cache, meta, scaling)
+    warm_up = meta.warm_up and attend is _sdpa_attention and not meta.batch_invariant
+    if warm_up and _in_place_layer(meta, query, cache, alibi, chunk):
+        _warm_up_in_place(query, cache, scaling)
     if not extra_terms:
         return attend(query, cache, meta, scaling, window, softcap)
     # Triton or SDPA: flash-attn has no sinks, ALiBi slopes or chunks (_pick_kernel)
@@ -797,12 +797,11 @@ def _sdpa_attention(
 ) -> torch.Tensor:
     groups = meta.groups()  # the decodes, then runs of fresh chunks and of later ones
     terms = (scaling, window, softcap, sinks, alibi, chunk)
-    # the in-place kernel takes windows, soft-capping and sinks, not ALiBi or chunks
-    in_place = meta.use_cpu_kernel and alibi is None and not chunk
+    in_place = _in_place_layer(meta, query, cache, alibi, chunk)
     kernel_terms = (scaling, window, softcap, sinks)
     if len(groups) == 1:  # most steps (all decodes, or all chunks): no slice, no cat
         group = groups[0]
-        if in_place and _in_place_takes(query, cache, group):
+        if in_place and _in_place_takes(group):
             return _attend_in_place(query[0], cache, group, *kernel_terms)[None]
         if group.context_slots is not None:
             return _attend_single(query, cache, group, *terms)
@@ -811,7 +810,7 @@ def _sdpa_attention(
     outputs = []
     for group in groups:
         rows = query[0, :, group.token_start : group.token_end]  # [H, Tg, D]
-        if in_place and _in_place_takes(query, cache, group):
+        if in_place and _in_place_takes(group):
             outputs.append(_attend_in_place(rows, cache, group, *kernel_terms))
             continue
         if group.context_slots is not None:  # one decode beside chunks
@@ -823,35 +822,41 @@ def _sdpa_attention(
     return torch.cat(outputs)[None]  # [1, T, H, Dv]
 
 
-def _in_place_takes(query: torch.Tensor, cache: LayerCache, group: AttentionGroup) -> bool:
-    """Whether cpu_decode.py's kernel attends this group (the caller has checked the layer
-    has no ALiBi or chunks): CPU queries of up to cpu_decode.MAX_QUERY tokens a sequence
-    (decodes, verifications), all causal, query and pools of a dtype it takes, not
-    batch-invariant."""
+def _in_place_layer(
+    meta: BatchMetadata,
+    query: torch.Tensor,
+    cache: LayerCache,
+    alibi: Alibi | None,
+    chunk: int | None,
+) -> bool:
+    """Whether cpu_decode.py's kernel may attend this layer's groups: on, on CPU, query and
+    pools of one dtype it takes; windows, soft-capping and sinks it computes, ALiBi and
+    chunked local attention it doesn't."""
     return (
         cpu_decode.ENABLED
-        and group.max_query_len <= cpu_decode.MAX_QUERY
-        and group.query_limit is None
-        and group.chunk_tokens is None
+        and meta.use_cpu_kernel
+        and alibi is None
+        and not chunk
         and query.device.type == "cpu"
         and query.dtype == cache.keys.dtype == cache.values.dtype
         and cpu_decode.takes(query.dtype)
     )
 
 
-def _warm_up_in_place(
-    query: torch.Tensor, cache: LayerCache, meta: BatchMetadata, scaling: float
-) -> None:
+def _in_place_takes(group: AttentionGroup) -> bool:
+    """Whether the kernel attends this group of a layer it may attend (_in_place_layer):
+    up to cpu_decode.MAX_QUERY query tokens a sequence (decodes, verifications), all
+    causal, not batch-invariant."""
+    return (
+        group.max_query_len <= cpu_decode.MAX_QUERY
+        and group.query_limit is None
+        and group.chunk_tokens is None
+    )
+
+
+def _warm_up_in_place(query: torch.Tensor, cache: LayerCache, scaling: float) -> None:
     """Compile cpu_decode.py's kernel for this layer's kind (head shapes, block size and
-    dtype) and run it once over block 0: a no-op where the kernel is never taken."""
-    if not (
-        cpu_decode.ENABLED
-        and not meta.batch_invariant
-        and query.device.type == "cpu"
-        and query.dtype == cache.keys.dtype == cache.values.dtype
-        and cpu_decode.takes(query.dtype)
-    ):
-        return
+    dtype) and run it once over block 0."""
     num_heads, head_dim = query.shape[1], query.shape[3]
     num_kv_heads = cache.keys.shape[2]
     rows = query.new_zeros(1, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -881,9 +886,9 @@ def _attend_in_place(
     rows = query.transpose(0, 1).reshape(
         num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim
     )
-    if group.decode_lengths is None:  # once a step, for all layers
+    if group.row_lengths is None:  # once a step, for all layers
         # a padding row's 0 keys give it zeros, dropped below
-        group.decode_lengths = ((group.query_pos + 1) * group.is_real_query).view(-1)
+        group.row_lengths = ((group.query_pos + 1) * group.is_real_query).view(-1)
         tables = group.block_index.view(group.num_seqs, group.max_blocks)
         q = group.max_query_len
         group.row_tables = tables if q == 1 else tables.repeat_interleave(q, 0)
@@ -892,7 +897,7 @@ def _attend_in_place(
         cache.keys,
         cache.values,
         group.row_tables,
-        group.decode_lengths,
+        group.row_lengths,
         scaling,
         window,
         softcap,
