@@ -206,8 +206,10 @@ def test_greedy_decoding_at_a_long_context_matches_generate(tiny_llama, batched)
 
 
 def test_the_compiled_decode_step_takes_the_kernel_inside_its_opaque_attention(tiny_llama):
-    """--compile's graphs call the paged attention as an opaque op, run eagerly: the kernel
-    serves those steps too, padding rows included (they attend the scratch block)."""
+    """--compile's graphs call the paged attention as an opaque op: its C++ kernel
+    (cpu_decode_op.cpp) attends those steps' layers with the kernel, no Python on the way
+    (the layers were registered by the warm-up's padding step), padding rows included
+    (they attend the scratch block)."""
     core = PagedCore(
         engine_copy(tiny_llama),
         EngineConfig(
@@ -225,11 +227,71 @@ def test_the_compiled_decode_step_takes_the_kernel_inside_its_opaque_attention(t
     ]
     for seq in seqs:
         core.add(seq)
-    calls = cpu_decode.Stats.calls
+    calls, python_calls = cpu_decode.kernel_calls(), cpu_decode.Stats.calls
     run_to_completion(core)
     assert core.runner.stats.compiled_steps == 3
-    assert cpu_decode.Stats.calls - calls == 2 * 3
+    assert cpu_decode.kernel_calls() - calls == 2 * 3
+    assert cpu_decode.Stats.calls == python_calls  # all through the op's C++ kernel
     assert_matches_generate(tiny_llama, seqs)
+
+
+def test_the_ops_cpp_kernel_leaves_what_it_does_not_take_to_python(monkeypatch):
+    """cpu_decode_op.cpp attends a compiled decode step's layer only once Python has
+    registered it (the first step's call, through `textgen::paged_attention_general`),
+    and only for a step begun as decodes: a step of chunks, a layer with ALiBi and
+    `--disable-custom-kernels` go to the Python implementation, with its results."""
+    monkeypatch.setattr(cpu_decode, "ENABLED", True)
+    assert cpu_decode.load_op()
+
+    def run(batch, **terms):
+        batch.meta._groups = None
+        scale = batch.query.shape[-1] ** -0.5
+        args = (batch.query, batch.key, batch.value, 0, scale, 0, 0.0, None)
+        rest = (terms.get("alibi"), 1.0, 0)
+        with attention.bound_metadata(batch.meta), attention.in_place_decode_step(batch.meta):
+            return torch.ops.textgen.paged_attention(*args, *rest)
+
+    def batch_of(seqs, custom_kernels=True):
+        batch = make_batch(
+            block_size=16, num_heads=6, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+            seqs=seqs, seed=7,
+        )  # fmt: skip
+        batch.meta.use_cpu_kernel = custom_kernels
+        return batch
+
+    def expected(seqs, **terms):
+        """The SDPA path's output on a fresh batch of these sequences."""
+        copy = batch_of(seqs)
+        monkeypatch.setattr(cpu_decode, "ENABLED", False)
+        try:
+            return run(copy, **terms)
+        finally:
+            monkeypatch.setattr(cpu_decode, "ENABLED", True)
+
+    decodes = batch_of([(1, 600), (1, 70)])
+    python_calls, calls = cpu_decode.Stats.calls, cpu_decode.kernel_calls()
+    first = run(decodes)  # through Python, which registers layer 0
+    assert cpu_decode.Stats.calls == python_calls + 1
+    again = batch_of([(1, 600), (1, 70)])  # the same step over a fresh pool: Python again
+    torch.testing.assert_close(run(again), first)
+    assert cpu_decode.Stats.calls == python_calls + 2
+    second = run(again)  # that pool's layer is registered: C++ now
+    assert cpu_decode.Stats.calls == python_calls + 2
+    assert cpu_decode.kernel_calls() == calls + 3
+    torch.testing.assert_close(second, first, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(first, expected([(1, 600), (1, 70)]), atol=1e-5, rtol=1e-5)
+
+    slopes = torch.linspace(0.5, 0.01, 6)
+    cases = [
+        ([(1, 600), (37, 37)], True, {}, 1),  # not all decodes: its decode group in Python
+        ([(1, 600), (1, 70)], True, {"alibi": slopes}, 0),  # ALiBi: the SDPA path
+        ([(1, 90)], False, {}, 0),  # --disable-custom-kernels: the SDPA path
+    ]
+    for seqs, custom_kernels, terms, taken in cases:
+        calls = cpu_decode.kernel_calls()
+        out = run(batch_of(seqs, custom_kernels), **terms)
+        assert cpu_decode.kernel_calls() == calls + taken
+        torch.testing.assert_close(out, expected(seqs, **terms), atol=1e-5, rtol=1e-5)
 
 
 def test_speculation_verifies_through_the_kernel_and_equals_generate(tiny_llama):

@@ -1,5 +1,7 @@
 // Decode attention over the paged K/V pool, read in place (cpu_decode.py compiles and calls
 // this file). One query token a sequence; the G query heads of each KV head share its keys.
+// A second entry first stores the step's new K/V rows in the pool (a decode step's layer in
+// one call: no index_copy_ around it).
 //
 // cpu_decode.py prepends the layer's shapes as constants (so that loops unroll and the
 // accumulators stay in registers) and the pool's element type:
@@ -197,4 +199,22 @@ extern "C" void textgen_decode_attention(const POOL_T* q, const POOL_T* keys,
       for (int64_t i = 0; i < DV; ++i) narrow(merged[i] * scale_out, out + row * DV + i);
     }
   }
+}
+
+// The step's new K/V, k_new [B, KV_HEADS, HEAD_DIM] and v_new [B, KV_HEADS, V_DIM] (POOL_T,
+// contiguous), stored at pool slots `slots` [B] (block * BLOCK_SIZE + offset), then
+// textgen_decode_attention over the pools with the arguments as there.
+extern "C" void textgen_decode_write_attention(const POOL_T* q, const POOL_T* k_new,
+                                               const POOL_T* v_new, const int64_t* slots,
+                                               POOL_T* keys, POOL_T* values,
+                                               const int64_t* tables, const int64_t* lengths,
+                                               POOL_T* out, float* part, int64_t batch,
+                                               int64_t width, float scale, int64_t window,
+                                               float softcap, const float* sinks, int threads) {
+  for (int64_t b = 0; b < batch; ++b) {  // a token's heads are one row of the pool's slot
+    std::memcpy(keys + slots[b] * H * D, k_new + b * H * D, H * D * sizeof(POOL_T));
+    std::memcpy(values + slots[b] * H * DV, v_new + b * H * DV, H * DV * sizeof(POOL_T));
+  }
+  textgen_decode_attention(q, keys, values, tables, lengths, out, part, batch, width, scale,
+                           window, softcap, sinks, threads);
 }

@@ -34,8 +34,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -67,17 +70,41 @@ def takes(dtype: torch.dtype) -> bool:
 
 
 class Stats:
-    """Calls (one a layer) and compile time, for tests and the log."""
+    """Calls (one a layer) through Python and compile time, for tests and the log
+    (kernel_calls(): the op's C++ calls too)."""
 
     calls = 0
     compile_seconds = 0.0
 
 
+def kernel_calls() -> int:
+    """The kernel's calls so far (one a layer), through Python or the op's C++ kernel."""
+    return Stats.calls + (_op_library.textgen_decode_op_calls() if _op_library else 0)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kind of layer's compiled entries (cpu_decode.cpp)."""
+
+    attend: Callable[..., None]  # textgen_decode_attention
+    write_and_attend: Callable[..., None]  # textgen_decode_write_attention
+
+
 # per kind of layer (KVH, G, D, Dv, block size, dtype): the compiled kernel
-_kernels: dict[tuple, Callable[..., None]] = {}
+_kernels: dict[tuple, Kernel] = {}
+
+_ATTENTION_ARGS = [
+    ctypes.c_int64,  # batch
+    ctypes.c_int64,  # table width
+    ctypes.c_float,  # scale
+    ctypes.c_int64,  # window (0: none)
+    ctypes.c_float,  # softcap (0: none)
+    ctypes.c_void_p,  # sinks (None: none)
+    ctypes.c_int,  # threads
+]
 
 
-def _kernel(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> Callable[..., None]:
+def _kernel(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> Kernel:
     """The kernel for this kind of layer (its head counts and sizes, block size and dtype:
     what a kernel is specialized to), compiled or loaded from the cache on first use;
     raises if it can't be."""
@@ -99,23 +126,60 @@ def _kernel(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> Cal
     source = "".join(f"#define {k} {v}\n" for k, v in constants.items()) + SOURCE.read_text()
     start = time.perf_counter()
     with artifacts_in(CACHE_DIR):
-        kernel = CppCodeCache.load(source).textgen_decode_attention
-    kernel.argtypes = [
-        *[ctypes.c_void_p] * 7,  # q, keys, values, tables, lengths, out, scratch
-        ctypes.c_int64,  # batch
-        ctypes.c_int64,  # table width
-        ctypes.c_float,  # scale
-        ctypes.c_int64,  # window (0: none)
-        ctypes.c_float,  # softcap (0: none)
-        ctypes.c_void_p,  # sinks (None: none)
-        ctypes.c_int,  # threads
-    ]
-    kernel.restype = None
+        library = CppCodeCache.load(source)
+    pointers = [ctypes.c_void_p]
+    kernel = Kernel(library.textgen_decode_attention, library.textgen_decode_write_attention)
+    # q, keys, values, tables, lengths, out, scratch
+    kernel.attend.argtypes = pointers * 7 + _ATTENTION_ARGS
+    # q, k_new, v_new, slots, then as attend's
+    kernel.write_and_attend.argtypes = pointers * 10 + _ATTENTION_ARGS
+    kernel.attend.restype = kernel.write_and_attend.restype = None
     seconds = time.perf_counter() - start
     Stats.compile_seconds += seconds
     _kernels[kind] = kernel
     logger.info("compiled the CPU decode attention for %s in %.1f s", kind, seconds)
     return kernel
+
+
+def _compiled(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> Kernel | None:
+    """_kernel(), or None (and the kernel off from now on, with a warning) where it can't
+    be compiled."""
+    try:
+        return _kernel(rows, keys, values)
+    except Exception:  # e.g. no C++ compiler (the Docker image has none)
+        global ENABLED
+        ENABLED = False
+        logger.warning(
+            "the CPU decode attention did not compile: decodes gather their K/V for SDPA",
+            exc_info=True,
+        )
+        return None
+
+
+def _terms(
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tables: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """The output, the scratch and the trailing arguments of a kernel's call: each
+    sequence's items of SPLIT tokens (the scratch holds one result a query head an item)
+    are shared by up to torch's threads (one thread: no team to wake and join)."""
+    batch, kv_heads, group, _ = rows.shape
+    v_dim, width = values.shape[-1], tables.shape[1]
+    items = batch * -(-width * keys.shape[1] // SPLIT)
+    out = rows.new_empty(batch, kv_heads, group, v_dim)
+    partial = torch.empty(items * kv_heads * group * (v_dim + 2))
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+    threads = min(torch.get_num_threads(), items)
+    sink_logits = None if sinks is None else sinks.data_ptr()
+    trailing = [batch, width, scale, window or 0, softcap or 0.0, sink_logits, threads]
+    return out, partial, trailing
 
 
 def attend(
@@ -130,28 +194,15 @@ def attend(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See the module's docstring."""
-    try:
-        kernel = _kernel(rows, keys, values)
-    except Exception:  # e.g. no C++ compiler (the Docker image has none)
-        global ENABLED
-        ENABLED = False
-        logger.warning(
-            "the CPU decode attention did not compile: decodes gather their K/V for SDPA",
-            exc_info=True,
-        )
+    kernel = _compiled(rows, keys, values)
+    if kernel is None:
         return _reference(rows, keys, values, tables, lengths, scale, window, softcap, sinks)
     Stats.calls += 1
     # the kernel reads them as laid out here (no-ops on the paged path's tensors)
     rows, keys, values = rows.contiguous(), keys.contiguous(), values.contiguous()
     tables, lengths = tables.to(torch.long).contiguous(), lengths.to(torch.long).contiguous()
-    if sinks is not None:
-        sinks = sinks.to(torch.float32).contiguous()
-    batch, kv_heads, group, _ = rows.shape
-    v_dim, width = values.shape[-1], tables.shape[1]
-    splits = -(-width * keys.shape[1] // SPLIT)
-    out = rows.new_empty(batch, kv_heads, group, v_dim)
-    partial = torch.empty(batch * splits * kv_heads * group * (v_dim + 2))
-    kernel(
+    out, partial, trailing = _terms(rows, keys, values, tables, scale, window, softcap, sinks)
+    kernel.attend(
         rows.data_ptr(),
         keys.data_ptr(),
         values.data_ptr(),
@@ -159,15 +210,155 @@ def attend(
         lengths.data_ptr(),
         out.data_ptr(),
         partial.data_ptr(),
-        batch,
-        width,
-        scale,
-        window or 0,
-        softcap or 0.0,
-        None if sinks is None else sinks.data_ptr(),
-        torch.get_num_threads(),
+        *trailing,
     )
     return out
+
+
+def write_and_attend(
+    rows: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    slots: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """attend() after storing a decode step's new K/V in the pools, in the same call:
+    new_keys `[B, KVH, D]` and new_values `[B, KVH, Dv]` (the pools' dtype) go to pool
+    slots `slots` `[B]` (block x block_size + offset), one a sequence. The pools, slots,
+    tables and lengths as the paged path holds them: contiguous, the indices long."""
+    kernel = _compiled(rows, keys, values)
+    if kernel is None:
+        keys.flatten(0, 1).index_copy_(0, slots, new_keys)
+        values.flatten(0, 1).index_copy_(0, slots, new_values)
+        return _reference(rows, keys, values, tables, lengths, scale, window, softcap, sinks)
+    Stats.calls += 1
+    rows = rows.contiguous()
+    new_keys, new_values = new_keys.contiguous(), new_values.contiguous()
+    out, partial, trailing = _terms(rows, keys, values, tables, scale, window, softcap, sinks)
+    kernel.write_and_attend(
+        rows.data_ptr(),
+        new_keys.data_ptr(),
+        new_values.data_ptr(),
+        slots.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        tables.data_ptr(),
+        lengths.data_ptr(),
+        out.data_ptr(),
+        partial.data_ptr(),
+        *trailing,
+    )
+    return out
+
+
+# the compiled decode step's op kernel (cpu_decode_op.cpp) --------------------------------
+
+OP_SOURCE = Path(__file__).with_name("cpu_decode_op.cpp")
+_op_library: ctypes.CDLL | None = None
+_op_tried = False
+_thread = threading.local()  # this thread's step: .pool (weakref), .active
+
+
+def load_op() -> bool:
+    """Compile (or load from the cache) and register cpu_decode_op.cpp, the CPU kernel of
+    `textgen::paged_attention` (paged.py defines the op first); False, with a warning, if it
+    can't be: the op's Python implementation then runs every call."""
+    global _op_library, _op_tried
+    if _op_tried:
+        return _op_library is not None
+    _op_tried = True
+    from torch._inductor.codecache import CppCodeCache
+
+    start = time.perf_counter()
+    try:
+        with artifacts_in(CACHE_DIR):
+            library = CppCodeCache.load(OP_SOURCE.read_text())
+    except Exception:
+        logger.warning(
+            "the compiled decode step's attention op did not compile: its layers call the "
+            "kernel through Python",
+            exc_info=True,
+        )
+        return False
+    int64, pointer = ctypes.c_int64, ctypes.c_void_p
+    library.textgen_decode_step_begin.argtypes = [pointer] * 3 + [int64] * 3 + [ctypes.c_int]
+    library.textgen_decode_layer.argtypes = [int64] + [pointer] * 3 + [int64] * 4 + [ctypes.c_int]
+    for name in ("textgen_decode_step_begin", "textgen_decode_step_end", "textgen_decode_layer"):
+        getattr(library, name).restype = None
+    library.textgen_decode_op_calls.restype = int64
+    _op_library = library
+    seconds = time.perf_counter() - start
+    Stats.compile_seconds += seconds
+    logger.info("compiled the compiled decode step's attention op in %.1f s", seconds)
+    return True
+
+
+def begin_step(
+    pool: object, slots: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, block_size: int
+) -> None:
+    """A compiled step of decodes begins on this thread (load_op() done): its layers' op
+    calls attend through the C++ kernel once their layers are registered (register_layer).
+    `pool` (the KV pool) scopes the registrations: another pool's step forgets them. The
+    tensors (long, contiguous) must live until end_step()."""
+    known = getattr(_thread, "pool", None)
+    if known is None or known() is not pool:
+        _op_library.textgen_decode_forget()
+        _thread.pool = weakref.ref(pool)
+    batch, width = tables.shape
+    _op_library.textgen_decode_step_begin(
+        slots.data_ptr(),
+        tables.data_ptr(),
+        lengths.data_ptr(),
+        batch,
+        width,
+        block_size,
+        torch.get_num_threads(),
+    )
+    _thread.active = True
+
+
+def end_step() -> None:
+    _op_library.textgen_decode_step_end()
+    _thread.active = False
+
+
+def step_active() -> bool:
+    """Whether a begin_step() step runs on this thread."""
+    return getattr(_thread, "active", False)
+
+
+def register_layer(
+    layer_idx: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> None:
+    """Hand layer `layer_idx`'s pools and compiled kernel to the op's C++ kernel, for this
+    thread's later steps of the same pool. rows: a query as attend() takes it (its shape)."""
+    kernel = _compiled(rows, keys, values)
+    if kernel is None:
+        return
+    _, kv_heads, group, head_dim = rows.shape
+    address = ctypes.cast(kernel.write_and_attend, ctypes.c_void_p).value
+    _op_library.textgen_decode_layer(
+        layer_idx,
+        address,
+        keys.data_ptr(),
+        values.data_ptr(),
+        kv_heads * group,
+        kv_heads,
+        head_dim,
+        values.shape[-1],
+        _SCALAR_TYPES[keys.dtype],
+    )
+
+
+# c10::ScalarType's numbers
+_SCALAR_TYPES = {torch.float32: 6, torch.bfloat16: 15}
 
 
 def _reference(

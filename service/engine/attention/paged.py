@@ -619,7 +619,7 @@ def paged_attention_forward(
         meta = _bound_metadata.get()
     if meta is None and torch.compiler.is_compiling():
         # a compiled decode step: the metadata comes through bound_metadata(), not the graph
-        out = paged_attention_op(
+        out = torch.ops.textgen.paged_attention(
             query,
             key,
             value,
@@ -671,6 +671,12 @@ def _paged_attention(
         raise ValueError(
             f"expected one flattened batch of {meta.num_tokens} tokens, got {tuple(query.shape)}"
         )
+    cache = meta.pool.layer(layer_idx, key, value)
+    decodes = _in_place_decodes(meta, query, key, cache, alibi, chunk)
+    if decodes is not None:  # most CPU decode steps: the K/V write and attention in one call
+        return _write_and_attend_in_place(
+            layer_idx, query, key, value, cache, meta, decodes, scaling, window, softcap, sinks
+        )
     cache = meta.pool.write(layer_idx, key, value, meta.slot_mapping)
     extra_terms = sinks is not None or alibi is not None or bool(chunk)
     attend = _pick_kernel(meta, query, cache, extra_terms)
@@ -695,7 +701,7 @@ _bound_metadata: contextvars.ContextVar[BatchMetadata | None] = contextvars.Cont
 
 @contextlib.contextmanager
 def bound_metadata(meta: BatchMetadata) -> Iterator[None]:
-    """Hand `meta` to every paged_attention_op run inside the block."""
+    """Hand `meta` to every `textgen::paged_attention` op run inside the block."""
     token = _bound_metadata.set(meta)
     try:
         yield
@@ -703,11 +709,49 @@ def bound_metadata(meta: BatchMetadata) -> Iterator[None]:
         _bound_metadata.reset(token)
 
 
+@contextlib.contextmanager
+def in_place_decode_step(meta: BatchMetadata) -> Iterator[None]:
+    """Around a compiled step (inside bound_metadata): when it is a CPU step of decodes only
+    that cpu_decode.py's kernel takes, hand its layout to the op's C++ kernel, so that its
+    layers attend with no Python (cpu_decode.begin_step); else nothing."""
+    group = _in_place_step_group(meta)
+    if group is None:
+        yield
+        return
+    tables, lengths = _kernel_view(group)
+    cpu_decode.begin_step(meta.pool, meta.slot_mapping, tables, lengths, meta.pool.block_size)
+    try:
+        yield
+    finally:
+        cpu_decode.end_step()
+
+
+def _in_place_step_group(meta: BatchMetadata) -> AttentionGroup | None:
+    """The step's one group of decodes when the op's C++ kernel may take its layers (those
+    a layer's own checks let through: _in_place_decodes)."""
+    cpu_step = meta.device.type == "cpu" and meta.key_limits is None and not meta.batch_invariant
+    if not (cpu_step and meta.use_cpu_kernel and cpu_decode.ENABLED and cpu_decode.load_op()):
+        return None
+    groups = meta.groups()
+    if len(groups) != 1 or groups[0].max_query_len != 1 or not _in_place_takes(groups[0]):
+        return None
+    return groups[0]
+
+
 # Opaque to the compiler, so one graph covers any context length. It writes the layer's K/V
 # pool, state the compiler can't see: safe because nothing else in the graph reads the pools
 # and each layer's call depends on the previous layer's output, which fixes their order.
-@torch.library.custom_op("textgen::paged_attention", mutates_args=())
-def paged_attention_op(
+# Its Python implementation serves every device; on CPU, once cpu_decode.load_op() has
+# registered the C++ kernel (cpu_decode_op.cpp), that kernel takes the op's calls and passes
+# those it doesn't attend to `textgen::paged_attention_general`, the same Python.
+_OP_SCHEMA = (
+    "(Tensor query, Tensor key, Tensor value, int layer_idx, float scaling, int window, "
+    "float softcap, Tensor? sinks, Tensor? alibi_slopes, float alibi_scale, int chunk) -> Tensor"
+)
+_op_library = torch.library.Library("textgen", "FRAGMENT")
+
+
+def _paged_attention_op(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -743,12 +787,17 @@ def paged_attention_op(
     return out.contiguous()
 
 
-@paged_attention_op.register_fake
 def _paged_attention_fake(
     query, key, value, layer_idx, scaling, window, softcap, sinks, alibi_slopes, alibi_scale, chunk
 ):
     _, num_heads, num_tokens, _ = query.shape
     return query.new_empty(1, num_tokens, num_heads, value.shape[-1])
+
+
+for _name in ("paged_attention", "paged_attention_general"):
+    _op_library.define(_name + _OP_SCHEMA)
+    _op_library.impl(_name, _paged_attention_op, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"textgen::{_name}", _paged_attention_fake, lib=_op_library)
 
 
 def _pick_kernel(
@@ -854,6 +903,83 @@ def _in_place_takes(group: AttentionGroup) -> bool:
     )
 
 
+def _in_place_decodes(
+    meta: BatchMetadata,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cache: LayerCache,
+    alibi: Alibi | None,
+    chunk: int | None,
+) -> AttentionGroup | None:
+    """The step's one group when cpu_decode.py's kernel may store this layer's new K/V and
+    attend them in one call: a step of decodes only (one query token a sequence, all in one
+    group), causal, on a layer the kernel takes, with new K/V of the pools' dtype."""
+    if meta.key_limits is not None or not _in_place_layer(meta, query, cache, alibi, chunk):
+        return None
+    groups = meta.groups()
+    if len(groups) != 1 or key.dtype != cache.keys.dtype:
+        return None
+    group = groups[0]
+    return group if group.max_query_len == 1 and _in_place_takes(group) else None
+
+
+def _write_and_attend_in_place(
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: LayerCache,
+    meta: BatchMetadata,
+    group: AttentionGroup,
+    scaling: float,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """A decode step's layer through cpu_decode.write_and_attend: query `[1, H, B, D]` and
+    new key/value `[1, KVH, B, D]` -> `[1, B, H, Dv]`, the K/V stored at the step's slots
+    by the kernel itself (no index_copy_ around it: on a one-stream step the per-layer
+    host work is most of the attention's cost)."""
+    _, num_heads, num_rows, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    # token-major, as the projections laid them out (no copy then)
+    rows = (
+        query[0]
+        .transpose(0, 1)
+        .reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    )
+    tables, lengths = _kernel_view(group)
+    if cpu_decode.step_active():  # a compiled step's op: C++ takes this layer from now on
+        cpu_decode.register_layer(layer_idx, rows, cache.keys, cache.values)
+    out = cpu_decode.write_and_attend(
+        rows,
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        meta.slot_mapping,
+        cache.keys,
+        cache.values,
+        tables,
+        lengths,
+        scaling,
+        window,
+        softcap,
+        sinks,
+    )
+    return out.view(1, num_rows, num_heads, out.shape[-1])
+
+
+def _kernel_view(group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's rows as cpu_decode.py takes them: a block table and a length each
+    (padded rows of a verification, with 0 keys, give zeros that are dropped). Built once
+    a step, for all layers."""
+    if group.row_lengths is None:
+        group.row_lengths = ((group.query_pos + 1) * group.is_real_query).view(-1)
+        tables = group.block_index.view(group.num_seqs, group.max_blocks)
+        q = group.max_query_len
+        group.row_tables = tables if q == 1 else tables.repeat_interleave(q, 0)
+    return group.row_tables, group.row_lengths
+
+
 def _warm_up_in_place(query: torch.Tensor, cache: LayerCache, scaling: float) -> None:
     """Compile cpu_decode.py's kernel for this layer's kind (head shapes, block size and
     dtype) and run it once over block 0."""
@@ -886,18 +1012,13 @@ def _attend_in_place(
     rows = query.transpose(0, 1).reshape(
         num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim
     )
-    if group.row_lengths is None:  # once a step, for all layers
-        # a padding row's 0 keys give it zeros, dropped below
-        group.row_lengths = ((group.query_pos + 1) * group.is_real_query).view(-1)
-        tables = group.block_index.view(group.num_seqs, group.max_blocks)
-        q = group.max_query_len
-        group.row_tables = tables if q == 1 else tables.repeat_interleave(q, 0)
+    tables, lengths = _kernel_view(group)
     out = cpu_decode.attend(
         rows,
         cache.keys,
         cache.values,
-        group.row_tables,
-        group.row_lengths,
+        tables,
+        lengths,
         scaling,
         window,
         softcap,
