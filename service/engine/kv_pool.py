@@ -131,6 +131,13 @@ class KVCachePool:
         cache.value_rows.index_copy_(1, slots, value.transpose(1, 2))
         return cache
 
+    @property
+    def kernel_may_write(self) -> bool:
+        """Whether an attention kernel may store a step's K/V itself, as write() would
+        (cpu_decode.py's, on a pool of the states' dtype): not for a subclass whose write()
+        stores something else."""
+        return type(self).write is KVCachePool.write
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy every layer's K/V of block `source` into block `destination`, for each
         (source, destination) pair: a fork's own copy of a block it shared."""

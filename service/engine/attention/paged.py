@@ -917,7 +917,7 @@ def _in_place_decodes(
     if meta.key_limits is not None or not _in_place_layer(meta, query, cache, alibi, chunk):
         return None
     groups = meta.groups()
-    if len(groups) != 1 or key.dtype != cache.keys.dtype:
+    if len(groups) != 1 or key.dtype != cache.keys.dtype or not meta.pool.kernel_may_write:
         return None
     group = groups[0]
     return group if group.max_query_len == 1 and _in_place_takes(group) else None
