@@ -86,12 +86,13 @@ inline float sum_lanes(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
 }
 
-// one item: tokens [t0, t1) of a sequence whose block table is `table`
+// one item: tokens [t0, t1) of a sequence whose block table is `table`, for KV heads
+// [h0, h1)
 void attend_item(const POOL_T* q, float scale, float softcap, const POOL_T* keys,
-                 const POOL_T* values, const int64_t* table, int64_t t0, int64_t t1, float* part,
-                 float* scores) {
+                 const POOL_T* values, const int64_t* table, int64_t t0, int64_t t1,
+                 int64_t h0, int64_t h1, float* part, float* scores) {
   alignas(64) float row[std::max(ND, NV) * W] = {};
-  for (int64_t h = 0; h < H; ++h) {  // pass 1: scores, the query rows in registers
+  for (int64_t h = h0; h < h1; ++h) {  // pass 1: scores, the query rows in registers
     Vec qv[G][ND];
     for (int64_t j = 0; j < G; ++j) {
       widen_row<D>(q + (h * G + j) * D, row);
@@ -108,7 +109,7 @@ void attend_item(const POOL_T* q, float scale, float softcap, const POOL_T* keys
     }
   }
   const int64_t n = t1 - t0;
-  for (int64_t r = 0; r < R; ++r) {  // softmax against the item's own maximum
+  for (int64_t r = h0 * G; r < h1 * G; ++r) {  // softmax against the item's own maximum
     float* s = scores + r * SPLIT;
     if (softcap > 0.f) {
       int64_t i = 0;
@@ -130,7 +131,7 @@ void attend_item(const POOL_T* q, float scale, float softcap, const POOL_T* keys
     part[r * PART] = top;
     part[r * PART + 1] = total;
   }
-  for (int64_t h = 0; h < H; ++h) {  // pass 2: weighted values, accumulated in registers
+  for (int64_t h = h0; h < h1; ++h) {  // pass 2: weighted values, accumulated in registers
     Vec acc[G][NV];
     for (int64_t j = 0; j < G; ++j)
       for (int64_t c = 0; c < NV; ++c) acc[j][c] = Vec(0.f);
@@ -157,28 +158,33 @@ void attend_item(const POOL_T* q, float scale, float softcap, const POOL_T* keys
 // lengths [B] (a padding row's 0 gives zeros); out [B, R, V_DIM]; part: B * ceil(width * BLOCK_SIZE / SPLIT)
 // * R * (V_DIM + 2) floats of scratch. All contiguous; q, pools and out are POOL_T.
 // window: the keys a query sees, its own included (0: all); softcap (0: none); sinks: R
-// float32 logits, or null.
+// float32 logits, or null. Fewer items than threads (short contexts, few sequences): each
+// item's KV heads are shared out among the threads too.
 extern "C" void textgen_decode_attention(const POOL_T* q, const POOL_T* keys,
                                          const POOL_T* values, const int64_t* tables,
                                          const int64_t* lengths, POOL_T* out, float* part,
                                          int64_t batch, int64_t width, float scale,
                                          int64_t window, float softcap, const float* sinks,
                                          int threads) {
-  const int64_t splits = (width * BS + SPLIT - 1) / SPLIT;
+  const int64_t splits = (width * BS + SPLIT - 1) / SPLIT, items = batch * splits;
+  const int64_t parts = items >= threads ? 1 : std::min<int64_t>(H, (threads + items - 1) / items);
 #pragma omp parallel num_threads(threads)
   {
     alignas(64) float scores[R * SPLIT];
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < batch * splits; ++item) {
+    for (int64_t work = 0; work < items * parts; ++work) {
+      const int64_t item = work / parts, h0 = work % parts * H / parts;
+      const int64_t h1 = (work % parts + 1) * H / parts;
       const int64_t b = item / splits, start = item % splits * SPLIT;
       const int64_t first = window > 0 ? std::max<int64_t>(0, lengths[b] - window) : 0;
       const int64_t t0 = std::max(start, first), t1 = std::min(lengths[b], start + SPLIT);
       float* p = part + item * R * PART;
       if (t0 >= t1) {  // past this sequence's end
-        for (int64_t r = 0; r < R; ++r) p[r * PART] = NEG;
+        for (int64_t r = h0 * G; r < h1 * G; ++r) p[r * PART] = NEG;
         continue;
       }
-      attend_item(q + b * R * D, scale, softcap, keys, values, tables + b * width, t0, t1, p, scores);
+      attend_item(q + b * R * D, scale, softcap, keys, values, tables + b * width, t0, t1, h0, h1,
+                  p, scores);
     }
 #pragma omp for
     for (int64_t row = 0; row < batch * R; ++row) {  // merge a sequence's items

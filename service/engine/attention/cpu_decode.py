@@ -167,8 +167,9 @@ def _terms(
     sinks: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, list]:
     """The output, the scratch and the trailing arguments of a kernel's call: each
-    sequence's items of SPLIT tokens (the scratch holds one result a query head an item)
-    are shared by up to torch's threads (one thread: no team to wake and join)."""
+    sequence's items of SPLIT tokens (the scratch holds one result a query head an item),
+    and their KV heads where items are fewer than threads, are shared by up to torch's
+    threads (one thread: no team to wake and join)."""
     batch, kv_heads, group, _ = rows.shape
     v_dim, width = values.shape[-1], tables.shape[1]
     items = batch * -(-width * keys.shape[1] // SPLIT)
@@ -176,7 +177,7 @@ def _terms(
     partial = torch.empty(items * kv_heads * group * (v_dim + 2))
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
-    threads = min(torch.get_num_threads(), items)
+    threads = min(torch.get_num_threads(), items * kv_heads)
     sink_logits = None if sinks is None else sinks.data_ptr()
     trailing = [batch, width, scale, window or 0, softcap or 0.0, sink_logits, threads]
     return out, partial, trailing

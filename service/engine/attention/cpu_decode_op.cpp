@@ -99,7 +99,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key,
   auto out = at::empty({1, step.batch, l.heads, l.v_dim}, query.options());
   auto part = at::empty({step.batch * step.splits * l.heads * (l.v_dim + 2)},
                         query.options().dtype(at::kFloat));
-  const int threads = int(std::min<int64_t>(step.threads, step.batch * step.splits));
+  const int threads = int(std::min<int64_t>(step.threads, step.batch * step.splits * l.kv_heads));
   calls.fetch_add(1, std::memory_order_relaxed);
   l.kernel(q.data_ptr(), k.data_ptr(), v.data_ptr(), step.slots, l.keys, l.values,
            step.tables, step.lengths, out.data_ptr(), part.data_ptr<float>(), step.batch,
