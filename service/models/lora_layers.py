@@ -190,9 +190,9 @@ def _class_source(cls: type) -> str:
 
 
 def _is_linear(module: torch.nn.Module) -> bool:
-    from .quantize import Int8Linear
+    from .quantize import Int4Linear, Int8Linear
 
-    return type(module) in (torch.nn.Linear, Int8Linear)
+    return type(module) in (torch.nn.Linear, Int4Linear, Int8Linear)
 
 
 # one step's rows ----------------------------------------------------------------------

@@ -8,7 +8,7 @@ checkpoints that arrive quantized go through transformers' quantizers: checkpoin
 | value | CPU | CUDA |
 | --- | --- | --- |
 | int8 | per-row int8, torch's `_weight_int8pack_mm` | torchao `Int8WeightOnlyConfig` |
-| int4 | torchao int4, groups of 32 (`_weight_int4pack_mm_for_cpu`) | torchao int4 (tinygemm) |
+| int4 | torchao int4, groups of 32, as Int4Linear (`_weight_int4pack_mm_for_cpu`) | torchao int4 (tinygemm) |
 | fp8 | refused | torchao fp8 weights and activations, per row (sm 8.9+) |
 
 Choices measured on the embedded SmolLM2-135M (docs/performance.md, "Quantization"):
@@ -181,6 +181,11 @@ def _apply(model: torch.nn.Module, fmt: str, names: set[str], device: torch.devi
     from torchao.quantization import quantize_
 
     quantize_(model, _torchao_config(fmt, device), filter_fn=lambda _m, fqn: fqn in names)
+    if fmt == "int4" and device.type == "cpu":
+        for name in names:
+            parent, _, child = name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            setattr(owner, child, Int4Linear.from_quantized(getattr(owner, child)))
 
 
 def _torchao_config(fmt: str, device: torch.device):
@@ -256,6 +261,66 @@ class Int8Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
+
+
+class Int4Linear(torch.nn.Module):
+    """A Linear whose weight torchao quantized to int4 for the CPU (groups of
+    INT4_GROUP_SIZE, packed for torch's kernel), multiplied by that kernel,
+    `_weight_int4pack_mm_for_cpu`, called directly: torchao's int4 tensor reaches the same
+    call through its tensor-subclass dispatch, ~13 us a layer in an eager step (2.6 ms of a
+    one-stream step of the embedded model's 210 layers), and in a compiled step it is
+    unwrapped into the graph's inputs on every call. Same products, bit for bit."""
+
+    def __init__(
+        self,
+        qdata: torch.Tensor,
+        scale_and_zero: torch.Tensor,
+        group_size: int,
+        out_features: int,
+        in_features: int,
+        bias: torch.Tensor | None,
+    ):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group_size = group_size
+        self.register_buffer("qdata", qdata)  # packed int4, torch's CPU layout
+        self.register_buffer("scale_and_zero", scale_and_zero)  # [K / group, N, 2]
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_quantized(cls, linear: torch.nn.Linear) -> Int4Linear:
+        """The layer torchao's PrototypeInt4WeightOnlyConfig left (its weight an
+        Int4OpaqueTensor of plain int4 weights: no activation pre-scale)."""
+        weight = linear.weight
+        if getattr(weight, "act_pre_scale", None) is not None or weight.block_size[0] != 1:
+            raise ValueError("expected torchao's groupwise int4 weight, without pre-scale")
+        bias = None if linear.bias is None else linear.bias.detach()
+        out_features, in_features = weight.shape
+        return cls(
+            weight.qdata,
+            weight.scale_and_zero,
+            weight.block_size[1],
+            out_features,
+            in_features,
+            bias,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            flat, self.qdata, self.group_size, self.scale_and_zero
+        )
+        y = y[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"int4 in groups of {self.group_size}"
+        )
 
 
 def _return_freed_memory() -> None:

@@ -110,9 +110,7 @@ def test_int4_where_the_kernel_takes_the_shape_int8_elsewhere():
     with torch.inference_mode():
         want = model(x).float()
     assert q.quantize_model(model, "int4", CPU) == {"int4": 1, "int8": 2, "dense": 1}
-    from torchao.prototype.quantization.int4 import Int4OpaqueTensor
-
-    assert isinstance(model[0].weight, Int4OpaqueTensor)
+    assert isinstance(model[0], q.Int4Linear)
     assert isinstance(model[1], q.Int8Linear) and isinstance(model[3], q.Int8Linear)
     assert type(model[2]) is torch.nn.Linear
     with torch.inference_mode():
