@@ -8,7 +8,7 @@ checkpoints that arrive quantized go through transformers' quantizers: checkpoin
 | value | CPU | CUDA |
 | --- | --- | --- |
 | int8 | per-row int8, torch's `_weight_int8pack_mm` | torchao `Int8WeightOnlyConfig` |
-| int4 | torchao int4, groups of 32, as Int4Linear (`_weight_int4pack_mm_for_cpu`) | torchao int4 (tinygemm) |
+| int4 | torchao int4, groups of 32 (Int4Linear: `_weight_int4pack_mm_for_cpu`) | tinygemm |
 | fp8 | refused | torchao fp8 weights and activations, per row (sm 8.9+) |
 
 Choices measured on the embedded SmolLM2-135M (docs/performance.md, "Quantization"):
