@@ -56,6 +56,7 @@ class CoreAlone:
         self.prompts = prompts
         self.sampling = sampling
         loaded, self.core = standalone_engine(settings)
+        self.core.warm_up()  # as the engine loop does: a --compile core compiles here
         self.dtype = str(loaded.dtype).removeprefix("torch.")
         if loaded.small_step_rows:
             self.dtype += f" + int8 for steps <= {loaded.small_step_rows}"

@@ -373,3 +373,38 @@ def test_a_failed_compile_turns_the_kernel_off(monkeypatch, caplog):
     again = attention._sdpa_attention(batch.query, cache, batch.meta, scale, None, None)
     assert cpu_decode.Stats.calls == calls  # the gathered path from now on
     torch.testing.assert_close(out, again, atol=1e-5, rtol=1e-5)
+
+
+def test_an_op_kernel_that_fails_to_compile_leaves_the_op_to_python(monkeypatch, caplog):
+    """Without cpu_decode_op.cpp (no compiler), a compiled step begins no C++ step and its
+    layers attend through the op's Python implementation, with the kernel still."""
+    from torch._inductor.codecache import CppCodeCache
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    batch = make_batch(
+        block_size=16, num_heads=6, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+        seqs=[(1, 300), (1, 40)],
+    )  # fmt: skip
+    scale = batch.query.shape[-1] ** -0.5
+    cache = batch.pool.layer(0, batch.key, batch.value)
+    rows = batch.query[0].transpose(0, 1).reshape(2, 2, 3, 32)
+    cpu_decode._kernel(rows, cache.keys, cache.values)  # the attention kernel itself compiles
+    monkeypatch.setattr(cpu_decode, "ENABLED", True)
+    monkeypatch.setattr(cpu_decode, "_op_tried", False)
+    monkeypatch.setattr(cpu_decode, "_op_library", None)
+    monkeypatch.setattr(CppCodeCache, "load", broken)
+    with caplog.at_level("WARNING"):
+        assert not cpu_decode.load_op()
+    assert "attention op did not compile" in caplog.text
+    args = (batch.query, batch.key, batch.value, 0, scale, 0, 0.0, None, None, 1.0, 0)
+    python_calls = cpu_decode.Stats.calls
+    with attention.bound_metadata(batch.meta), attention.in_place_decode_step(batch.meta):
+        assert not cpu_decode.step_active()
+        out = torch.ops.textgen.paged_attention(*args)
+    assert cpu_decode.Stats.calls == python_calls + 1  # the kernel, through Python
+    batch.meta._groups = None
+    monkeypatch.setattr(cpu_decode, "ENABLED", False)
+    gathered = attention._sdpa_attention(batch.query, cache, batch.meta, scale, None, None)
+    torch.testing.assert_close(out, gathered, atol=1e-5, rtol=1e-5)
