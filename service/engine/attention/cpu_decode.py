@@ -15,6 +15,12 @@ split over the context), so that one long sequence spreads over every thread.
   rows' dtype (float32 or bfloat16, the pools' too); optionally the layer's sliding
   `window` (keys a query sees, its own included), logit `softcap` and attention `sinks`
   (`[KVH * G]`, one logit per query head).
+- `write_and_attend(rows, new_keys, new_values, slots, keys, values, tables, lengths,
+  scale, ...)`: the same after storing a decode step's new K/V rows at their pool slots, in
+  the same call (paged.py's path for steps of decodes only).
+- `cpu_decode_op.cpp` (`load_op`, `begin_step`/`end_step`, `register_layer`): the CPU
+  kernel of paged.py's `textgen::paged_attention` op, through which a compiled decode
+  step's graph reaches write_and_attend's C++ with no Python.
 - The kernel is compiled once per kind of layer (head counts and sizes, block size, dtype),
   with those shapes as constants, by inductor's C++ toolchain (the compiler, flags and
   vector ISA torch.compile's CPU kernels use), at the runner's warm-up (paged.py's

@@ -672,7 +672,7 @@ def _paged_attention(
             f"expected one flattened batch of {meta.num_tokens} tokens, got {tuple(query.shape)}"
         )
     cache = meta.pool.layer(layer_idx, key, value)
-    decodes = _in_place_decodes(meta, query, key, cache, alibi, chunk)
+    decodes = _in_place_decodes(meta, query, key, value, cache, alibi, chunk)
     if decodes is not None:  # most CPU decode steps: the K/V write and attention in one call
         return _write_and_attend_in_place(
             layer_idx, query, key, value, cache, meta, decodes, scaling, window, softcap, sinks
@@ -907,6 +907,7 @@ def _in_place_decodes(
     meta: BatchMetadata,
     query: torch.Tensor,
     key: torch.Tensor,
+    value: torch.Tensor,
     cache: LayerCache,
     alibi: Alibi | None,
     chunk: int | None,
@@ -917,7 +918,8 @@ def _in_place_decodes(
     if meta.key_limits is not None or not _in_place_layer(meta, query, cache, alibi, chunk):
         return None
     groups = meta.groups()
-    if len(groups) != 1 or key.dtype != cache.keys.dtype or not meta.pool.kernel_may_write:
+    stored_as_given = key.dtype == value.dtype == cache.keys.dtype and meta.pool.kernel_may_write
+    if len(groups) != 1 or not stored_as_given:
         return None
     group = groups[0]
     return group if group.max_query_len == 1 and _in_place_takes(group) else None

@@ -8,9 +8,11 @@ bucket, through the compiled model, padded to the smallest bucket that holds it,
 every other step (prefill chunks) to the eager ModelRunner. Graph inputs are only the
 `[1, T]` token ids and positions, so each bucket compiles once, at warm-up, and steady state
 never recompiles. The paged attention stays eager inside the graph as one opaque op
-(attention.paged_attention_op), which reads the step's query lengths, block tables and
-context lengths from the BatchMetadata bound around the call: one graph of T tokens serves T
-decodes as well as one sequence verifying T - 1 proposals, at every context length.
+(`textgen::paged_attention`, attention/paged.py), which reads the step's query lengths, block
+tables and context lengths from the BatchMetadata bound around the call: one graph of T
+tokens serves T decodes as well as one sequence verifying T - 1 proposals, at every context
+length. On a step of decodes its CPU kernel (attention/cpu_decode_op.cpp, handed the step's
+layout by `in_place_decode_step`) attends each layer with no Python.
 
 Padding rows decode token 0 at position 0 into the pool's scratch block (kv_pool.py), which
 no sequence owns; their logits are dropped.
