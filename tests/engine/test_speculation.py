@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from textgen.service.engine.attention import cpu_decode
 from textgen.service.engine.config import EngineConfig
 from textgen.service.engine.paged_core import PagedCore
 from textgen.service.engine.speculation import NgramProposer, SpeculationSettings
@@ -481,6 +482,7 @@ def test_runner_strategies_take_their_steps_and_the_output_is_generates(tiny_lla
     core = strategy_core(tiny_llama, proposer, strategy)
     for seq in seqs:
         core.add(seq)
+    op_calls = cpu_decode.kernel_calls() - cpu_decode.Stats.calls  # the op's C++ kernel's
     run_to_completion(core)
     assert_matches_generate(tiny_llama, seqs)
     assert core.stats().spec_accepted_tokens > 0
@@ -489,7 +491,13 @@ def test_runner_strategies_take_their_steps_and_the_output_is_generates(tiny_lla
         fast = stats.graph_steps if strategy == "graphs" else stats.compiled_steps
         assert fast > 0 and stats.eager_steps > 0
     if strategy == "compiled":
-        assert core.runner.stats.compiled_verifications > 0
+        stats = core.runner.stats
+        assert stats.compiled_verifications > 0
+        # verifying steps of one group reach the kernel through the op's C++ kernel too:
+        # more calls there than the plain decode steps' layers
+        op_calls = cpu_decode.kernel_calls() - cpu_decode.Stats.calls - op_calls
+        layers = tiny_llama.config.num_hidden_layers
+        assert op_calls > layers * (stats.compiled_steps - stats.compiled_verifications)
     assert_idle(core)
 
 

@@ -122,6 +122,9 @@ class AttentionGroup:
     # table `[b * q, nb]` (its sequence's)
     row_lengths: torch.Tensor | None = None
     row_tables: torch.Tensor | None = None
+    # the same per token of the step, unpadded (paged._token_rows: a step of one group)
+    token_lengths: torch.Tensor | None = None
+    token_tables: torch.Tensor | None = None
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # (window, chunk, G, dtype)
     _chunked_masks: dict[tuple, ChunkedMask] = field(default_factory=dict)
 
@@ -167,6 +170,7 @@ class AttentionGroup:
         self._masks.clear()
         self._chunked_masks.clear()
         self.row_lengths = self.row_tables = None
+        self.token_lengths = self.token_tables = None
 
     def chunked_mask(
         self, window: int | None, num_groups: int, dtype: torch.dtype, chunk: int | None = None
@@ -718,7 +722,7 @@ def in_place_decode_step(meta: BatchMetadata) -> Iterator[None]:
     if group is None:
         yield
         return
-    tables, lengths = _kernel_view(group)
+    tables, lengths = _token_rows(meta, group)
     cpu_decode.begin_step(meta.pool, meta.slot_mapping, tables, lengths, meta.pool.block_size)
     try:
         yield
@@ -727,15 +731,13 @@ def in_place_decode_step(meta: BatchMetadata) -> Iterator[None]:
 
 
 def _in_place_step_group(meta: BatchMetadata) -> AttentionGroup | None:
-    """The step's one group of decodes when the op's C++ kernel may take its layers (those
-    a layer's own checks let through: _in_place_decodes)."""
+    """The step's one group when the op's C++ kernel may take its layers (those a layer's
+    own checks let through: _in_place_decodes): decodes, or verifications."""
     cpu_step = meta.device.type == "cpu" and meta.key_limits is None and not meta.batch_invariant
     if not (cpu_step and meta.use_cpu_kernel and cpu_decode.ENABLED and cpu_decode.load_op()):
         return None
     groups = meta.groups()
-    if len(groups) != 1 or groups[0].max_query_len != 1 or not _in_place_takes(groups[0]):
-        return None
-    return groups[0]
+    return groups[0] if len(groups) == 1 and _in_place_takes(groups[0]) else None
 
 
 # Opaque to the compiler, so one graph covers any context length. It writes the layer's K/V
@@ -913,16 +915,16 @@ def _in_place_decodes(
     chunk: int | None,
 ) -> AttentionGroup | None:
     """The step's one group when cpu_decode.py's kernel may store this layer's new K/V and
-    attend them in one call: a step of decodes only (one query token a sequence, all in one
-    group), causal, on a layer the kernel takes, with new K/V of the pools' dtype."""
+    attend them in one call: a step of one group of up to cpu_decode.MAX_QUERY query tokens
+    a sequence (decodes, verifications), causal, on a layer the kernel takes, with new K/V
+    of the pools' dtype."""
     if meta.key_limits is not None or not _in_place_layer(meta, query, cache, alibi, chunk):
         return None
     groups = meta.groups()
     stored_as_given = key.dtype == value.dtype == cache.keys.dtype and meta.pool.kernel_may_write
     if len(groups) != 1 or not stored_as_given:
         return None
-    group = groups[0]
-    return group if group.max_query_len == 1 and _in_place_takes(group) else None
+    return groups[0] if _in_place_takes(groups[0]) else None
 
 
 def _write_and_attend_in_place(
@@ -938,10 +940,12 @@ def _write_and_attend_in_place(
     softcap: float | None,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """A decode step's layer through cpu_decode.write_and_attend: query `[1, H, B, D]` and
-    new key/value `[1, KVH, B, D]` -> `[1, B, H, Dv]`, the K/V stored at the step's slots
-    by the kernel itself (no index_copy_ around it: on a one-stream step the per-layer
-    host work is most of the attention's cost)."""
+    """A step's layer through cpu_decode.write_and_attend: query `[1, H, T, D]` and new
+    key/value `[1, KVH, T, D]` -> `[1, T, H, Dv]`, the K/V stored at the step's slots by the
+    kernel itself (no index_copy_ around it: on a one-stream step the per-layer host work is
+    most of the attention's cost). Each token is a row of its own, attending its sequence's
+    keys up to its position: the step's later tokens, stored in the same call, stay
+    unseen."""
     _, num_heads, num_rows, head_dim = query.shape
     num_kv_heads = key.shape[1]
     # token-major, as the projections laid them out (no copy then)
@@ -950,7 +954,7 @@ def _write_and_attend_in_place(
         .transpose(0, 1)
         .reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
     )
-    tables, lengths = _kernel_view(group)
+    tables, lengths = _token_rows(meta, group)
     if cpu_decode.step_active():  # a compiled step's op: C++ takes this layer from now on
         cpu_decode.register_layer(layer_idx, rows, cache.keys, cache.values)
     out = cpu_decode.write_and_attend(
@@ -968,6 +972,21 @@ def _write_and_attend_in_place(
         sinks,
     )
     return out.view(1, num_rows, num_heads, out.shape[-1])
+
+
+def _token_rows(meta: BatchMetadata, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's tokens as the kernel's rows (the step's one group): each its sequence's
+    block table and its own position + 1 as the length. Built once a step."""
+    if group.max_query_len == 1:
+        return _kernel_view(group)
+    if group.token_lengths is None:
+        query_lens, context_lens = meta.query_lens, meta.context_lens
+        lengths = [c - q + 1 + i for q, c in zip(query_lens, context_lens) for i in range(q)]
+        group.token_lengths = torch.tensor(lengths, device=group.block_index.device)
+        tables = group.block_index.view(group.num_seqs, group.max_blocks)
+        repeats = torch.tensor(query_lens, device=tables.device)
+        group.token_tables = tables.repeat_interleave(repeats, 0)
+    return group.token_tables, group.token_lengths
 
 
 def _kernel_view(group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
