@@ -44,7 +44,6 @@ def wait_for(predicate, timeout: float) -> bool:
     return predicate()
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux's /proc")
 def test_the_child_runs_the_command_and_dies_with_a_killed_server():
     sleep = "/bin/sleep" if os.path.exists("/bin/sleep") else "/usr/bin/sleep"
     server = subprocess.Popen(

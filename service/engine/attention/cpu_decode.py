@@ -15,12 +15,11 @@ split over the context), so that one long sequence spreads over every thread.
   rows' dtype (float32 or bfloat16, the pools' too); optionally the layer's sliding
   `window` (keys a query sees, its own included), logit `softcap` and attention `sinks`
   (`[KVH * G]`, one logit per query head).
-- `write_and_attend(rows, new_keys, new_values, slots, keys, values, tables, lengths,
-  scale, ...)`: the same after storing a decode step's new K/V rows at their pool slots, in
-  the same call (paged.py's path for steps of decodes only).
+  With `new=(slots, new_keys, new_values)` it first stores a step's new K/V rows at their
+  pool slots, in the same call (paged.py's path for a step of one group).
 - `cpu_decode_op.cpp` (`load_op`, `begin_step`/`end_step`, `register_layer`): the CPU
-  kernel of paged.py's `textgen::paged_attention` op, through which a compiled decode
-  step's graph reaches write_and_attend's C++ with no Python.
+  kernel of paged.py's `textgen::paged_attention` op, through which a compiled step's
+  graph reaches that storing kernel's C++ with no Python.
 - The kernel is compiled once per kind of layer (head counts and sizes, block size, dtype),
   with those shapes as constants, by inductor's C++ toolchain (the compiler, flags and
   vector ISA torch.compile's CPU kernels use), at the runner's warm-up (paged.py's
@@ -199,69 +198,34 @@ def attend(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """See the module's docstring."""
+    """See the module's docstring. new: `(slots, new_keys, new_values)`, a step's K/V to
+    store in the pools first, in the same call: new_keys `[B, KVH, D]` and new_values
+    `[B, KVH, Dv]` (the pools' dtype) at pool slots `[B]` long (block x block_size +
+    offset), one a row."""
     kernel = _compiled(rows, keys, values)
     if kernel is None:
+        if new is not None:
+            slots, new_keys, new_values = new
+            keys.flatten(0, 1).index_copy_(0, slots, new_keys)
+            values.flatten(0, 1).index_copy_(0, slots, new_values)
         return _reference(rows, keys, values, tables, lengths, scale, window, softcap, sinks)
     Stats.calls += 1
     # the kernel reads them as laid out here (no-ops on the paged path's tensors)
     rows, keys, values = rows.contiguous(), keys.contiguous(), values.contiguous()
     tables, lengths = tables.to(torch.long).contiguous(), lengths.to(torch.long).contiguous()
     out, partial, trailing = _terms(rows, keys, values, tables, scale, window, softcap, sinks)
-    kernel.attend(
-        rows.data_ptr(),
-        keys.data_ptr(),
-        values.data_ptr(),
-        tables.data_ptr(),
-        lengths.data_ptr(),
-        out.data_ptr(),
-        partial.data_ptr(),
-        *trailing,
-    )
-    return out
-
-
-def write_and_attend(
-    rows: torch.Tensor,
-    new_keys: torch.Tensor,
-    new_values: torch.Tensor,
-    slots: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    tables: torch.Tensor,
-    lengths: torch.Tensor,
-    scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """attend() after storing a decode step's new K/V in the pools, in the same call:
-    new_keys `[B, KVH, D]` and new_values `[B, KVH, Dv]` (the pools' dtype) go to pool
-    slots `slots` `[B]` (block x block_size + offset), one a sequence. The pools, slots,
-    tables and lengths as the paged path holds them: contiguous, the indices long."""
-    kernel = _compiled(rows, keys, values)
-    if kernel is None:
-        keys.flatten(0, 1).index_copy_(0, slots, new_keys)
-        values.flatten(0, 1).index_copy_(0, slots, new_values)
-        return _reference(rows, keys, values, tables, lengths, scale, window, softcap, sinks)
-    Stats.calls += 1
-    rows = rows.contiguous()
-    new_keys, new_values = new_keys.contiguous(), new_values.contiguous()
-    out, partial, trailing = _terms(rows, keys, values, tables, scale, window, softcap, sinks)
-    kernel.write_and_attend(
-        rows.data_ptr(),
-        new_keys.data_ptr(),
-        new_values.data_ptr(),
-        slots.data_ptr(),
-        keys.data_ptr(),
-        values.data_ptr(),
-        tables.data_ptr(),
-        lengths.data_ptr(),
-        out.data_ptr(),
-        partial.data_ptr(),
-        *trailing,
-    )
+    # the pointers spelled out: this runs once a layer of every eager CPU decode step
+    pools = [keys.data_ptr(), values.data_ptr(), tables.data_ptr(), lengths.data_ptr()]
+    results = [out.data_ptr(), partial.data_ptr()]
+    if new is None:
+        kernel.attend(rows.data_ptr(), *pools, *results, *trailing)
+    else:
+        slots, new_keys, new_values = new
+        new_keys, new_values = new_keys.contiguous(), new_values.contiguous()
+        stored = [new_keys.data_ptr(), new_values.data_ptr(), slots.data_ptr()]
+        kernel.write_and_attend(rows.data_ptr(), *stored, *pools, *results, *trailing)
     return out
 
 

@@ -117,12 +117,9 @@ class AttentionGroup:
     # own (a span's tokens see the whole span: Gemma 3's images, PaliGemma's prompt); None:
     # query_pos, causal
     query_limit: torch.Tensor | None = None
-    # cpu_decode.py's view of the group, set by the first layer that needs it: each padded
-    # query row's context length `[b * q]` (query_pos + 1; 0 on padding rows) and block
-    # table `[b * q, nb]` (its sequence's)
-    row_lengths: torch.Tensor | None = None
-    row_tables: torch.Tensor | None = None
-    # the same per token of the step, unpadded (paged._token_rows: a step of one group)
+    # cpu_decode.py's view of the group (paged._token_rows), set by the first layer that
+    # needs it: each query token's context length `[Tg]` (its position + 1) and block table
+    # `[Tg, nb]` (its sequence's)
     token_lengths: torch.Tensor | None = None
     token_tables: torch.Tensor | None = None
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # (window, chunk, G, dtype)
@@ -169,7 +166,6 @@ class AttentionGroup:
         """Drop the cached masks: the group's tensors were rewritten in place."""
         self._masks.clear()
         self._chunked_masks.clear()
-        self.row_lengths = self.row_tables = None
         self.token_lengths = self.token_tables = None
 
     def chunked_mask(
@@ -722,7 +718,7 @@ def in_place_decode_step(meta: BatchMetadata) -> Iterator[None]:
     if group is None:
         yield
         return
-    tables, lengths = _token_rows(meta, group)
+    tables, lengths = _token_rows(group)
     cpu_decode.begin_step(meta.pool, meta.slot_mapping, tables, lengths, meta.pool.block_size)
     try:
         yield
@@ -733,11 +729,8 @@ def in_place_decode_step(meta: BatchMetadata) -> Iterator[None]:
 def _in_place_step_group(meta: BatchMetadata) -> AttentionGroup | None:
     """The step's one group when the op's C++ kernel may take its layers (those a layer's
     own checks let through: _in_place_decodes): decodes, or verifications."""
-    cpu_step = meta.device.type == "cpu" and meta.key_limits is None and not meta.batch_invariant
-    if not (cpu_step and meta.use_cpu_kernel and cpu_decode.ENABLED and cpu_decode.load_op()):
-        return None
-    groups = meta.groups()
-    return groups[0] if len(groups) == 1 and _in_place_takes(groups[0]) else None
+    cpu_step = meta.device.type == "cpu" and meta.use_cpu_kernel and cpu_decode.ENABLED
+    return _kernel_group(meta) if cpu_step and cpu_decode.load_op() else None
 
 
 # Opaque to the compiler, so one graph covers any context length. It writes the layer's K/V
@@ -918,13 +911,19 @@ def _in_place_decodes(
     attend them in one call: a step of one group of up to cpu_decode.MAX_QUERY query tokens
     a sequence (decodes, verifications), causal, on a layer the kernel takes, with new K/V
     of the pools' dtype."""
-    if meta.key_limits is not None or not _in_place_layer(meta, query, cache, alibi, chunk):
+    stored_as_given = key.dtype == value.dtype == cache.keys.dtype and meta.pool.kernel_may_write
+    if not stored_as_given or not _in_place_layer(meta, query, cache, alibi, chunk):
+        return None
+    return _kernel_group(meta)
+
+
+def _kernel_group(meta: BatchMetadata) -> AttentionGroup | None:
+    """The step's group when it is the only one and cpu_decode.py's kernel takes it whole
+    (_in_place_takes), all causal."""
+    if meta.key_limits is not None:
         return None
     groups = meta.groups()
-    stored_as_given = key.dtype == value.dtype == cache.keys.dtype and meta.pool.kernel_may_write
-    if len(groups) != 1 or not stored_as_given:
-        return None
-    return groups[0] if _in_place_takes(groups[0]) else None
+    return groups[0] if len(groups) == 1 and _in_place_takes(groups[0]) else None
 
 
 def _write_and_attend_in_place(
@@ -940,7 +939,7 @@ def _write_and_attend_in_place(
     softcap: float | None,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """A step's layer through cpu_decode.write_and_attend: query `[1, H, T, D]` and new
+    """A step's layer through cpu_decode.attend, storing its K/V too: query `[1, H, T, D]` and new
     key/value `[1, KVH, T, D]` -> `[1, T, H, Dv]`, the K/V stored at the step's slots by the
     kernel itself (no index_copy_ around it: on a one-stream step the per-layer host work is
     most of the attention's cost). Each token is a row of its own, attending its sequence's
@@ -954,51 +953,28 @@ def _write_and_attend_in_place(
         .transpose(0, 1)
         .reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
     )
-    tables, lengths = _token_rows(meta, group)
+    tables, lengths = _token_rows(group)
     if cpu_decode.step_active():  # a compiled step's op: C++ takes this layer from now on
         cpu_decode.register_layer(layer_idx, rows, cache.keys, cache.values)
-    out = cpu_decode.write_and_attend(
-        rows,
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
-        meta.slot_mapping,
-        cache.keys,
-        cache.values,
-        tables,
-        lengths,
-        scaling,
-        window,
-        softcap,
-        sinks,
+    new = (meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out = cpu_decode.attend(
+        rows, cache.keys, cache.values, tables, lengths, scaling, window, softcap, sinks, new
     )
     return out.view(1, num_rows, num_heads, out.shape[-1])
 
 
-def _token_rows(meta: BatchMetadata, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's tokens as the kernel's rows (the step's one group): each its sequence's
-    block table and its own position + 1 as the length. Built once a step."""
-    if group.max_query_len == 1:
-        return _kernel_view(group)
+def _token_rows(group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's query tokens as cpu_decode.py's rows: each its sequence's block table
+    and its own position + 1 as the length. Built once a step, for all layers."""
     if group.token_lengths is None:
-        query_lens, context_lens = meta.query_lens, meta.context_lens
-        lengths = [c - q + 1 + i for q, c in zip(query_lens, context_lens) for i in range(q)]
-        group.token_lengths = torch.tensor(lengths, device=group.block_index.device)
         tables = group.block_index.view(group.num_seqs, group.max_blocks)
-        repeats = torch.tensor(query_lens, device=tables.device)
-        group.token_tables = tables.repeat_interleave(repeats, 0)
+        if group.max_query_len == 1:
+            group.token_lengths, group.token_tables = (group.query_pos + 1).view(-1), tables
+        else:  # the real ones of the padded [b, q] rows, in token order
+            real = group.is_real_query
+            group.token_lengths = (group.query_pos + 1)[real]
+            group.token_tables = tables.repeat_interleave(real.sum(1), 0)
     return group.token_tables, group.token_lengths
-
-
-def _kernel_view(group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
-    """The group's rows as cpu_decode.py takes them: a block table and a length each
-    (padded rows of a verification, with 0 keys, give zeros that are dropped). Built once
-    a step, for all layers."""
-    if group.row_lengths is None:
-        group.row_lengths = ((group.query_pos + 1) * group.is_real_query).view(-1)
-        tables = group.block_index.view(group.num_seqs, group.max_blocks)
-        q = group.max_query_len
-        group.row_tables = tables if q == 1 else tables.repeat_interleave(q, 0)
-    return group.row_tables, group.row_lengths
 
 
 def _warm_up_in_place(query: torch.Tensor, cache: LayerCache, scaling: float) -> None:
@@ -1022,31 +998,19 @@ def _attend_in_place(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The group through cpu_decode.py, reading the pool in place: query `[H, Tg, D]` ->
-    `[Tg, H, Dv]`. Each query row is attended as a decode of its own (its context: the keys
-    up to its position), so a sequence's few query tokens (a verification) read its
+    `[Tg, H, Dv]`. Each query token is attended as a decode of its own (its context: the
+    keys up to its position), so a sequence's few query tokens (a verification) read its
     context once each."""
-    num_heads, _, head_dim = query.shape
+    num_heads, num_rows, head_dim = query.shape
     num_kv_heads = cache.keys.shape[2]
-    if group.max_query_len > 1:  # the padded rows, [H, b * q, D]
-        query = query.index_select(1, group.query_index)
-    num_rows = query.shape[1]
     rows = query.transpose(0, 1).reshape(
         num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim
     )
-    tables, lengths = _kernel_view(group)
+    tables, lengths = _token_rows(group)
     out = cpu_decode.attend(
-        rows,
-        cache.keys,
-        cache.values,
-        tables,
-        lengths,
-        scaling,
-        window,
-        softcap,
-        sinks,
+        rows, cache.keys, cache.values, tables, lengths, scaling, window, softcap, sinks
     )
-    out = out.reshape(num_rows, num_heads, out.shape[-1])
-    return out if group.max_query_len == 1 else out.index_select(0, group.output_index)
+    return out.reshape(num_rows, num_heads, out.shape[-1])
 
 
 def _attend_single(
