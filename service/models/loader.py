@@ -170,6 +170,8 @@ class LoadOptions:
     # copies (small_steps.py); the assembly says no where a setting needs the weights as
     # loaded
     small_step_int8: bool = False
+    # False (--disable-custom-kernels): CPU int4 layers keep torch's kernel (int4_avx512.py)
+    custom_kernels: bool = True
 
 
 @dataclass(frozen=True)
@@ -281,7 +283,7 @@ def load_model(
         finish_loading(model, library)
         quantize = library.method
     elif quantize is not None:
-        quantize_model(model, quantize, dev)
+        quantize_model(model, quantize, dev, options.custom_kernels)
     small_step_rows = 0
     if options.small_step_int8 and not (quantize or lora or shard) and _small_step_cpu(dev, dt):
         small_step_rows = SMALL_STEP_ROWS[dt] if add_small_step_weights(model) else 0

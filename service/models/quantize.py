@@ -8,7 +8,7 @@ checkpoints that arrive quantized go through transformers' quantizers: checkpoin
 | value | CPU | CUDA |
 | --- | --- | --- |
 | int8 | per-row int8, torch's `_weight_int8pack_mm` | torchao `Int8WeightOnlyConfig` |
-| int4 | torchao int4, groups of 32 (Int4Linear: `_weight_int4pack_mm_for_cpu`) | tinygemm |
+| int4 | torchao int4 (groups of 32): int4_avx512.py (AVX512-BF16), else Int4Linear | tinygemm |
 | fp8 | refused | torchao fp8 weights and activations, per row (sm 8.9+) |
 
 Choices measured on the embedded SmolLM2-135M (docs/performance.md, "Quantization"):
@@ -135,9 +135,12 @@ def _check_cuda(method: str, device: torch.device, dtype: torch.dtype, auto: boo
     )
 
 
-def quantize_model(model: torch.nn.Module, method: str, device: torch.device) -> dict[str, int]:
+def quantize_model(
+    model: torch.nn.Module, method: str, device: torch.device, custom_kernels: bool = True
+) -> dict[str, int]:
     """Quantize `model`'s Linear layers in place (see the module docstring); -> how many
-    layers got each format ("dense" for those left as they were)."""
+    layers got each format ("dense" for those left as they were). `custom_kernels` False
+    (--disable-custom-kernels) keeps CPU int4 layers on torch's kernel."""
     linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     formats = {
@@ -149,7 +152,7 @@ def quantize_model(model: torch.nn.Module, method: str, device: torch.device) ->
     for fmt in ("int4", "int8", "fp8"):
         names = {n for n, f in formats.items() if f == fmt}
         if names:
-            _apply(model, fmt, names, device)
+            _apply(model, fmt, names, device, custom_kernels)
     if device.type == "cpu":
         _return_freed_memory()
     counts = Counter(formats.values())
@@ -171,21 +174,33 @@ def _format_for(method: str, linear: torch.nn.Linear, device: torch.device) -> s
     return int8
 
 
-def _apply(model: torch.nn.Module, fmt: str, names: set[str], device: torch.device) -> None:
+def _apply(
+    model: torch.nn.Module, fmt: str, names: set[str], device: torch.device, custom_kernels: bool
+) -> None:
     if fmt == "int8" and device.type == "cpu":
-        for name in names:
-            parent, _, child = name.rpartition(".")
-            owner = model.get_submodule(parent) if parent else model
-            setattr(owner, child, Int8Linear.from_linear(getattr(owner, child)))
+        _replace(model, names, Int8Linear.from_linear)
         return
+    if fmt == "int4" and device.type == "cpu" and custom_kernels:
+        from . import int4_avx512
+
+        wide = {model.get_submodule(n).weight.dtype for n in names}
+        if wide == {torch.bfloat16} and int4_avx512.available():
+            _replace(model, names, int4_avx512.Int4Avx512Linear.from_linear)
+            return
     from torchao.quantization import quantize_
 
     quantize_(model, _torchao_config(fmt, device), filter_fn=lambda _m, fqn: fqn in names)
     if fmt == "int4" and device.type == "cpu":
-        for name in names:
-            parent, _, child = name.rpartition(".")
-            owner = model.get_submodule(parent) if parent else model
-            setattr(owner, child, Int4Linear.from_quantized(getattr(owner, child)))
+        _replace(model, names, Int4Linear.from_quantized)
+
+
+def _replace(model: torch.nn.Module, names: set[str], convert) -> None:
+    """Each named layer replaced by convert(layer), one at a time (each wide weight free to
+    go as soon as its layer is converted)."""
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, convert(getattr(owner, child)))
 
 
 def _torchao_config(fmt: str, device: torch.device):

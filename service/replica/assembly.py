@@ -330,6 +330,7 @@ def load_options(settings: Settings) -> LoadOptions:
         chat_template=chat_template_of(template) if template is not None else None,
         context=settings.max_total_tokens,  # where the config states none: context_length's
         small_step_int8=small_step_int8(settings),
+        custom_kernels=not settings.disable_custom_kernels,
     )
 
 

@@ -1,0 +1,171 @@
+// int4 weight x bfloat16 activation products on CPUs with AVX512-BF16: the CPU kernel of
+// the `textgen::int4_linear` op (int4_avx512.py defines the op, packs the weights, compiles
+// this file with inductor's C++ toolchain and loads it, which registers the kernel).
+//
+// torch's `_weight_int4pack_mm_for_cpu` widens each weight to float32 and multiplies in
+// float32 FMAs (16 products an instruction); here each 4-bit weight becomes an exact
+// bfloat16 integer through a 32-entry table (vpermw) and `vdpbf16ps` takes 32 products an
+// instruction, accumulated in float32. A group's scale and zero are applied once per 32
+// inputs: with w = (q - 8) * s + z, sum_k x_k w_k = s * sum_k x_k q_k + (z - 8 s) * sum_k x_k.
+// Each product is exact in float32 (bfloat16 x small integer), so the result differs from
+// the dequantized weights' float32 product only in the order of the float32 sums.
+//
+// Layout (int4_avx512.pack): rows in blocks of 32 (N padded), each block 2 vectors of 16
+// rows; per block, per quad of inputs k = 4kq .. 4kq + 3, per vector, 32 bytes: byte 2i =
+// q[n][4kq] | q[n][4kq + 2] << 4 and byte 2i + 1 = q[n][4kq + 1] | q[n][4kq + 3] << 4, for
+// row n = 32b + 16v + i. One 32-bit lane per row then holds that row's (k, k + 1) pair
+// (low nibbles) or (k + 2, k + 3) pair (high nibbles), to be multiplied by the broadcast
+// input pair: no horizontal sums. Scales and zeros: [blocks][K / 32][32] bfloat16.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t GROUP = 32;  // inputs a scale and zero cover
+constexpr int64_t ROWS = 32;   // rows a block packs
+constexpr int64_t QUAD_BYTES = 64;  // a block's bytes per quad of inputs (2 vectors x 32)
+
+#define TEXTGEN_AVX512_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+TEXTGEN_AVX512_BF16 inline __m512 widen16(const uint16_t* bits) {  // 16 bfloat16 -> float
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)bits));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// 16 rows' results from row n on (fewer at the end of the matrix), rounded to bfloat16
+TEXTGEN_AVX512_BF16 inline void store16(uint16_t* out, __m512 sums, int64_t n, int64_t N) {
+  __m256i rounded = (__m256i)_mm512_cvtneps_pbh(sums);
+  if (n + 16 <= N) {
+    _mm256_storeu_si256((__m256i*)out, rounded);
+    return;
+  }
+  alignas(32) uint16_t tail[16];
+  _mm256_store_si256((__m256i*)tail, rounded);
+  for (int64_t i = 0; n + i < N; ++i) out[i] = tail[i];
+}
+
+// MB input rows times NV vectors (16 rows each, from vector v0) of one block. Two
+// accumulators per (input row, vector) within a group, so that no chain of dependent
+// vdpbf16ps is longer than 8.
+template <int MB, int NV>
+TEXTGEN_AVX512_BF16 void block(const uint8_t* __restrict weight, const uint16_t* __restrict scales,
+                               const uint16_t* __restrict zeros, const uint16_t* __restrict x,
+                               const float* __restrict x_sums, uint16_t* __restrict y, int v0,
+                               int64_t n0, int64_t N, int64_t K) {
+  // the bfloat16 of each index's low 4 bits (0 .. 15, twice: vpermw reads 5 bits)
+  const __m512i table = _mm512_set_epi16(
+      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
+      0x4080, 0x4040, 0x4000, 0x3f80, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110,
+      0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0);
+  const int64_t groups = K / GROUP;
+  __m512 acc[MB][NV];
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 low[MB][NV], high[MB][NV];
+    for (int m = 0; m < MB; ++m)
+      for (int v = 0; v < NV; ++v) low[m][v] = high[m][v] = _mm512_setzero_ps();
+    const uint8_t* bytes = weight + g * (GROUP / 4) * QUAD_BYTES;
+    for (int quad = 0; quad < GROUP / 4; ++quad) {
+      __m512i pair01[MB], pair23[MB];  // the inputs (k, k + 1) and (k + 2, k + 3), broadcast
+      for (int m = 0; m < MB; ++m) {
+        const uint16_t* xq = x + m * K + g * GROUP + quad * 4;
+        uint32_t a, b;
+        std::memcpy(&a, xq, 4);
+        std::memcpy(&b, xq + 2, 4);
+        pair01[m] = _mm512_set1_epi32(a);
+        pair23[m] = _mm512_set1_epi32(b);
+      }
+      for (int v = 0; v < NV; ++v) {
+        const uint8_t* at = bytes + quad * QUAD_BYTES + (v0 + v) * 32;
+        __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)at));
+        __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(words, table);
+        __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+        for (int m = 0; m < MB; ++m) {
+          low[m][v] = _mm512_dpbf16_ps(low[m][v], (__m512bh)pair01[m], lo);
+          high[m][v] = _mm512_dpbf16_ps(high[m][v], (__m512bh)pair23[m], hi);
+        }
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      const int64_t at = g * ROWS + (v0 + v) * 16;
+      __m512 s = widen16(scales + at), z = widen16(zeros + at);
+      __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);  // z - 8 s
+      for (int m = 0; m < MB; ++m) {
+        acc[m][v] = _mm512_fmadd_ps(_mm512_add_ps(low[m][v], high[m][v]), s, acc[m][v]);
+        acc[m][v] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sums[m * groups + g]), acc[m][v]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < NV; ++v) {
+      const int64_t n = n0 + (v0 + v) * 16;
+      if (n < N) store16(y + m * N + n, acc[m][v], n, N);
+    }
+}
+
+inline float widen(uint16_t bits) {
+  uint32_t u = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// y [M, N] = x [M, K] @ W^T, W packed as above: a block's weights are one contiguous
+// stretch, read once for every 4 input rows.
+void int4_mm(const uint8_t* weight, const uint16_t* scales, const uint16_t* zeros,
+             const uint16_t* x, uint16_t* y, float* x_sums, int64_t M, int64_t N, int64_t K,
+             int threads) {
+  const int64_t groups = K / GROUP, blocks = (N + ROWS - 1) / ROWS;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < GROUP; ++i) sum += widen(x[m * K + g * GROUP + i]);
+      x_sums[m * groups + g] = sum;
+    }
+  const int64_t block_bytes = (K / 4) * QUAD_BYTES, block_scales = groups * ROWS;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* w = weight + b * block_bytes;
+    const uint16_t *s = scales + b * block_scales, *z = zeros + b * block_scales;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4)
+      for (int v = 0; v < 2; ++v)
+        block<4, 1>(w, s, z, x + m * K, x_sums + m * groups, y + m * N, v, b * ROWS, N, K);
+    for (; m + 2 <= M; m += 2)
+      block<2, 2>(w, s, z, x + m * K, x_sums + m * groups, y + m * N, 0, b * ROWS, N, K);
+    for (; m < M; ++m)
+      block<1, 2>(w, s, z, x + m * K, x_sums + m * groups, y + m * N, 0, b * ROWS, N, K);
+  }
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                       const at::Tensor& zeros, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "textgen::int4_linear: x must be a contiguous [M, K] bfloat16 matrix");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  const int64_t padded = (N + ROWS - 1) / ROWS * ROWS;
+  TORCH_CHECK(K % GROUP == 0 && weight.numel() == padded * K / 2 &&
+                  scales.numel() == padded * K / GROUP && zeros.numel() == scales.numel() &&
+                  weight.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous(),
+              "textgen::int4_linear: weights not packed for [", N, ", ", K, "]");
+  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor x_sums = at::empty({M, K / GROUP}, x.options().dtype(at::kFloat));
+  int4_mm(weight.const_data_ptr<uint8_t>(), (const uint16_t*)scales.const_data_ptr(),
+          (const uint16_t*)zeros.const_data_ptr(), (const uint16_t*)x.const_data_ptr(),
+          (uint16_t*)y.data_ptr(), x_sums.data_ptr<float>(), M, N, K, at::get_num_threads());
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(textgen, CPU, m) { m.impl("int4_linear", &int4_linear); }

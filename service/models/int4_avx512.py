@@ -1,0 +1,192 @@
+"""int4 weights multiplied by textgen's own kernel on CPUs with AVX512-BF16
+(`int4_avx512.cpp`, the CPU kernel of the `textgen::int4_linear` op): `--quantize int4`'s
+layers there are `Int4Avx512Linear`s, elsewhere quantize.py's `Int4Linear` (torch's
+`_weight_int4pack_mm_for_cpu`).
+
+The weights are torchao's int4 quantization, the same integers, scales and zeros as
+`Int4Linear`'s (groups of 32, w = (q - 8) * scale + zero), packed for the kernel instead
+(`pack`). torch's kernel widens each weight to float32 for float32 FMAs; this one turns
+each into an exact bfloat16 integer by a table lookup and multiplies 32 of them an
+instruction (`vdpbf16ps`): on the embedded model's shapes, 1.4-2.1x torch's speed for one
+token (the K/V projections 1.2x), 1.4-1.9x for 4 or 32 (docs/performance.md). The sums
+differ from torch's only in their float32 order.
+
+Compiled at load (~10 s the first time, then from the textgen cache), by inductor's C++
+toolchain; `TEXTGEN_INT4_KERNEL=0` or `--disable-custom-kernels` keeps torch's kernel, as
+does a CPU without AVX512-BF16 or a failed compile (no C++ compiler: the Docker image),
+with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .compile_cache import kernel_cache_dir
+
+logger = logging.getLogger("textgen.models")
+
+ENABLED = os.environ.get("TEXTGEN_INT4_KERNEL", "1") != "0"
+SOURCE = Path(__file__).with_name("int4_avx512.cpp")
+GROUP = 32  # inputs one scale and zero cover (int4_avx512.cpp's GROUP)
+ROWS = 32  # rows the kernel packs together (its ROWS); N is padded to them
+
+_library = torch.library.Library("textgen", "FRAGMENT")
+_library.define(
+    "int4_linear(Tensor x, Tensor weight, Tensor scales, Tensor zeros, int out_features) -> Tensor"
+)
+
+
+@torch.library.register_fake("textgen::int4_linear")
+def _int4_linear_fake(x, weight, scales, zeros, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
+_loaded: bool | None = None  # None: not tried yet
+
+
+# the instruction sets the kernel's functions are compiled for (/proc/cpuinfo's names)
+CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
+
+
+def cpu_supports(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU runs the kernel's instructions: every flag of CPU_FLAGS."""
+    try:
+        with open(cpuinfo_path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return CPU_FLAGS <= set(value.split())
+    except OSError:
+        pass  # not Linux: torch's kernel
+    return False
+
+
+def available() -> bool:
+    """Whether int4 layers take this kernel: enabled, the CPU supports it, and it compiled
+    (or loaded from the cache), registering the op's CPU kernel; tried once."""
+    global _loaded
+    if not ENABLED or not cpu_supports():
+        return False
+    if _loaded is None:
+        _loaded = _load()
+    return _loaded
+
+
+def _load() -> bool:
+    from torch._inductor.codecache import CppCodeCache
+
+    from ..engine.compiling import artifacts_in  # a helper of torch's caches, no engine
+
+    start = time.perf_counter()
+    try:
+        cache = kernel_cache_dir("int4-avx512")
+    except OSError:
+        cache = None  # torch's default, the temp dir
+    try:
+        with artifacts_in(cache):
+            CppCodeCache.load(SOURCE.read_text())
+    except Exception:  # e.g. no C++ compiler (the Docker image has none)
+        logger.warning(
+            "the int4 AVX512-BF16 kernel did not compile: int4 layers use torch's kernel",
+            exc_info=True,
+        )
+        return False
+    logger.info("compiled the int4 AVX512-BF16 kernel in %.1f s", time.perf_counter() - start)
+    return True
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torchao's int4 quantization of a [N, K] weight, as its CPU int4 tensor does it
+    (Int4OpaqueTensor.from_hp, tinygemm's parameters): integers [N, K] in 0 .. 15, scales
+    and zeros [N, K / GROUP] in the weight's dtype."""
+    from torchao.quantization.quant_primitives import (
+        MappingType,
+        _choose_qparams_affine_tinygemm,
+        _quantize_affine_tinygemm,
+    )
+
+    block = [1, GROUP]
+    scale, zero = _choose_qparams_affine_tinygemm(
+        weight, MappingType.ASYMMETRIC, block, torch.int32, 0, 15, 1e-6, None, weight.dtype
+    )
+    q = _quantize_affine_tinygemm(weight, block, scale, zero, torch.int32, 0, 15)
+    rows = weight.shape[0]
+    return q, scale.reshape(rows, -1), zero.reshape(rows, -1)
+
+
+def pack(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's layout (int4_avx512.cpp) of integers q [N, K] and their groups' scales
+    and zeros [N, K / GROUP]: bytes [blocks, K / 4, 2, 16, 2] (a block's 32 rows as 2
+    vectors of 16, per quad of inputs), scales and zeros [blocks, K / GROUP, 32] bfloat16.
+    Padding rows are zero."""
+    n, k = q.shape
+    padded = -(-n // ROWS) * ROWS
+    wide = torch.zeros(padded, k, dtype=torch.uint8)
+    wide[:n] = q.to(torch.uint8)
+    quads = wide.view(padded // ROWS, 2, 16, k // 4, 4)
+    low = quads[..., 0] | (quads[..., 2] << 4)  # inputs k, k + 2 of each quad
+    high = quads[..., 1] | (quads[..., 3] << 4)  # k + 1, k + 3
+    weight = torch.stack([low, high], -1).permute(0, 3, 1, 2, 4).contiguous()
+
+    def by_block(values: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(padded, k // GROUP, dtype=torch.bfloat16)
+        out[:n] = values
+        return out.view(padded // ROWS, ROWS, -1).transpose(1, 2).contiguous()
+
+    return weight, by_block(scales), by_block(zeros)
+
+
+class Int4Avx512Linear(torch.nn.Module):
+    """A Linear whose weight is int4 in groups of GROUP (torchao's quantization), multiplied
+    by `textgen::int4_linear` (available() must be true: its CPU kernel is registered)."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        out_features: int,
+        in_features: int,
+        bias: torch.Tensor | None,
+    ):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("weight_packed", weight)  # int4_avx512.cpp's layout
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear) -> Int4Avx512Linear:
+        """`linear` (bfloat16, K a multiple of GROUP) quantized and packed."""
+        weight = linear.weight.detach()
+        n, k = weight.shape
+        if weight.dtype != torch.bfloat16 or k % GROUP:
+            raise ValueError(f"expected a bfloat16 weight with K a multiple of {GROUP}")
+        packed = pack(*quantize(weight))
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(*packed, n, k, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        y = torch.ops.textgen.int4_linear(
+            flat, self.weight_packed, self.scales, self.zeros, self.out_features
+        )
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"int4 in groups of {GROUP}, AVX512-BF16 kernel"
+        )
