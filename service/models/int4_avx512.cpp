@@ -32,6 +32,9 @@ namespace {
 constexpr int64_t GROUP = 32;  // inputs a scale and zero cover
 constexpr int64_t ROWS = 32;   // rows a block packs
 constexpr int64_t QUAD_BYTES = 64;  // a block's bytes per quad of inputs (2 vectors x 32)
+#ifndef PREFETCH
+#define PREFETCH 2048
+#endif
 
 #define TEXTGEN_AVX512_BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -76,6 +79,7 @@ TEXTGEN_AVX512_BF16 void block(const uint8_t* __restrict weight, const uint16_t*
       for (int v = 0; v < NV; ++v) low[m][v] = high[m][v] = _mm512_setzero_ps();
     const uint8_t* bytes = weight + g * (GROUP / 4) * QUAD_BYTES;
     for (int quad = 0; quad < GROUP / 4; ++quad) {
+      if (PREFETCH) _mm_prefetch((const char*)(bytes + quad * QUAD_BYTES + PREFETCH), _MM_HINT_T0);
       __m512i pair01[MB], pair23[MB];  // the inputs (k, k + 1) and (k + 2, k + 3), broadcast
       for (int m = 0; m < MB; ++m) {
         const uint16_t* xq = x + m * K + g * GROUP + quad * 4;
@@ -113,11 +117,10 @@ TEXTGEN_AVX512_BF16 void block(const uint8_t* __restrict weight, const uint16_t*
     }
 }
 
-inline float widen(uint16_t bits) {
-  uint32_t u = uint32_t(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+// each group's sum of inputs (x is [M, K], groups of GROUP in a row: `count` of them)
+TEXTGEN_AVX512_BF16 void group_sums(const uint16_t* x, float* sums, int64_t count) {
+  for (int64_t i = 0; i < count; ++i)
+    sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(widen16(x + i * GROUP), widen16(x + i * GROUP + 16)));
 }
 
 // y [M, N] = x [M, K] @ W^T, W packed as above: a block's weights are one contiguous
@@ -126,12 +129,7 @@ void int4_mm(const uint8_t* weight, const uint16_t* scales, const uint16_t* zero
              const uint16_t* x, uint16_t* y, float* x_sums, int64_t M, int64_t N, int64_t K,
              int threads) {
   const int64_t groups = K / GROUP, blocks = (N + ROWS - 1) / ROWS;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      float sum = 0.f;
-      for (int64_t i = 0; i < GROUP; ++i) sum += widen(x[m * K + g * GROUP + i]);
-      x_sums[m * groups + g] = sum;
-    }
+  group_sums(x, x_sums, M * groups);
   const int64_t block_bytes = (K / 4) * QUAD_BYTES, block_scales = groups * ROWS;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t b = 0; b < blocks; ++b) {
