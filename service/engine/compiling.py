@@ -1,6 +1,6 @@
 """What textgen's users of inductor share (the compiled decode step, runners/compiled.py,
-and the CPU decode attention's C++ kernel, attention/cpu_decode.py, built by inductor's
-C++ toolchain):
+and the C++ kernels built by inductor's toolchain: the CPU decode attention,
+attention/cpu_decode.py, and the int4 products, models/int4_avx512.py):
 
 - `artifacts_in`: where the compile's artifacts go while it runs, the textgen cache's folder
   the caller names (models/compile_cache.py), so that a new process or container with the
