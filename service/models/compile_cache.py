@@ -7,6 +7,9 @@ model and build, so a new container with the same cache volume reuses them.
     <cache root>/compile/<kernel>-<key>/   (a kernel compiled for every model, e.g. the
                                             CPU decode attention: by torch and CPU only)
 
+`artifacts_in(folder)` makes a compile (torch.compile's, or a C++ kernel's through inductor's
+toolchain) read and write its artifacts there while it runs.
+
 torch's own cache keys already cover the graph, the config and the compiler, so a stale
 artifact is never used; the folder key splits the cache by what makes artifacts useless
 to each other (model, revision, dtype, quantization, shard count, torch version, the CPU's
@@ -15,10 +18,13 @@ vector ISA), so one model's folder can be deleted on its own and never holds ano
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -68,3 +74,29 @@ def kernel_cache_dir(name: str, root: Path | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "key.json").write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
     return folder
+
+
+@contextlib.contextmanager
+def artifacts_in(cache_dir: Path | None) -> Iterator[None]:
+    """torch's compile caches in cache_dir while the block runs (None: torch's default, the
+    temp dir): inductor reads the folder from TORCHINDUCTOR_CACHE_DIR at each use (torch's
+    own helper sets it, and clears the in-memory caches keyed on it). The C++ wrapper's
+    precompiled header (~150 MB) goes there too: inductor puts it in the temp dir, fixed at
+    import, and rebuilds it (~8 s here) even when every graph is a cache hit, since its path
+    is part of each kernel's build key."""
+    if cache_dir is None:
+        yield
+        return
+    from torch._inductor import codecache
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    headers = cache_dir / "precompiled_headers"
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(temporary_cache_dir(str(cache_dir)))
+        if hasattr(codecache, "_HEADER_DIR") and hasattr(codecache, "_HEADER_LOCK_DIR"):
+            stack.enter_context(
+                mock.patch.multiple(
+                    codecache, _HEADER_DIR=str(headers), _HEADER_LOCK_DIR=str(headers / "locks")
+                )
+            )
+        yield

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .compile_cache import kernel_cache_dir
+from .compile_cache import artifacts_in, kernel_cache_dir
 
 logger = logging.getLogger("textgen.models")
 
@@ -79,8 +79,6 @@ def available() -> bool:
 
 def _load() -> bool:
     from torch._inductor.codecache import CppCodeCache
-
-    from ..engine.compiling import artifacts_in  # a helper of torch's caches, no engine
 
     start = time.perf_counter()
     try:

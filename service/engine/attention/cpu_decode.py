@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from ..compiling import artifacts_in
+from ...models.compile_cache import artifacts_in
 
 logger = logging.getLogger(__name__)
 

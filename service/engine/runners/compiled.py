@@ -33,9 +33,10 @@ import torch
 from tqdm import tqdm
 
 from ...models.architectures import MROPE_NO_STRATEGY
+from ...models.compile_cache import artifacts_in
 from ...models.lora_layers import bound_lora
 from ..attention.paged import BatchMetadata, bound_metadata, in_place_decode_step
-from ..compiling import artifacts_in, own_code
+from ..compiling import own_code
 from ..speculation import SpeculationSettings
 from .model_runner import ModelRunner, StepInputs, StepRunner
 
