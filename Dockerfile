@@ -18,9 +18,12 @@ ENV DEBIAN_FRONTEND=noninteractive \
     TEXTGEN_CACHE=/data/textgen \
     HF_HOME=/data/huggingface
 
-# Ubuntu 24.04's own Python (3.12): the only python3 the base's archive has.
+# Ubuntu 24.04's own Python (3.12): the only python3 the base's archive has. g++ and the
+# Python headers: what compiles at run time needs them (Triton's launcher on CUDA; on a CPU
+# host the decode attention and int4 kernels and --compile's graphs, built by inductor).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ \
+    ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 
 ARG TEXTGEN_COMMIT=""

@@ -13,7 +13,7 @@ differ from torch's only in their float32 order.
 
 Compiled at load (~10 s the first time, then from the textgen cache), by inductor's C++
 toolchain; `TEXTGEN_INT4_KERNEL=0` or `--disable-custom-kernels` keeps torch's kernel, as
-does a CPU without AVX512-BF16 or a failed compile (no C++ compiler: the Docker image),
+does a CPU without AVX512-BF16 or a failed compile (a host without a C++ compiler),
 with a warning.
 """
 
@@ -88,7 +88,7 @@ def _load() -> bool:
     try:
         with artifacts_in(cache):
             CppCodeCache.load(SOURCE.read_text())
-    except Exception:  # e.g. no C++ compiler (the Docker image has none)
+    except Exception:  # e.g. no C++ compiler on the host
         logger.warning(
             "the int4 AVX512-BF16 kernel did not compile: int4 layers use torch's kernel",
             exc_info=True,

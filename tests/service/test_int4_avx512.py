@@ -102,3 +102,20 @@ def test_cpu_support_reads_the_flags(tmp_path, flags, supported):
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
     assert int4_avx512.cpu_supports(str(cpuinfo)) is supported
     assert int4_avx512.cpu_supports(str(tmp_path / "missing")) is False
+
+
+def test_a_failed_compile_keeps_torchs_kernel_with_a_warning(monkeypatch, caplog):
+    from torch._inductor.codecache import CppCodeCache
+
+    def no_compiler(*_args, **_kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(int4_avx512, "cpu_supports", lambda: True)
+    monkeypatch.setattr(int4_avx512, "_loaded", None)  # tried again, and put back after
+    monkeypatch.setattr(CppCodeCache, "load", no_compiler)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128)).to(torch.bfloat16)
+    with caplog.at_level("WARNING", logger="textgen.models"):
+        assert q.quantize_model(model, "int4", CPU) == {"int4": 1}
+    assert type(model[0]) is q.Int4Linear
+    assert "int4 AVX512-BF16 kernel did not compile" in caplog.text
+    assert int4_avx512.available() is False  # once: not tried again

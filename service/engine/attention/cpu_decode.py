@@ -31,7 +31,7 @@ split over the context), so that one long sequence spreads over every thread.
   decode of its own; windowed, soft-capped or with sinks included; not for ALiBi, chunked
   local attention, 8-bit pools or the batch-invariant mode. `--disable-custom-kernels` or
   `TEXTGEN_CPU_DECODE_KERNEL=0` (or `ENABLED = False`) turns it off, and so does a failed
-  compile (there is no C++ compiler in the Docker image), with a warning.
+  compile (a host without a C++ compiler), with a warning.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def _compiled(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> K
     be compiled."""
     try:
         return _kernel(rows, keys, values)
-    except Exception:  # e.g. no C++ compiler (the Docker image has none)
+    except Exception:  # e.g. no C++ compiler on the host
         global ENABLED
         ENABLED = False
         logger.warning(
