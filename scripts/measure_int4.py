@@ -7,7 +7,9 @@ torchao integers, scales and zeros); then, medians over the rounds:
 
 1. every int4 layer's product once (the model's 210, each weight read from memory, not
    cache), for M input rows, each kernel called through its op as a compiled graph does;
-2. a prefill: the whole model's forward over the first N tokens of the test chapter.
+2. a prefill: the whole model's forward over the first N tokens of the test chapter, the
+   last token's logits only (as the engine's prefill chunks); beside them the unquantized
+   bfloat16 model's.
 
     .venv/bin/python scripts/measure_int4.py --rows 1 4 32 --prefill 128 1024
 """
@@ -66,6 +68,7 @@ def main() -> None:
     if not int4_avx512.cpu_supports():
         raise SystemExit("this CPU lacks AVX512-BF16: int4 layers use torch's kernel only")
     models = {"textgen": load(True), "torch": load(False)}
+    dense = load_model(None, dtype="bfloat16", device="cpu")
     ids = models["textgen"][0].tokenizer(CHAPTER.read_text(), return_tensors="pt")["input_ids"]
     with torch.inference_mode():
         for rows in args.rows:
@@ -79,16 +82,18 @@ def main() -> None:
                 f"{ours:.2f} ms textgen: x{theirs / ours:.2f}"
             )
         for tokens in args.prefill:
-            times = {name: [] for name in models}
+            forwards = {name: loaded.model for name, (loaded, _) in models.items()}
+            forwards["bfloat16"] = dense.model
+            times = {name: [] for name in forwards}
             for _ in range(3):
-                for name, (loaded, _) in models.items():
+                for name, model in forwards.items():
                     start = time.perf_counter()
-                    loaded.model(ids[:, :tokens])
+                    model(ids[:, :tokens], logits_to_keep=1)
                     times[name].append(time.perf_counter() - start)
-            ours, theirs = (statistics.median(times[n]) for n in ("textgen", "torch"))
+            ours, theirs, wide = (statistics.median(times[n]) for n in forwards)
             print(
                 f"prefill {tokens} tokens: {theirs:.3f} s torch, {ours:.3f} s textgen: "
-                f"x{theirs / ours:.2f}"
+                f"x{theirs / ours:.2f} (unquantized bfloat16: {wide:.3f} s)"
             )
 
 

@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -34,6 +35,12 @@ constexpr int64_t ROWS = 32;   // rows a block packs
 constexpr int64_t QUAD_BYTES = 64;  // a block's bytes per quad of inputs (2 vectors x 32)
 #ifndef PREFETCH
 #define PREFETCH 2048
+#endif
+// input rows from which a product dequantizes the weight to bfloat16 and hands it to
+// torch's dense matmul: a long prefill chunk is bound by arithmetic, not by the weight's
+// bytes (the embedded model's products: even at 512 rows, 0.9x the kernel at 1,024)
+#ifndef DENSE_FROM
+#define DENSE_FROM 512
 #endif
 
 #define TEXTGEN_AVX512_BF16 \
@@ -146,6 +153,43 @@ void int4_mm(const uint8_t* weight, const uint16_t* scales, const uint16_t* zero
   }
 }
 
+// The packed weight transposed, as a dense [K, padded N] bfloat16 matrix: each
+// q * s + (z - 8 s) in float32 (one FMA), rounded to nearest even. The same table lookup as
+// the products: lane i of a vector is row 16v + i, so each input's 16 rows are one store.
+TEXTGEN_AVX512_BF16 void dequantize_t(const uint8_t* weight, const uint16_t* scales,
+                                      const uint16_t* zeros, uint16_t* out, int64_t N,
+                                      int64_t K, int threads) {
+  const __m512i table = _mm512_set_epi16(
+      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
+      0x4080, 0x4040, 0x4000, 0x3f80, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110,
+      0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0);
+  const __m512i high_half = _mm512_set1_epi32(int(0xffff0000u));
+  const int64_t groups = K / GROUP, blocks = (N + ROWS - 1) / ROWS, width = blocks * ROWS;
+  const int64_t block_bytes = (K / 4) * QUAD_BYTES, block_scales = groups * ROWS;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t g = 0; g < groups; ++g)
+      for (int v = 0; v < 2; ++v) {
+        const int64_t at = b * block_scales + g * ROWS + v * 16;
+        const __m512 s = widen16(scales + at);
+        const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, widen16(zeros + at));
+        for (int64_t quad = g * GROUP / 4; quad < (g + 1) * GROUP / 4; ++quad) {
+          const uint8_t* bytes = weight + b * block_bytes + quad * QUAD_BYTES + v * 32;
+          __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)bytes));
+          __m512i lo = _mm512_permutexvar_epi16(words, table);  // inputs k, k + 1
+          __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);  // k + 2, 3
+          const __m512i q[4] = {_mm512_slli_epi32(lo, 16), _mm512_and_si512(lo, high_half),
+                                _mm512_slli_epi32(hi, 16), _mm512_and_si512(hi, high_half)};
+          for (int j = 0; j < 4; ++j) {
+            __m512 w = _mm512_fmadd_ps(_mm512_castsi512_ps(q[j]), s, offset);
+            uint16_t* row = out + (quad * 4 + j) * width + b * ROWS + v * 16;
+            _mm256_storeu_si256((__m256i*)row, (__m256i)_mm512_cvtneps_pbh(w));
+          }
+        }
+      }
+  }
+}
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
@@ -156,6 +200,13 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
                   scales.numel() == padded * K / GROUP && zeros.numel() == scales.numel() &&
                   weight.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous(),
               "textgen::int4_linear: weights not packed for [", N, ", ", K, "]");
+  if (M >= DENSE_FROM) {
+    at::Tensor dense_t = at::empty({K, padded}, x.options());
+    dequantize_t(weight.const_data_ptr<uint8_t>(), (const uint16_t*)scales.const_data_ptr(),
+                 (const uint16_t*)zeros.const_data_ptr(), (uint16_t*)dense_t.data_ptr(), N, K,
+                 at::get_num_threads());
+    return at::mm(x, dense_t.narrow(1, 0, N));
+  }
   at::Tensor y = at::empty({M, N}, x.options());
   at::Tensor x_sums = at::empty({M, K / GROUP}, x.options().dtype(at::kFloat));
   int4_mm(weight.const_data_ptr<uint8_t>(), (const uint16_t*)scales.const_data_ptr(),

@@ -7,9 +7,10 @@ The weights are torchao's int4 quantization, the same integers, scales and zeros
 `Int4Linear`'s (groups of 32, w = (q - 8) * scale + zero), packed for the kernel instead
 (`pack`). torch's kernel widens each weight to float32 for float32 FMAs; this one turns
 each into an exact bfloat16 integer by a table lookup and multiplies 32 of them an
-instruction (`vdpbf16ps`): on the embedded model's shapes, 1.4-2.1x torch's speed for one
-token (the K/V projections 1.2x), 1.4-1.9x for 4 or 32 (docs/performance.md). The sums
-differ from torch's only in their float32 order.
+instruction (`vdpbf16ps`): the embedded model's products 1.3x torch's for one token, 2x
+for 32 (docs/performance.md). The sums differ from torch's only in their float32 order.
+From DENSE_FROM input rows on (long prefill chunks) the weight is dequantized to bfloat16
+by the same lookup and multiplied by torch's dense matmul (prefill as fast as bfloat16's).
 
 Compiled at load (~10 s the first time, then from the textgen cache), by inductor's C++
 toolchain; `TEXTGEN_INT4_KERNEL=0` or `--disable-custom-kernels` keeps torch's kernel, as
@@ -33,6 +34,7 @@ logger = logging.getLogger("textgen.models")
 ENABLED = os.environ.get("TEXTGEN_INT4_KERNEL", "1") != "0"
 SOURCE = Path(__file__).with_name("int4_avx512.cpp")
 GROUP = 32  # inputs one scale and zero cover (int4_avx512.cpp's GROUP)
+DENSE_FROM = 512  # input rows from which the weight is dequantized for a dense matmul (ditto)
 ROWS = 32  # rows the kernel packs together (its ROWS); N is padded to them
 
 _library = torch.library.Library("textgen", "FRAGMENT")
@@ -165,6 +167,8 @@ class Int4Avx512Linear(torch.nn.Module):
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear) -> Int4Avx512Linear:
         """`linear` (bfloat16, K a multiple of GROUP) quantized and packed."""
+        if not available():
+            raise ValueError("the int4 AVX512-BF16 kernel is not available on this host")
         weight = linear.weight.detach()
         n, k = weight.shape
         if weight.dtype != torch.bfloat16 or k % GROUP:

@@ -119,3 +119,21 @@ def test_a_failed_compile_keeps_torchs_kernel_with_a_warning(monkeypatch, caplog
     assert type(model[0]) is q.Int4Linear
     assert "int4 AVX512-BF16 kernel did not compile" in caplog.text
     assert int4_avx512.available() is False  # once: not tried again
+
+
+@needs_kernel
+def test_a_long_chunk_multiplies_the_dequantized_weight_densely():
+    torch.manual_seed(2)
+    linear = torch.nn.Linear(96, 80, bias=False).to(torch.bfloat16)  # N = 80: padded
+    layer = Int4Avx512Linear.from_linear(linear)
+    ints, scales, zeros = int4_avx512.quantize(linear.weight.detach())
+    weight = (ints.float() - 8).view(80, 3, 32) * scales.float()[..., None]
+    weight = (weight + zeros.float()[..., None]).view(80, 96).to(torch.bfloat16)
+    x = torch.randn(int4_avx512.DENSE_FROM, 96).to(torch.bfloat16)
+    with torch.inference_mode():
+        got, want = layer(x).float(), torch.nn.functional.linear(x, weight).float()
+        # fewer rows take the kernel, with the weights unrounded: as close as bfloat16 allows
+        kernel = layer(x[:7]).float()
+    assert got.shape == (int4_avx512.DENSE_FROM, 80)
+    assert ((got - want).abs() <= want.abs().clamp_min(2**-10) * 2**-7).all()
+    assert (kernel - want[:7]).abs().max() <= 2**-7 * want[:7].abs().max()
