@@ -51,6 +51,14 @@ TEXTGEN_AVX512_BF16 inline __m512 widen16(const uint16_t* bits) {  // 16 bfloat1
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+// vpermw's table: the bfloat16 of each index's low 4 bits (0 .. 15, twice: it reads 5 bits)
+TEXTGEN_AVX512_BF16 inline __m512i nibble_table() {
+  return _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+                          0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0x4170,
+                          0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0,
+                          0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0);
+}
+
 // 16 rows' results from row n on (fewer at the end of the matrix), rounded to bfloat16
 TEXTGEN_AVX512_BF16 inline void store16(uint16_t* out, __m512 sums, int64_t n, int64_t N) {
   __m256i rounded = (__m256i)_mm512_cvtneps_pbh(sums);
@@ -71,11 +79,7 @@ TEXTGEN_AVX512_BF16 void block(const uint8_t* __restrict weight, const uint16_t*
                                const uint16_t* __restrict zeros, const uint16_t* __restrict x,
                                const float* __restrict x_sums, uint16_t* __restrict y, int v0,
                                int64_t n0, int64_t N, int64_t K) {
-  // the bfloat16 of each index's low 4 bits (0 .. 15, twice: vpermw reads 5 bits)
-  const __m512i table = _mm512_set_epi16(
-      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
-      0x4080, 0x4040, 0x4000, 0x3f80, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110,
-      0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0);
+  const __m512i table = nibble_table();
   const int64_t groups = K / GROUP;
   __m512 acc[MB][NV];
   for (int m = 0; m < MB; ++m)
@@ -159,10 +163,7 @@ void int4_mm(const uint8_t* weight, const uint16_t* scales, const uint16_t* zero
 TEXTGEN_AVX512_BF16 void dequantize_t(const uint8_t* weight, const uint16_t* scales,
                                       const uint16_t* zeros, uint16_t* out, int64_t N,
                                       int64_t K, int threads) {
-  const __m512i table = _mm512_set_epi16(
-      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
-      0x4080, 0x4040, 0x4000, 0x3f80, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110,
-      0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0);
+  const __m512i table = nibble_table();
   const __m512i high_half = _mm512_set1_epi32(int(0xffff0000u));
   const int64_t groups = K / GROUP, blocks = (N + ROWS - 1) / ROWS, width = blocks * ROWS;
   const int64_t block_bytes = (K / 4) * QUAD_BYTES, block_scales = groups * ROWS;

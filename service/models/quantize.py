@@ -186,12 +186,14 @@ def _apply(
         wide = {model.get_submodule(n).weight.dtype for n in names}
         if wide == {torch.bfloat16} and int4_avx512.available():
             _replace(model, names, int4_avx512.Int4Avx512Linear.from_linear)
+            logger.info("int4 layers: textgen's AVX512-BF16 kernel (models/int4_avx512.py)")
             return
     from torchao.quantization import quantize_
 
     quantize_(model, _torchao_config(fmt, device), filter_fn=lambda _m, fqn: fqn in names)
     if fmt == "int4" and device.type == "cpu":
         _replace(model, names, Int4Linear.from_quantized)
+        logger.info("int4 layers: torch's kernel (_weight_int4pack_mm_for_cpu)")
 
 
 def _replace(model: torch.nn.Module, names: set[str], convert) -> None:
