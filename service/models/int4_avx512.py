@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 
 from .compile_cache import artifacts_in, kernel_cache_dir
+from .loader import cpuinfo_flags
+from .quantize import QuantizedLinear
 
 logger = logging.getLogger("textgen.models")
 
@@ -58,14 +60,10 @@ CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf
 def cpu_supports(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU runs the kernel's instructions: every flag of CPU_FLAGS."""
     try:
-        with open(cpuinfo_path) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "flags":
-                    return CPU_FLAGS <= set(value.split())
+        with open(cpuinfo_path, encoding="utf-8", errors="replace") as f:
+            return CPU_FLAGS <= cpuinfo_flags(f.read())
     except OSError:
-        pass  # not Linux: torch's kernel
-    return False
+        return False  # not Linux: torch's kernel
 
 
 def available() -> bool:
@@ -143,7 +141,7 @@ def pack(
     return weight, by_block(scales), by_block(zeros)
 
 
-class Int4Avx512Linear(torch.nn.Module):
+class Int4Avx512Linear(QuantizedLinear):
     """A Linear whose weight is int4 in groups of GROUP (torchao's quantization), multiplied
     by `textgen::int4_linear` (available() must be true: its CPU kernel is registered)."""
 
@@ -156,13 +154,10 @@ class Int4Avx512Linear(torch.nn.Module):
         in_features: int,
         bias: torch.Tensor | None,
     ):
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
+        super().__init__(in_features, out_features, bias)
         self.register_buffer("weight_packed", weight)  # int4_avx512.cpp's layout
         self.register_buffer("scales", scales)
         self.register_buffer("zeros", zeros)
-        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear) -> Int4Avx512Linear:
@@ -173,19 +168,12 @@ class Int4Avx512Linear(torch.nn.Module):
         n, k = weight.shape
         if weight.dtype != torch.bfloat16 or k % GROUP:
             raise ValueError(f"expected a bfloat16 weight with K a multiple of {GROUP}")
-        packed = pack(*quantize(weight))
-        bias = None if linear.bias is None else linear.bias.detach()
-        return cls(*packed, n, k, bias)
+        return cls(*pack(*quantize(weight)), n, k, linear.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        y = torch.ops.textgen.int4_linear(
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.textgen.int4_linear(
             flat, self.weight_packed, self.scales, self.zeros, self.out_features
         )
-        y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (

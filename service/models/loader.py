@@ -91,15 +91,20 @@ def cpu_has_native_bf16() -> bool:
 def cpuinfo_has_bf16(cpuinfo: str, machine: str) -> bool:
     """x86: the `avx512_bf16` or `amx_bf16` flag; Arm: the `bf16` feature."""
     machine = machine.lower()
-    x86 = machine in ("x86_64", "amd64", "i686", "i386")
-    arm = machine in ("aarch64", "arm64")
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if (x86 and key == "flags") or (arm and key == "features"):
-            flags = set(value.split())
-            return bool(flags & {"avx512_bf16", "amx_bf16"}) if x86 else "bf16" in flags
+    if machine in ("x86_64", "amd64", "i686", "i386"):
+        return bool(cpuinfo_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
+    if machine in ("aarch64", "arm64"):
+        return "bf16" in cpuinfo_flags(cpuinfo, "features")
     return False
+
+
+def cpuinfo_flags(cpuinfo: str, key: str = "flags") -> frozenset[str]:
+    """The words of /proc/cpuinfo's first `key` line (x86's "flags", Arm's "features")."""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip().lower() == key:
+            return frozenset(value.split())
+    return frozenset()
 
 
 def select_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -190,10 +190,9 @@ def _class_source(cls: type) -> str:
 
 
 def _is_linear(module: torch.nn.Module) -> bool:
-    from .int4_avx512 import Int4Avx512Linear
-    from .quantize import Int4Linear, Int8Linear
+    from .quantize import QuantizedLinear
 
-    return type(module) in (torch.nn.Linear, Int4Linear, Int4Avx512Linear, Int8Linear)
+    return type(module) is torch.nn.Linear or isinstance(module, QuantizedLinear)
 
 
 # one step's rows ----------------------------------------------------------------------

@@ -245,17 +245,37 @@ def int8_per_row(
     return q.contiguous(), scale
 
 
-class Int8Linear(torch.nn.Module):
+class QuantizedLinear(torch.nn.Module):
+    """A Linear whose weight a quantized format holds: subclasses multiply a contiguous
+    `[rows, in_features]` input by it (`product`); forward flattens the input, adds the
+    bias and restores the leading dims. LoRA wraps any of them (lora_layers.py)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        bias = None if bias is None else bias.detach()
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        y = self.product(flat).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(QuantizedLinear):
     """A Linear whose weight is int8 with one scale per output row, multiplied by torch's
     fused CPU kernel (the int8 weight is read once, never widened in memory)."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.in_features = qweight.shape[1]
-        self.out_features = qweight.shape[0]
+        super().__init__(qweight.shape[1], qweight.shape[0], bias)
         self.register_buffer("qweight", qweight)  # [out, in] int8
         self.register_buffer("scale", scale)  # [out], the activations' dtype
-        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear) -> Int8Linear:
@@ -264,23 +284,16 @@ class Int8Linear(torch.nn.Module):
             raise ValueError(f"in_features must be a multiple of {INT8_CPU_K_MULTIPLE}")
         weight = linear.weight.detach()
         q, scale = int8_per_row(weight, weight.dtype)
-        bias = None if linear.bias is None else linear.bias.detach()
-        return cls(q, scale, bias)
+        return cls(q, scale, linear.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
 
 
-class Int4Linear(torch.nn.Module):
+class Int4Linear(QuantizedLinear):
     """A Linear whose weight torchao quantized to int4 for the CPU (groups of
     INT4_GROUP_SIZE, packed for torch's kernel), multiplied by that kernel,
     `_weight_int4pack_mm_for_cpu`, called directly: torchao's int4 tensor reaches the same
@@ -297,13 +310,10 @@ class Int4Linear(torch.nn.Module):
         in_features: int,
         bias: torch.Tensor | None,
     ):
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
+        super().__init__(in_features, out_features, bias)
         self.group_size = group_size
         self.register_buffer("qdata", qdata)  # packed int4, torch's CPU layout
         self.register_buffer("scale_and_zero", scale_and_zero)  # [K / group, N, 2]
-        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
     @classmethod
     def from_quantized(cls, linear: torch.nn.Linear) -> Int4Linear:
@@ -312,7 +322,6 @@ class Int4Linear(torch.nn.Module):
         weight = linear.weight
         if getattr(weight, "act_pre_scale", None) is not None or weight.block_size[0] != 1:
             raise ValueError("expected torchao's groupwise int4 weight, without pre-scale")
-        bias = None if linear.bias is None else linear.bias.detach()
         out_features, in_features = weight.shape
         return cls(
             weight.qdata,
@@ -320,18 +329,14 @@ class Int4Linear(torch.nn.Module):
             weight.block_size[1],
             out_features,
             in_features,
-            bias,
+            linear.bias,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             flat, self.qdata, self.group_size, self.scale_and_zero
         )
-        y = y[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return y[:, : self.out_features]
 
     def extra_repr(self) -> str:
         return (

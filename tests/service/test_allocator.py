@@ -12,7 +12,8 @@ from textgen.service.processes import allocator
 pytestmark = pytest.mark.timeout(60)
 
 glibc = pytest.mark.skipif(
-    platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's; other libcs are left as they are"
+    platform.libc_ver()[0] != "glibc",
+    reason="needs glibc (mallopt is glibc's; other libcs are left as they are)",
 )
 
 # In a fresh interpreter: malloc and free 20 MiB, then glibc's count of free memory at the

@@ -383,7 +383,7 @@ def test_cuda_capability_rules(monkeypatch):
 @pytest.mark.server
 def test_marlin_serves_a_gptq_checkpoint_as_the_library_does(gptq_dir):
     if torch.cuda.get_device_capability() < cq.MARLIN_MIN_CAPABILITY:
-        pytest.skip("Marlin needs compute capability 8.0+")
+        pytest.skip("needs a GPU of compute capability 8.0+ (Marlin's kernels)")
     from transformers import GPTQConfig
 
     prompt, served, (quantize, _, _, packed) = served_tokens(
@@ -402,7 +402,7 @@ def test_marlin_serves_a_gptq_checkpoint_as_the_library_does(gptq_dir):
 @pytest.mark.server
 def test_fp8_checkpoint_runs_on_fp8_gpus(tiny_model_dir, tmp_path):
     if torch.cuda.get_device_capability() < cq.FP8_MIN_CAPABILITY:
-        pytest.skip("FP8 matmuls need compute capability 8.9+")
+        pytest.skip("needs a GPU of compute capability 8.9+ (FP8 matmuls)")
     path = checkpoints.build_fp8(tiny_model_dir, tmp_path / "fp8")
     prompt, served, (quantize, _, _, packed) = served_tokens(
         tiny_settings(path, dtype="bfloat16", device="cuda")

@@ -112,7 +112,7 @@ def test_int4_where_the_kernel_takes_the_shape_int8_elsewhere():
         want = model(x).float()
     assert q.quantize_model(model, "int4", CPU) == {"int4": 1, "int8": 2, "dense": 1}
     # textgen's kernel where this CPU has AVX512-BF16 (test_int4_avx512.py), else torch's
-    assert isinstance(model[0], Int4Avx512Linear if int4_avx512.available() else q.Int4Linear)
+    assert isinstance(model[0], Int4Avx512Linear if int4_avx512.cpu_supports() else q.Int4Linear)
     assert isinstance(model[1], q.Int8Linear) and isinstance(model[3], q.Int8Linear)
     assert type(model[2]) is torch.nn.Linear
     with torch.inference_mode():
