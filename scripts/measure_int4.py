@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from textgen.service.models import int4_avx512, load_model
+from textgen.service.models import avx512_bf16, int4_avx512, load_model
 from textgen.service.models.int4_avx512 import Int4Avx512Linear
 from textgen.service.models.quantize import Int4Linear
 
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, nargs="*", default=[128, 1024])
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
-    if not int4_avx512.cpu_supports():
+    if not avx512_bf16.cpu_supports():
         raise SystemExit("this CPU lacks AVX512-BF16: int4 layers use torch's kernel only")
     models = {"textgen": load(True), "torch": load(False)}
     dense = load_model(None, dtype="bfloat16", device="cpu")

@@ -24,12 +24,15 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 from unittest import mock
 
 import torch
 
 from .embedded import default_cache_root
-from .loader import LoadedModel
+
+if TYPE_CHECKING:  # the loader imports the kernels, which keep their builds here
+    from .loader import LoadedModel
 
 
 def compile_key(loaded: LoadedModel) -> dict[str, str]:

@@ -1,5 +1,5 @@
 """int4 weights multiplied by textgen's own kernel on CPUs with AVX512-BF16
-(`int4_avx512.cpp`, the CPU kernel of the `textgen::int4_linear` op): `--quantize int4`'s
+(`avx512_bf16.cpp`, the CPU kernel of the `textgen::int4_linear` op): `--quantize int4`'s
 layers there are `Int4Avx512Linear`s, elsewhere quantize.py's `Int4Linear` (torch's
 `_weight_int4pack_mm_for_cpu`).
 
@@ -9,93 +9,32 @@ The weights are torchao's int4 quantization, the same integers, scales and zeros
 each into an exact bfloat16 integer by a table lookup and multiplies 32 of them an
 instruction (`vdpbf16ps`): the embedded model's products 1.3x torch's for one token, 2x
 for 32 (docs/performance.md). The sums differ from torch's only in their float32 order.
-From DENSE_FROM input rows on (long prefill chunks) the weight is dequantized to bfloat16
-by the same lookup and multiplied by torch's dense matmul (prefill as fast as bfloat16's).
+From avx512_bf16.INT4_DENSE_FROM input rows on (long prefill chunks) the weight is
+dequantized to bfloat16 by the same lookup and multiplied by torch's dense matmul (prefill
+as fast as bfloat16's).
 
-Compiled at load (~10 s the first time, then from the textgen cache), by inductor's C++
-toolchain; `TEXTGEN_INT4_KERNEL=0` or `--disable-custom-kernels` keeps torch's kernel, as
-does a CPU without AVX512-BF16 or a failed compile (a host without a C++ compiler),
-with a warning.
+`TEXTGEN_INT4_KERNEL=0` or `--disable-custom-kernels` keeps torch's kernel, as does a CPU
+without AVX512-BF16 or a failed compile (avx512_bf16.py).
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import time
-from pathlib import Path
 
 import torch
 
-from .compile_cache import artifacts_in, kernel_cache_dir
-from .loader import cpuinfo_flags
+from . import avx512_bf16
+from .avx512_bf16 import ROWS
 from .quantize import QuantizedLinear
 
-logger = logging.getLogger("textgen.models")
-
 ENABLED = os.environ.get("TEXTGEN_INT4_KERNEL", "1") != "0"
-SOURCE = Path(__file__).with_name("int4_avx512.cpp")
-GROUP = 32  # inputs one scale and zero cover (int4_avx512.cpp's GROUP)
-DENSE_FROM = 512  # input rows from which the weight is dequantized for a dense matmul (ditto)
-ROWS = 32  # rows the kernel packs together (its ROWS); N is padded to them
-
-_library = torch.library.Library("textgen", "FRAGMENT")
-_library.define(
-    "int4_linear(Tensor x, Tensor weight, Tensor scales, Tensor zeros, int out_features) -> Tensor"
-)
-
-
-@torch.library.register_fake("textgen::int4_linear")
-def _int4_linear_fake(x, weight, scales, zeros, out_features):
-    return x.new_empty(x.shape[0], out_features)
-
-
-_loaded: bool | None = None  # None: not tried yet
-
-
-# the instruction sets the kernel's functions are compiled for (/proc/cpuinfo's names)
-CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
-
-
-def cpu_supports(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU runs the kernel's instructions: every flag of CPU_FLAGS."""
-    try:
-        with open(cpuinfo_path, encoding="utf-8", errors="replace") as f:
-            return CPU_FLAGS <= cpuinfo_flags(f.read())
-    except OSError:
-        return False  # not Linux: torch's kernel
+GROUP = 32  # inputs one scale and zero cover (avx512_bf16.cpp's GROUP)
 
 
 def available() -> bool:
-    """Whether int4 layers take this kernel: enabled, the CPU supports it, and it compiled
-    (or loaded from the cache), registering the op's CPU kernel; tried once."""
-    global _loaded
-    if not ENABLED or not cpu_supports():
-        return False
-    if _loaded is None:
-        _loaded = _load()
-    return _loaded
-
-
-def _load() -> bool:
-    from torch._inductor.codecache import CppCodeCache
-
-    start = time.perf_counter()
-    try:
-        cache = kernel_cache_dir("int4-avx512")
-    except OSError:
-        cache = None  # torch's default, the temp dir
-    try:
-        with artifacts_in(cache):
-            CppCodeCache.load(SOURCE.read_text())
-    except Exception:  # e.g. no C++ compiler on the host
-        logger.warning(
-            "the int4 AVX512-BF16 kernel did not compile: int4 layers use torch's kernel",
-            exc_info=True,
-        )
-        return False
-    logger.info("compiled the int4 AVX512-BF16 kernel in %.1f s", time.perf_counter() - start)
-    return True
+    """Whether int4 layers take this kernel: enabled (TEXTGEN_INT4_KERNEL) and the CPU's
+    AVX512-BF16 kernels available (avx512_bf16.available)."""
+    return ENABLED and avx512_bf16.available()
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,12 +59,12 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def pack(
     q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's layout (int4_avx512.cpp) of integers q [N, K] and their groups' scales
+    """The kernel's layout (avx512_bf16.cpp) of integers q [N, K] and their groups' scales
     and zeros [N, K / GROUP]: bytes [blocks, K / 4, 2, 16, 2] (a block's 32 rows as 2
     vectors of 16, per quad of inputs), scales and zeros [blocks, K / GROUP, 32] bfloat16.
     Padding rows are zero."""
     n, k = q.shape
-    padded = -(-n // ROWS) * ROWS
+    padded = avx512_bf16.padded_rows(n)
     wide = torch.zeros(padded, k, dtype=torch.uint8)
     wide[:n] = q.to(torch.uint8)
     quads = wide.view(padded // ROWS, 2, 16, k // 4, 4)
@@ -155,7 +94,7 @@ class Int4Avx512Linear(QuantizedLinear):
         bias: torch.Tensor | None,
     ):
         super().__init__(in_features, out_features, bias)
-        self.register_buffer("weight_packed", weight)  # int4_avx512.cpp's layout
+        self.register_buffer("weight_packed", weight)  # avx512_bf16.cpp's int4 layout
         self.register_buffer("scales", scales)
         self.register_buffer("zeros", zeros)
 

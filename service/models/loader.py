@@ -25,6 +25,7 @@ import torch
 from .architectures import is_image_family
 from .attention_adapters import plain_linears
 from .checkpoint_quant import LibraryQuantization, finish_loading
+from .cpuinfo import cpuinfo_flags
 from .errors import ModelError
 from .hub import NO_CONTEXT, ResolvedModel, config_json, resolve_model, stated_context
 from .processors import load_processor
@@ -38,7 +39,7 @@ from .sharding import (
     lora_slices,
     tp_plan_overrides,
 )
-from .small_steps import SMALL_STEP_ROWS, add_small_step_weights
+from .small_steps import SMALL_STEP_ROWS, add_small_step_weights, small_step_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -96,15 +97,6 @@ def cpuinfo_has_bf16(cpuinfo: str, machine: str) -> bool:
     if machine in ("aarch64", "arm64"):
         return "bf16" in cpuinfo_flags(cpuinfo, "features")
     return False
-
-
-def cpuinfo_flags(cpuinfo: str, key: str = "flags") -> frozenset[str]:
-    """The words of /proc/cpuinfo's first `key` line (x86's "flags", Arm's "features")."""
-    for line in cpuinfo.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip().lower() == key:
-            return frozenset(value.split())
-    return frozenset()
 
 
 def select_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -175,7 +167,8 @@ class LoadOptions:
     # copies (small_steps.py); the assembly says no where a setting needs the weights as
     # loaded
     small_step_int8: bool = False
-    # False (--disable-custom-kernels): CPU int4 layers keep torch's kernel (int4_avx512.py)
+    # False (--disable-custom-kernels): CPU int4 and int8 layers (and the small steps' int8
+    # copies) keep torch's kernels (avx512_bf16.py)
     custom_kernels: bool = True
 
 
@@ -289,9 +282,8 @@ def load_model(
         quantize = library.method
     elif quantize is not None:
         quantize_model(model, quantize, dev, options.custom_kernels)
-    small_step_rows = 0
     if options.small_step_int8 and not (quantize or lora or shard) and _small_step_cpu(dev, dt):
-        small_step_rows = SMALL_STEP_ROWS[dt] if add_small_step_weights(model) else 0
+        add_small_step_weights(model, custom_kernels=options.custom_kernels)
     lora_layers = None
     if lora is not None:
         from .lora_layers import LoraLayers
@@ -316,7 +308,7 @@ def load_model(
         dev,
         str(dt).removeprefix("torch."),
         f", weights {quantize}" if quantize else "",
-        f", int8 copies for steps of <= {small_step_rows} rows" if small_step_rows else "",
+        f", int8 copies for steps of <= {rows} rows" if (rows := small_step_rows(model)) else "",
         time.monotonic() - started,
         params / 1e6,
         max_pos,
@@ -336,7 +328,7 @@ def load_model(
         vocab=vocab,
         lora=lora_layers,
         processor=processor,
-        small_step_rows=small_step_rows,
+        small_step_rows=small_step_rows(model),
     )
 
 

@@ -7,7 +7,7 @@ checkpoints that arrive quantized go through transformers' quantizers: checkpoin
 
 | value | CPU | CUDA |
 | --- | --- | --- |
-| int8 | per-row int8, torch's `_weight_int8pack_mm` | torchao `Int8WeightOnlyConfig` |
+| int8 | per row: int8_avx512.py (AVX512-BF16), else Int8Linear | torchao int8 weight-only |
 | int4 | torchao int4 (groups of 32): int4_avx512.py (AVX512-BF16), else Int4Linear | tinygemm |
 | fp8 | refused | torchao fp8 weights and activations, per row (sm 8.9+) |
 
@@ -140,7 +140,7 @@ def quantize_model(
 ) -> dict[str, int]:
     """Quantize `model`'s Linear layers in place (see the module docstring); -> how many
     layers got each format ("dense" for those left as they were). `custom_kernels` False
-    (--disable-custom-kernels) keeps CPU int4 layers on torch's kernel."""
+    (--disable-custom-kernels) keeps CPU int4 and int8 layers on torch's kernels."""
     linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     formats = {
@@ -177,14 +177,21 @@ def _format_for(method: str, linear: torch.nn.Linear, device: torch.device) -> s
 def _apply(
     model: torch.nn.Module, fmt: str, names: set[str], device: torch.device, custom_kernels: bool
 ) -> None:
+    ours = device.type == "cpu" and custom_kernels and _all_bfloat16(model, names)
     if fmt == "int8" and device.type == "cpu":
-        _replace(model, names, Int8Linear.from_linear)
+        from . import int8_avx512
+
+        if ours and int8_avx512.available():
+            _replace(model, names, int8_avx512.Int8Avx512Linear.from_linear)
+            logger.info("int8 layers: textgen's AVX512-BF16 kernel (models/int8_avx512.py)")
+        else:
+            _replace(model, names, Int8Linear.from_linear)
+            logger.info("int8 layers: torch's kernel (_weight_int8pack_mm)")
         return
-    if fmt == "int4" and device.type == "cpu" and custom_kernels:
+    if fmt == "int4" and ours:
         from . import int4_avx512
 
-        wide = {model.get_submodule(n).weight.dtype for n in names}
-        if wide == {torch.bfloat16} and int4_avx512.available():
+        if int4_avx512.available():
             _replace(model, names, int4_avx512.Int4Avx512Linear.from_linear)
             logger.info("int4 layers: textgen's AVX512-BF16 kernel (models/int4_avx512.py)")
             return
@@ -194,6 +201,10 @@ def _apply(
     if fmt == "int4" and device.type == "cpu":
         _replace(model, names, Int4Linear.from_quantized)
         logger.info("int4 layers: torch's kernel (_weight_int4pack_mm_for_cpu)")
+
+
+def _all_bfloat16(model: torch.nn.Module, names: set[str]) -> bool:
+    return {model.get_submodule(n).weight.dtype for n in names} == {torch.bfloat16}
 
 
 def _replace(model: torch.nn.Module, names: set[str], convert) -> None:

@@ -340,10 +340,10 @@ def test_compiled_decodes_mix_adapters_without_recompiling(tiny_llama, adapter_d
 
 
 def test_adapters_serve_over_quantized_layers(tiny_llama, adapter_dirs):
-    """--quantize: the base layers int8 (torch's CPU kernel, in bfloat16), the adapters in
+    """--quantize: the base layers int8 (a CPU int8 kernel, in bfloat16), the adapters in
     the model's dtype beside them: each layer adds its delta to the quantized product."""
     from textgen.service.models.lora_layers import LoraStep, bound_lora
-    from textgen.service.models.quantize import Int8Linear, quantize_model
+    from textgen.service.models.quantize import QuantizedLinear, quantize_model
 
     model = copy.deepcopy(tiny_llama).to(torch.bfloat16)
     quantize_model(model, "int8", torch.device("cpu"))
@@ -352,7 +352,7 @@ def test_adapters_serve_over_quantized_layers(tiny_llama, adapter_dirs):
     adapter = registry.add(read_adapter("r16", adapter_dirs["r16"], layers))
     layers.write(0, adapter)
     layer = layers.layers["model.layers.1.mlp.down_proj"]
-    assert isinstance(layer.base, Int8Linear)
+    assert isinstance(layer.base, QuantizedLinear)  # int8: torch's or textgen's kernel
     x = torch.randn(1, 3, layer.in_features, dtype=torch.bfloat16)
     a, b = adapter.layers["model.layers.1.mlp.down_proj"]
     with bound_lora(LoraStep.build([0], [3], torch.device("cpu"))):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from textgen.service.models import int4_avx512
+from textgen.service.models import avx512_bf16, int4_avx512
 from textgen.service.models import quantize as q
 from textgen.service.models.int4_avx512 import Int4Avx512Linear
 
@@ -15,7 +15,7 @@ CPU = torch.device("cpu")
 # the one skip: a CPU without the kernel's instructions (its layers keep torch's kernel,
 # tested below); where the CPU has them, a kernel that fails to compile fails these tests
 needs_kernel = pytest.mark.skipif(
-    not int4_avx512.cpu_supports(),
+    not avx512_bf16.cpu_supports(),
     reason="needs a CPU with avx512_bf16 (and avx512f/bw/vl/dq): /proc/cpuinfo lacks them here",
 )
 
@@ -91,38 +91,6 @@ def test_a_float32_model_keeps_torchs_kernel():
     assert type(model[0]) is q.Int4Linear
 
 
-@pytest.mark.parametrize(
-    ("flags", "supported"),
-    [
-        ("fpu avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni", True),
-        ("fpu avx512f avx512bw avx512vl avx512dq avx512_vnni", False),  # no bf16: torch's
-        ("fpu avx2 fma", False),
-    ],
-)
-def test_cpu_support_reads_the_flags(tmp_path, flags, supported):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
-    assert int4_avx512.cpu_supports(str(cpuinfo)) is supported
-    assert int4_avx512.cpu_supports(str(tmp_path / "missing")) is False
-
-
-def test_a_failed_compile_keeps_torchs_kernel_with_a_warning(monkeypatch, caplog):
-    from torch._inductor.codecache import CppCodeCache
-
-    def no_compiler(*_args, **_kwargs):
-        raise RuntimeError("no C++ compiler")
-
-    monkeypatch.setattr(int4_avx512, "cpu_supports", lambda: True)
-    monkeypatch.setattr(int4_avx512, "_loaded", None)  # tried again, and put back after
-    monkeypatch.setattr(CppCodeCache, "load", no_compiler)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128)).to(torch.bfloat16)
-    with caplog.at_level("WARNING", logger="textgen.models"):
-        assert q.quantize_model(model, "int4", CPU) == {"int4": 1}
-    assert type(model[0]) is q.Int4Linear
-    assert "int4 AVX512-BF16 kernel did not compile" in caplog.text
-    assert int4_avx512.available() is False  # once: not tried again
-
-
 @needs_kernel
 def test_a_long_chunk_multiplies_the_dequantized_weight_densely():
     torch.manual_seed(2)
@@ -131,11 +99,11 @@ def test_a_long_chunk_multiplies_the_dequantized_weight_densely():
     ints, scales, zeros = int4_avx512.quantize(linear.weight.detach())
     weight = (ints.float() - 8).view(80, 3, 32) * scales.float()[..., None]
     weight = (weight + zeros.float()[..., None]).view(80, 96).to(torch.bfloat16)
-    x = torch.randn(int4_avx512.DENSE_FROM, 96).to(torch.bfloat16)
+    x = torch.randn(avx512_bf16.INT4_DENSE_FROM, 96).to(torch.bfloat16)
     with torch.inference_mode():
         got, want = layer(x).float(), torch.nn.functional.linear(x, weight).float()
         # fewer rows take the kernel, with the weights unrounded: as close as bfloat16 allows
         kernel = layer(x[:7]).float()
-    assert got.shape == (int4_avx512.DENSE_FROM, 80)
+    assert got.shape == (avx512_bf16.INT4_DENSE_FROM, 80)
     assert ((got - want).abs() <= want.abs().clamp_min(2**-10) * 2**-7).all()
     assert (kernel - want[:7]).abs().max() <= 2**-7 * want[:7].abs().max()

@@ -9,9 +9,10 @@ import pytest
 import torch
 from support.servers import ServerThread, tiny_settings
 from textgen.service.cli import build_parser
-from textgen.service.models import QuantizationError, int4_avx512, load_model
+from textgen.service.models import QuantizationError, avx512_bf16, load_model
 from textgen.service.models import quantize as q
 from textgen.service.models.int4_avx512 import Int4Avx512Linear
+from textgen.service.models.int8_avx512 import Int8Avx512Linear
 from textgen.service.proto import generate_pb2 as pb
 from textgen.service.proto import text_generation_service_pb2 as svc
 from textgen.service.proto import text_generation_service_pb2_grpc as svc_grpc
@@ -20,6 +21,9 @@ from textgen.service.settings.table import settings_from_args
 pytestmark = pytest.mark.timeout(120)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda:0")
+# bfloat16 layers take textgen's kernels where this CPU has AVX512-BF16, else torch's
+OURS = avx512_bf16.cpu_supports()
+INT8 = Int8Avx512Linear if OURS else q.Int8Linear
 
 
 def serve_settings(*argv: str):
@@ -111,9 +115,8 @@ def test_int4_where_the_kernel_takes_the_shape_int8_elsewhere():
     with torch.inference_mode():
         want = model(x).float()
     assert q.quantize_model(model, "int4", CPU) == {"int4": 1, "int8": 2, "dense": 1}
-    # textgen's kernel where this CPU has AVX512-BF16 (test_int4_avx512.py), else torch's
-    assert isinstance(model[0], Int4Avx512Linear if int4_avx512.cpu_supports() else q.Int4Linear)
-    assert isinstance(model[1], q.Int8Linear) and isinstance(model[3], q.Int8Linear)
+    assert isinstance(model[0], Int4Avx512Linear if OURS else q.Int4Linear)
+    assert isinstance(model[1], INT8) and isinstance(model[3], INT8)
     assert type(model[2]) is torch.nn.Linear
     with torch.inference_mode():
         got = model(x).float()
@@ -160,7 +163,7 @@ def test_tied_lm_head_is_quantized_and_the_embedding_kept():
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     embedding = model.model.embed_tokens.weight.detach().clone()
     assert q.quantize_model(model, "int4", CPU) == {"int4": 7, "int8": 1}  # int8: lm_head
-    assert isinstance(model.lm_head, q.Int8Linear)
+    assert isinstance(model.lm_head, INT8)
     assert torch.equal(model.model.embed_tokens.weight, embedding)
 
 

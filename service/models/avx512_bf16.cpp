@@ -1,21 +1,30 @@
-// int4 weight x bfloat16 activation products on CPUs with AVX512-BF16: the CPU kernel of
-// the `textgen::int4_linear` op (int4_avx512.py defines the op, packs the weights, compiles
-// this file with inductor's C++ toolchain and loads it, which registers the kernel).
+// int4 and int8 weight x bfloat16 activation products on CPUs with AVX512-BF16: the CPU
+// kernels of the ops `textgen::int4_linear` and `textgen::int8_linear` (avx512_bf16.py
+// defines the ops, compiles this file with inductor's C++ toolchain and loads it, which
+// registers the kernels; int4_avx512.py and int8_avx512.py pack the weights).
 //
-// torch's `_weight_int4pack_mm_for_cpu` widens each weight to float32 and multiplies in
-// float32 FMAs (16 products an instruction); here each 4-bit weight becomes an exact
-// bfloat16 integer through a 32-entry table (vpermw) and `vdpbf16ps` takes 32 products an
-// instruction, accumulated in float32. A group's scale and zero are applied once per 32
-// inputs: with w = (q - 8) * s + z, sum_k x_k w_k = s * sum_k x_k q_k + (z - 8 s) * sum_k x_k.
-// Each product is exact in float32 (bfloat16 x small integer), so the result differs from
-// the dequantized weights' float32 product only in the order of the float32 sums.
+// torch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` widen each weight to
+// float32 and multiply in float32 FMAs (16 products an instruction); here each 4-bit weight
+// (or each half of an 8-bit one) becomes an exact bfloat16 integer through a 32-entry table
+// (vpermw) and `vdpbf16ps` takes 32 products an instruction, accumulated in float32. Each
+// product is exact in float32 (bfloat16 x small integer), so the result differs from the
+// dequantized weights' float32 product only in the order of the float32 sums.
 //
+// int4: a group's scale and zero are applied once per 32 inputs: with
+// w = (q - 8) * s + z, sum_k x_k w_k = s * sum_k x_k q_k + (z - 8 s) * sum_k x_k.
 // Layout (int4_avx512.pack): rows in blocks of 32 (N padded), each block 2 vectors of 16
 // rows; per block, per quad of inputs k = 4kq .. 4kq + 3, per vector, 32 bytes: byte 2i =
 // q[n][4kq] | q[n][4kq + 2] << 4 and byte 2i + 1 = q[n][4kq + 1] | q[n][4kq + 3] << 4, for
 // row n = 32b + 16v + i. One 32-bit lane per row then holds that row's (k, k + 1) pair
 // (low nibbles) or (k + 2, k + 3) pair (high nibbles), to be multiplied by the broadcast
 // input pair: no horizontal sums. Scales and zeros: [blocks][K / 32][32] bfloat16.
+//
+// int8: q = 16 h + l with l = q & 15 (0 .. 15) and h = q >> 4 (signed, -8 .. 7), so
+// sum_k x_k q_k = 16 sum_k x_k h_k + sum_k x_k l_k: two lookups and two vdpbf16ps per 32
+// bytes, as int4's, then the row's scale once. Layout (int8_avx512.pack): blocks of 32 rows
+// as int4's; per block, per pair of inputs k = 2kp, 2kp + 1, per vector, 32 bytes: byte
+// 2i = q[n][2kp], byte 2i + 1 = q[n][2kp + 1], row n = 32b + 16v + i. Scales: [padded N]
+// float32.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,15 +41,21 @@ namespace {
 
 constexpr int64_t GROUP = 32;  // inputs a scale and zero cover
 constexpr int64_t ROWS = 32;   // rows a block packs
-constexpr int64_t QUAD_BYTES = 64;  // a block's bytes per quad of inputs (2 vectors x 32)
+constexpr int64_t QUAD_BYTES = 64;  // int4: a block's bytes per quad of inputs (2 vectors x 32)
+constexpr int64_t PAIR_BYTES = 64;  // int8: a block's bytes per pair of inputs (2 vectors x 32)
 #ifndef PREFETCH
 #define PREFETCH 2048
 #endif
 // input rows from which a product dequantizes the weight to bfloat16 and hands it to
 // torch's dense matmul: a long prefill chunk is bound by arithmetic, not by the weight's
-// bytes (the embedded model's products: even at 512 rows, 0.9x the kernel at 1,024)
-#ifndef DENSE_FROM
-#define DENSE_FROM 512
+// bytes. Measured on the embedded model's products: int4's kernel even at 512 rows is 0.9x
+// the dense path at 1,024; int8's (two products a weight per input row) beats dequantizing
+// and the dense matmul up to ~100 rows
+#ifndef INT4_DENSE_FROM
+#define INT4_DENSE_FROM 512
+#endif
+#ifndef INT8_DENSE_FROM
+#define INT8_DENSE_FROM 128
 #endif
 
 #define TEXTGEN_AVX512_BF16 \
@@ -56,6 +71,15 @@ TEXTGEN_AVX512_BF16 inline __m512i nibble_table() {
   return _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
                           0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0x4170,
                           0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0,
+                          0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0);
+}
+
+// vpermw's table for int8's high nibbles (index 0 .. 15, read as a signed 4-bit integer):
+// the bfloat16 of 0 .. 7, then -8 .. -1
+TEXTGEN_AVX512_BF16 inline __m512i signed_nibble_table() {
+  return _mm512_set_epi16(0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0, 0xc100,
+                          0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0xbf80,
+                          0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0, 0xc100, 0x40e0,
                           0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0);
 }
 
@@ -201,7 +225,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
                   scales.numel() == padded * K / GROUP && zeros.numel() == scales.numel() &&
                   weight.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous(),
               "textgen::int4_linear: weights not packed for [", N, ", ", K, "]");
-  if (M >= DENSE_FROM) {
+  if (M >= INT4_DENSE_FROM) {
     at::Tensor dense_t = at::empty({K, padded}, x.options());
     dequantize_t(weight.const_data_ptr<uint8_t>(), (const uint16_t*)scales.const_data_ptr(),
                  (const uint16_t*)zeros.const_data_ptr(), (uint16_t*)dense_t.data_ptr(), N, K,
@@ -216,6 +240,111 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return y;
 }
 
+// int8: MB input rows times NV vectors (16 rows each, from vector v0) of one block; the
+// low and high nibbles' sums apart, combined (16 h + l) and scaled once at the end.
+template <int MB, int NV>
+TEXTGEN_AVX512_BF16 void block8(const uint8_t* __restrict weight, const float* __restrict scales,
+                                const uint16_t* __restrict x, uint16_t* __restrict y, int v0,
+                                int64_t n0, int64_t N, int64_t K) {
+  const __m512i low_table = nibble_table(), high_table = signed_nibble_table();
+  __m512 low[MB][NV], high[MB][NV];
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < NV; ++v) low[m][v] = high[m][v] = _mm512_setzero_ps();
+  for (int64_t pair = 0; pair < K / 2; ++pair) {
+    const uint8_t* bytes = weight + pair * PAIR_BYTES;
+    if (PREFETCH) _mm_prefetch((const char*)(bytes + PREFETCH), _MM_HINT_T0);
+    __m512i inputs[MB];  // the inputs (k, k + 1), broadcast
+    for (int m = 0; m < MB; ++m) {
+      uint32_t a;
+      std::memcpy(&a, x + m * K + 2 * pair, 4);
+      inputs[m] = _mm512_set1_epi32(a);
+    }
+    for (int v = 0; v < NV; ++v) {
+      __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(bytes + (v0 + v) * 32)));
+      __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(words, low_table);
+      __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), high_table);
+      for (int m = 0; m < MB; ++m) {
+        low[m][v] = _mm512_dpbf16_ps(low[m][v], (__m512bh)inputs[m], lo);
+        high[m][v] = _mm512_dpbf16_ps(high[m][v], (__m512bh)inputs[m], hi);
+      }
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t n = n0 + (v0 + v) * 16;
+    if (n >= N) continue;
+    const __m512 s = _mm512_loadu_ps(scales + (v0 + v) * 16);
+    for (int m = 0; m < MB; ++m) {
+      __m512 sums = _mm512_fmadd_ps(high[m][v], _mm512_set1_ps(16.f), low[m][v]);
+      store16(y + m * N + n, _mm512_mul_ps(sums, s), n, N);
+    }
+  }
+}
+
+// y [M, N] = x [M, K] @ W^T for int8 W packed as above (blocks read once per 4 input rows)
+void int8_mm(const uint8_t* weight, const float* scales, const uint16_t* x, uint16_t* y,
+             int64_t M, int64_t N, int64_t K, int threads) {
+  const int64_t blocks = (N + ROWS - 1) / ROWS, block_bytes = ROWS * K;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* w = weight + b * block_bytes;
+    const float* s = scales + b * ROWS;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4)
+      for (int v = 0; v < 2; ++v) block8<4, 1>(w, s, x + m * K, y + m * N, v, b * ROWS, N, K);
+    for (; m + 2 <= M; m += 2) block8<2, 2>(w, s, x + m * K, y + m * N, 0, b * ROWS, N, K);
+    for (; m < M; ++m) block8<1, 2>(w, s, x + m * K, y + m * N, 0, b * ROWS, N, K);
+  }
+}
+
+// The packed int8 weight transposed, as a dense [K, padded N] bfloat16 matrix: each q * s
+// in float32, rounded to nearest even (lane i of a vector is row 16v + i).
+TEXTGEN_AVX512_BF16 void dequantize8_t(const uint8_t* weight, const float* scales,
+                                       uint16_t* out, int64_t N, int64_t K, int threads) {
+  const int64_t blocks = (N + ROWS - 1) / ROWS, width = blocks * ROWS;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int v = 0; v < 2; ++v) {
+      const __m512 s = _mm512_loadu_ps(scales + b * ROWS + v * 16);
+      for (int64_t pair = 0; pair < K / 2; ++pair) {
+        const uint8_t* bytes = weight + b * ROWS * K + pair * PAIR_BYTES + v * 32;
+        __m512i words = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)bytes));
+        const __m512i q[2] = {_mm512_srai_epi32(_mm512_slli_epi32(words, 16), 16),
+                              _mm512_srai_epi32(words, 16)};  // inputs k, k + 1
+        for (int j = 0; j < 2; ++j) {
+          __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(q[j]), s);
+          uint16_t* row = out + (pair * 2 + j) * width + b * ROWS + v * 16;
+          _mm256_storeu_si256((__m256i*)row, (__m256i)_mm512_cvtneps_pbh(w));
+        }
+      }
+    }
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                       int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "textgen::int8_linear: x must be a contiguous [M, K] bfloat16 matrix");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  const int64_t padded = (N + ROWS - 1) / ROWS * ROWS;
+  TORCH_CHECK(K % 2 == 0 && weight.numel() == padded * K && scales.numel() == padded &&
+                  scales.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  scales.is_contiguous(),
+              "textgen::int8_linear: weights not packed for [", N, ", ", K, "]");
+  if (M >= INT8_DENSE_FROM) {
+    at::Tensor dense_t = at::empty({K, padded}, x.options());
+    dequantize8_t(weight.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
+                  (uint16_t*)dense_t.data_ptr(), N, K, at::get_num_threads());
+    return at::mm(x, dense_t.narrow(1, 0, N));
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  int8_mm(weight.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
+          (const uint16_t*)x.const_data_ptr(), (uint16_t*)y.data_ptr(), M, N, K,
+          at::get_num_threads());
+  return y;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(textgen, CPU, m) { m.impl("int4_linear", &int4_linear); }
+TORCH_LIBRARY_IMPL(textgen, CPU, m) {
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int8_linear", &int8_linear);
+}

@@ -1,0 +1,95 @@
+"""textgen's CPU kernels for int4 and int8 weights on CPUs with AVX512-BF16
+(`avx512_bf16.cpp`): the ops `textgen::int4_linear` and `textgen::int8_linear`, their CPU
+kernels registered by compiling and loading that file (once a process, ~15 s the first
+time, then from the textgen cache, with inductor's C++ toolchain), so compiled graphs call
+them from C++. int4_avx512.py and int8_avx512.py pack weights for them and hold the layers.
+
+Where the CPU lacks the instructions, the compile fails (a host without a C++ compiler) or
+`--disable-custom-kernels` is set, the layers keep torch's kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from .compile_cache import artifacts_in, kernel_cache_dir
+from .cpuinfo import cpuinfo_flags
+
+logger = logging.getLogger("textgen.models")
+
+SOURCE = Path(__file__).with_name("avx512_bf16.cpp")
+ROWS = 32  # rows the kernels pack together (the source's ROWS); N is padded to them
+# input rows from which the weight is dequantized for a dense matmul (the source's ditto)
+INT4_DENSE_FROM = 512
+INT8_DENSE_FROM = 128
+# the instruction sets the kernels are compiled for (/proc/cpuinfo's names)
+CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
+
+_library = torch.library.Library("textgen", "FRAGMENT")
+_library.define(
+    "int4_linear(Tensor x, Tensor weight, Tensor scales, Tensor zeros, int out_features) -> Tensor"
+)
+_library.define("int8_linear(Tensor x, Tensor weight, Tensor scales, int out_features) -> Tensor")
+
+
+@torch.library.register_fake("textgen::int4_linear")
+def _int4_linear_fake(x, weight, scales, zeros, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
+@torch.library.register_fake("textgen::int8_linear")
+def _int8_linear_fake(x, weight, scales, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
+_loaded: bool | None = None  # None: not tried yet
+
+
+def cpu_supports(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU runs the kernels' instructions: every flag of CPU_FLAGS."""
+    try:
+        with open(cpuinfo_path, encoding="utf-8", errors="replace") as f:
+            return CPU_FLAGS <= cpuinfo_flags(f.read())
+    except OSError:
+        return False  # not Linux: torch's kernels
+
+
+def available() -> bool:
+    """Whether the kernels run here: the CPU supports them and they compiled (or loaded from
+    the cache), registering the ops' CPU kernels; tried once."""
+    global _loaded
+    if not cpu_supports():
+        return False
+    if _loaded is None:
+        _loaded = _load()
+    return _loaded
+
+
+def _load() -> bool:
+    from torch._inductor.codecache import CppCodeCache
+
+    start = time.perf_counter()
+    try:
+        cache = kernel_cache_dir("avx512-bf16")
+    except OSError:
+        cache = None  # torch's default, the temp dir
+    try:
+        with artifacts_in(cache):
+            CppCodeCache.load(SOURCE.read_text())
+    except Exception:  # e.g. no C++ compiler on the host
+        logger.warning(
+            "textgen's AVX512-BF16 kernels did not compile: int4 and int8 layers use torch's",
+            exc_info=True,
+        )
+        return False
+    logger.info("compiled textgen's AVX512-BF16 kernels in %.1f s", time.perf_counter() - start)
+    return True
+
+
+def padded_rows(n: int) -> int:
+    """N rounded up to the kernels' blocks of ROWS."""
+    return -(-n // ROWS) * ROWS
