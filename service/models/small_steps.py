@@ -23,9 +23,9 @@ reads them at ~27 GB/s against torch's ~14: the products alone 4.1x bfloat16's a
 float32 18.906, through the copies 18.890; bfloat16 18.921, through the copies 18.924
 (tests/service/test_small_steps.py asserts each within 1 %). `--dtype float32` or
 `--dtype bfloat16` named keeps that dtype's exact path; so do the settings that need every
-step's arithmetic alike (--deterministic), their own weights (--quantize, a quantized
-checkpoint, LoRA slots, shards) or their own graph (--compile): the loader is told by the
-replica's assembly.
+step's arithmetic alike (--deterministic) or their own weights (--quantize, a quantized
+checkpoint, LoRA slots, shards): the loader is told by the replica's assembly. --compile's
+decode graphs read the copies too (a graph's rows are fixed, so it traces one path).
 """
 
 from __future__ import annotations

@@ -384,10 +384,11 @@ class Settings:
     dtype: str = option(
         "auto",
         "auto | float32 | bfloat16 | float16. auto: bfloat16 on GPUs and CPUs that compute it "
-        "natively (float16 on older GPUs), float32 on other CPUs; on a CPU, steps of up to 8 "
-        "(bfloat16) or 16 (float32) tokens (one or a few streams' decodes, verifications) "
-        "read int8 copies of the Linear weights, ~1.6x faster at one stream, perplexity "
-        "within 0.3 %% (not with --deterministic, --compile, --quantize, LoRA or shards); a "
+        "natively (float16 on older GPUs), float32 on other CPUs; on a CPU, steps of up to 16 "
+        "tokens (8 in bfloat16 on a CPU without AVX512-BF16; one or a few streams' decodes, "
+        "verifications) read int8 copies of the Linear weights, 1.4-1.6x faster at one "
+        "stream, perplexity within 0.3 %% (not with --deterministic, --quantize, LoRA or "
+        "shards); a "
         "dtype named: exact in that dtype throughout. /info's dtype_reason says what auto "
         "chose and why",
         dtype_name,

@@ -3,6 +3,8 @@ padding, preemption and aborts, and steady state never recompiles."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from textgen.service.engine.config import EngineConfig
@@ -16,6 +18,7 @@ from textgen.service.engine.runners.compiled import (
 from textgen.service.engine.runners.cuda_graphs import GraphSettings
 from textgen.service.engine.runners.model_runner import ModelRunner, lay_out
 from textgen.service.engine.scheduler import SchedulerOutput
+from textgen.service.models.small_steps import add_small_step_weights
 
 from .factories import (
     VOCAB_SIZE,
@@ -24,6 +27,7 @@ from .factories import (
     engine_copy,
     make_seq,
     random_prompt,
+    reference_greedy,
     run_to_completion,
 )
 
@@ -144,3 +148,45 @@ def test_a_runner_built_without_warm_up_runs_everything_eagerly(tiny_llama):
     out = runner.execute(batch)
     assert out.sample_seqs == [seq] and out.sample_logits.shape == (1, VOCAB_SIZE)
     assert runner.stats.eager_steps == 1 and runner.stats.compiled_steps == 0
+
+
+def test_compiled_decodes_read_the_small_step_int8_copies(tiny_llama):
+    """--compile with --dtype auto on a CPU: the compiled decode graphs read the int8 copies
+    (models/small_steps.py), the eager prefills the wide weights. To tell the two apart the
+    wide weights are changed after the copies were taken: the tokens must be generate's on
+    the same model, not those of the changed weights alone."""
+    model, wide_only = engine_copy(tiny_llama), engine_copy(tiny_llama)
+    assert add_small_step_weights(model) > 0
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith("proj.weight"):
+                changed = torch.randn(weight.shape, generator=g) * 0.2
+                weight.copy_(changed)
+                wide_only.get_parameter(name).copy_(changed)
+    reference = copy.deepcopy(model)
+    core = PagedCore(
+        model,
+        EngineConfig(
+            max_batch_total_tokens=96,
+            max_batch_prefill_tokens=64,
+            max_batch_size=2,
+            block_size=8,
+            compile=CompileSettings.for_engine(2),
+        ),
+    )
+    core.warm_up()
+    seqs = [
+        make_seq(random_prompt(20 + 3 * i, VOCAB_SIZE, g), request_id=f"s{i}", max_new_tokens=8)
+        for i in range(3)
+    ]
+    for seq in seqs:  # one at a time: prefills of 20+ rows (wide), decodes of 1 (copies)
+        core.add(seq)
+        run_to_completion(core)
+    assert core.runner.stats.compiled_steps > 0
+    assert_matches_generate(reference, seqs)
+    assert any(
+        seq.output_ids != reference_greedy(wide_only, list(seq.request.prompt_ids), 8)
+        for seq in seqs
+    )
+    assert_idle(core)

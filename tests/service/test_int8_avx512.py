@@ -145,3 +145,17 @@ def test_float32_small_steps_keep_torchs_kernel():
 def test_an_odd_k_is_refused():
     with pytest.raises(ValueError, match="even K"):
         Int8Avx512Linear.from_linear(torch.nn.Linear(33, 32).to(torch.bfloat16))
+
+
+@needs_kernel
+def test_a_compiled_graph_reads_the_bfloat16_copies_through_it():
+    torch.manual_seed(4)
+    mlp = torch.nn.Sequential(
+        torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(96, 64, bias=False)
+    ).bfloat16()
+    assert add_small_step_weights(mlp) == 2 and mlp[0].packed
+    compiled = torch.compile(mlp, fullgraph=True, dynamic=False)
+    for rows in (1, 4):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        with torch.inference_mode():
+            assert torch.equal(compiled(x), mlp(x))

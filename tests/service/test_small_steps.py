@@ -132,12 +132,13 @@ def test_only_dense_float32_and_bfloat16_linears_get_copies():
     assert (model[0].max_rows, model[2].max_rows) == (FLOAT32_ROWS, BFLOAT16_ROWS)
 
 
-def test_the_assembly_asks_only_where_auto_and_nothing_needs_the_dtypes_own_path():
+def test_the_assembly_asks_only_where_auto_and_steps_need_not_compute_alike():
     base = Settings(model_id="m")
     assert small_step_int8(base)
     assert not small_step_int8(replace(base, dtype="float32"))
     assert not small_step_int8(replace(base, deterministic=True))
-    assert not small_step_int8(replace(base, compile=True))
+    # compiled decode graphs read them too (tests/engine/test_compiled_decode.py)
+    assert small_step_int8(replace(base, compile=True))
 
 
 def test_loader_adds_them_on_a_cpu_without_native_bf16(tiny_dir, no_native_bf16):
