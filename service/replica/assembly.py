@@ -16,7 +16,7 @@ import torch
 
 from .. import __version__
 from ..engine.adapters import AdapterRegistry
-from ..engine.attention import cpu_decode
+from ..engine.attention import cpu_decode, cpu_prefill
 from ..engine.config import EngineConfig, every_layer_window
 from ..engine.draft_model import DraftModelProposer, TokenizerMismatch, check_same_tokenizer
 from ..engine.grammar import GrammarMasks
@@ -124,16 +124,20 @@ def compile_settings(settings: Settings, loaded: LoadedModel) -> CompileSettings
 
 
 def place_cpu_kernel_artifacts(settings: Settings, loaded: LoadedModel) -> None:
-    """The CPU decode attention's C++ kernel (engine/attention/cpu_decode.py, compiled at
-    warm-up) keeps its library in the textgen cache, as --compile's artifacts, so a later
-    start or a new container with the same cache loads it; if that cache can't be written,
-    in torch's default (the temp dir)."""
+    """The CPU attention's C++ kernels (engine/attention/cpu_decode.py, compiled at warm-up;
+    cpu_prefill.py for a bfloat16 model, compiled here rather than on the first prompt)
+    keep their libraries in the textgen cache, as --compile's artifacts, so a later start or
+    a new container with the same cache loads them; if that cache can't be written, in
+    torch's default (the temp dir)."""
     if loaded.device.type != "cpu" or settings.disable_custom_kernels:
         return
     try:
         cpu_decode.CACHE_DIR = kernel_cache_dir("cpu-decode-attention")
+        cpu_prefill.CACHE_DIR = kernel_cache_dir("cpu-prefill-attention")
     except OSError as exc:
-        log.warning("compile cache unavailable (%s): the CPU decode kernel compiles in tmp", exc)
+        log.warning("compile cache unavailable (%s): the CPU kernels compile in tmp", exc)
+    if loaded.dtype == torch.bfloat16:
+        cpu_prefill.available()
 
 
 def speculation_settings(settings: Settings) -> SpeculationSettings | None:
