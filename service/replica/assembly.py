@@ -131,12 +131,14 @@ def place_cpu_kernel_artifacts(settings: Settings, loaded: LoadedModel) -> None:
     torch's default (the temp dir)."""
     if loaded.device.type != "cpu" or settings.disable_custom_kernels:
         return
+    prefill = loaded.dtype == torch.bfloat16 and cpu_prefill.may_run()
     try:
         cpu_decode.CACHE_DIR = kernel_cache_dir("cpu-decode-attention")
-        cpu_prefill.CACHE_DIR = kernel_cache_dir("cpu-prefill-attention")
+        if prefill:
+            cpu_prefill.CACHE_DIR = kernel_cache_dir("cpu-prefill-attention")
     except OSError as exc:
         log.warning("compile cache unavailable (%s): the CPU kernels compile in tmp", exc)
-    if loaded.dtype == torch.bfloat16:
+    if prefill:
         cpu_prefill.available()
 
 

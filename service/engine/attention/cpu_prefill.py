@@ -82,14 +82,19 @@ def attend(
     return torch.ops.textgen.causal_prefill(query, keys, values, positions, scale)
 
 
+def may_run() -> bool:
+    """Enabled, and the CPU has the kernel's instructions (nothing compiled yet)."""
+    return ENABLED and avx512_bf16.cpu_supports()
+
+
 def available() -> bool:
-    """Whether the kernel runs here: enabled, the CPU has AVX512-BF16, and it compiled (or
-    loaded from the cache), registering the op's CPU kernel; tried once."""
+    """Whether the kernel runs here: may_run(), and it compiled (or loaded from the cache),
+    registering the op's CPU kernel; tried once."""
     global _loaded
-    if not ENABLED:
+    if not may_run():
         return False
     if _loaded is None:
-        _loaded = avx512_bf16.cpu_supports() and _load()
+        _loaded = _load()
     return _loaded
 
 
