@@ -10,16 +10,12 @@ Where the CPU lacks the instructions, the compile fails (a host without a C++ co
 
 from __future__ import annotations
 
-import logging
-import time
 from pathlib import Path
 
 import torch
 
-from .compile_cache import artifacts_in, kernel_cache_dir
+from .compile_cache import kernel_cache_dir, load_cpp_kernel
 from .cpuinfo import cpuinfo_flags
-
-logger = logging.getLogger("textgen.models")
 
 SOURCE = Path(__file__).with_name("avx512_bf16.cpp")
 ROWS = 32  # rows the kernels pack together (the source's ROWS); N is padded to them
@@ -70,24 +66,12 @@ def available() -> bool:
 
 
 def _load() -> bool:
-    from torch._inductor.codecache import CppCodeCache
-
-    start = time.perf_counter()
     try:
         cache = kernel_cache_dir("avx512-bf16")
     except OSError:
         cache = None  # torch's default, the temp dir
-    try:
-        with artifacts_in(cache):
-            CppCodeCache.load(SOURCE.read_text())
-    except Exception:  # e.g. no C++ compiler on the host
-        logger.warning(
-            "textgen's AVX512-BF16 kernels did not compile: int4 and int8 layers use torch's",
-            exc_info=True,
-        )
-        return False
-    logger.info("compiled textgen's AVX512-BF16 kernels in %.1f s", time.perf_counter() - start)
-    return True
+    fallback = "int4 and int8 layers use torch's"
+    return load_cpp_kernel(SOURCE, cache, "textgen's AVX512-BF16 kernels", fallback)
 
 
 def padded_rows(n: int) -> int:

@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +35,8 @@ from .embedded import default_cache_root
 
 if TYPE_CHECKING:  # the loader imports the kernels, which keep their builds here
     from .loader import LoadedModel
+
+logger = logging.getLogger("textgen.models")
 
 
 def compile_key(loaded: LoadedModel) -> dict[str, str]:
@@ -103,3 +107,21 @@ def artifacts_in(cache_dir: Path | None) -> Iterator[None]:
                 )
             )
         yield
+
+
+def load_cpp_kernel(source: Path, cache: Path | None, name: str, fallback: str) -> bool:
+    """Compile `source` (or load it from `cache`; None: torch's default, the temp dir) with
+    inductor's C++ toolchain and load it, which registers the torch ops it implements;
+    False where it can't be (e.g. no C++ compiler on the host), with a warning: "`name` did
+    not compile: `fallback`"."""
+    from torch._inductor.codecache import CppCodeCache
+
+    start = time.perf_counter()
+    try:
+        with artifacts_in(cache):
+            CppCodeCache.load(source.read_text())
+    except Exception:
+        logger.warning("%s did not compile: %s", name, fallback, exc_info=True)
+        return False
+    logger.info("compiled %s in %.1f s", name, time.perf_counter() - start)
+    return True

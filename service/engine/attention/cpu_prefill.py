@@ -20,17 +20,13 @@ SDPA, and so does a failed compile (a host without a C++ compiler), with a warni
 
 from __future__ import annotations
 
-import logging
 import os
-import time
 from pathlib import Path
 
 import torch
 
 from ...models import avx512_bf16
-from ...models.compile_cache import artifacts_in
-
-logger = logging.getLogger(__name__)
+from ...models.compile_cache import load_cpp_kernel
 
 ENABLED = os.environ.get("TEXTGEN_CPU_PREFILL_KERNEL", "1") != "0"
 # where the compile keeps its library (set by the replica: replica/assembly.py); None:
@@ -99,17 +95,5 @@ def available() -> bool:
 
 
 def _load() -> bool:
-    from torch._inductor.codecache import CppCodeCache
-
-    start = time.perf_counter()
-    try:
-        with artifacts_in(CACHE_DIR):
-            CppCodeCache.load(SOURCE.read_text())
-    except Exception:  # e.g. no C++ compiler on the host
-        logger.warning(
-            "the CPU prefill attention kernel did not compile: prefill attends through SDPA",
-            exc_info=True,
-        )
-        return False
-    logger.info("compiled the CPU prefill attention in %.1f s", time.perf_counter() - start)
-    return True
+    fallback = "prefill attends through SDPA"
+    return load_cpp_kernel(SOURCE, CACHE_DIR, "the CPU prefill attention kernel", fallback)
