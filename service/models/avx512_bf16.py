@@ -56,12 +56,10 @@ def cpu_supports(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
 
 def available() -> bool:
     """Whether the kernels run here: the CPU supports them and they compiled (or loaded from
-    the cache), registering the ops' CPU kernels; tried once."""
+    the cache), registering the ops' CPU kernels; tried once (/proc/cpuinfo read once)."""
     global _loaded
-    if not cpu_supports():
-        return False
     if _loaded is None:
-        _loaded = _load()
+        _loaded = cpu_supports() and _load()
     return _loaded
 
 

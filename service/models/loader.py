@@ -284,6 +284,7 @@ def load_model(
         quantize_model(model, quantize, dev, options.custom_kernels)
     if options.small_step_int8 and not (quantize or lora or shard) and _small_step_cpu(dev, dt):
         add_small_step_weights(model, custom_kernels=options.custom_kernels)
+    copied_rows = small_step_rows(model)
     lora_layers = None
     if lora is not None:
         from .lora_layers import LoraLayers
@@ -308,7 +309,7 @@ def load_model(
         dev,
         str(dt).removeprefix("torch."),
         f", weights {quantize}" if quantize else "",
-        f", int8 copies for steps of <= {rows} rows" if (rows := small_step_rows(model)) else "",
+        f", int8 copies for steps of <= {copied_rows} rows" if copied_rows else "",
         time.monotonic() - started,
         params / 1e6,
         max_pos,
@@ -328,7 +329,7 @@ def load_model(
         vocab=vocab,
         lora=lora_layers,
         processor=processor,
-        small_step_rows=small_step_rows(model),
+        small_step_rows=copied_rows,
     )
 
 

@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from support.tiers import needs_avx512_bf16
 from textgen.service.engine.attention import cpu_decode, cpu_prefill
 from textgen.service.engine.attention import paged as attention
 from textgen.service.models import avx512_bf16
@@ -24,13 +25,6 @@ from .factories import (
     make_seq,
     random_prompt,
     run_to_completion,
-)
-
-# the one skip: a CPU without the kernel's instructions (its chunks keep SDPA, tested below);
-# where the CPU has them, a kernel that fails to compile fails these tests
-needs_kernel = pytest.mark.skipif(
-    not avx512_bf16.cpu_supports(),
-    reason="needs a CPU with avx512_bf16 (and avx512f/bw/vl/dq): /proc/cpuinfo lacks them here",
 )
 
 
@@ -56,7 +50,7 @@ def reference(query, keys, values, positions) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-@needs_kernel
+@needs_avx512_bf16
 @pytest.mark.parametrize(
     ("b", "heads", "kv_heads", "rows", "keys", "dim", "value_dim", "first"),
     [
@@ -78,7 +72,7 @@ def test_rows_equal_sdpa_to_bfloat16s_rounding(
     if b == 3:  # one sequence further back, one whose last rows lie past the keys (padding)
         positions[1] -= 60
         positions[2] += 40
-    assert cpu_prefill.takes(query, k, v)
+    assert cpu_prefill.takes(query, value_dim)
     got = cpu_prefill.attend(query, k, v, positions, dim**-0.5)
     assert got.shape == (b, rows, heads, value_dim) and got.dtype == torch.bfloat16
     want = reference(query, k, v, positions)
@@ -93,7 +87,7 @@ def attend(batch, *, kernel: bool, monkeypatch) -> torch.Tensor:
     return attention._sdpa_attention(batch.query, cache, batch.meta, 64**-0.5, None, None)
 
 
-@needs_kernel
+@needs_avx512_bf16
 @pytest.mark.parametrize(
     "seqs",
     [
@@ -152,14 +146,13 @@ def test_a_failed_compile_keeps_sdpa_with_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(cpu_prefill, "_loaded", None)  # tried again, and put back after
     monkeypatch.setattr(CppCodeCache, "load", no_compiler)
     query = torch.zeros(1, 2, 3, 16, dtype=torch.bfloat16)
-    keys = torch.zeros(1, 2, 3, 16, dtype=torch.bfloat16)
     with caplog.at_level("WARNING"):
-        assert not cpu_prefill.takes(query, keys, keys)
-        assert not cpu_prefill.takes(query, keys, keys)
+        assert not cpu_prefill.takes(query, 16)
+        assert not cpu_prefill.takes(query, 16)
     assert caplog.text.count("prefill attention kernel did not compile") == 1
 
 
-@needs_kernel
+@needs_avx512_bf16
 def test_the_engine_decodes_as_generate_in_bfloat16(tiny_llama, calls):
     """Prompts longer than a step's prefill budget: first chunks and later ones through the
     kernel, several sequences in a step."""

@@ -6,18 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.tiers import needs_avx512_bf16
 from textgen.service.models import avx512_bf16, int4_avx512
 from textgen.service.models import quantize as q
 from textgen.service.models.int4_avx512 import Int4Avx512Linear
 
 CPU = torch.device("cpu")
-
-# the one skip: a CPU without the kernel's instructions (its layers keep torch's kernel,
-# tested below); where the CPU has them, a kernel that fails to compile fails these tests
-needs_kernel = pytest.mark.skipif(
-    not avx512_bf16.cpu_supports(),
-    reason="needs a CPU with avx512_bf16 (and avx512f/bw/vl/dq): /proc/cpuinfo lacks them here",
-)
 
 
 def torch_int4(linear: torch.nn.Linear) -> q.Int4Linear:
@@ -32,7 +26,7 @@ def torch_int4(linear: torch.nn.Linear) -> q.Int4Linear:
     return q.Int4Linear.from_quantized(holder[0])
 
 
-@needs_kernel
+@needs_avx512_bf16
 @pytest.mark.parametrize("shape", [(192, 576), (80, 96), (48, 64)])  # N = 80, 48: padded rows
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 33])
 def test_products_equal_torchs_int4_kernel_to_the_last_bit_of_bfloat16(shape, rows):
@@ -51,7 +45,7 @@ def test_products_equal_torchs_int4_kernel_to_the_last_bit_of_bfloat16(shape, ro
     assert (got - linear(x).float()).abs().max() < 0.1 * want.abs().max()
 
 
-@needs_kernel
+@needs_avx512_bf16
 def test_quantize_weights_as_torchao_does():
     torch.manual_seed(0)
     weight = torch.randn(64, 96).to(torch.bfloat16)
@@ -63,7 +57,7 @@ def test_quantize_weights_as_torchao_does():
     assert ((dequantized - weight.float()).abs() <= scales.float().repeat_interleave(32, 1)).all()
 
 
-@needs_kernel
+@needs_avx512_bf16
 def test_a_compiled_graph_calls_the_kernel_with_the_eager_results():
     torch.manual_seed(1)
     # no bias or activation between: inductor would fuse them in float32, eager rounds each
@@ -91,7 +85,7 @@ def test_a_float32_model_keeps_torchs_kernel():
     assert type(model[0]) is q.Int4Linear
 
 
-@needs_kernel
+@needs_avx512_bf16
 def test_a_long_chunk_multiplies_the_dequantized_weight_densely():
     torch.manual_seed(2)
     linear = torch.nn.Linear(96, 80, bias=False).to(torch.bfloat16)  # N = 80: padded

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.tiers import needs_avx512_bf16
 from textgen.service.models import avx512_bf16, int8_avx512
 from textgen.service.models import quantize as q
 from textgen.service.models.int8_avx512 import Int8Avx512Linear
@@ -19,20 +20,13 @@ from textgen.service.models.small_steps import (
 
 CPU = torch.device("cpu")
 
-# the one skip: a CPU without the kernel's instructions (its layers keep torch's kernel,
-# tested below); where the CPU has them, a kernel that fails to compile fails these tests
-needs_kernel = pytest.mark.skipif(
-    not avx512_bf16.cpu_supports(),
-    reason="needs a CPU with avx512_bf16 (and avx512f/bw/vl/dq): /proc/cpuinfo lacks them here",
-)
-
 
 def one_step(want: torch.Tensor) -> torch.Tensor:
     """One bfloat16 rounding step of each value (2^-7 relative, floored near zero)."""
     return want.abs().clamp_min(2**-10) * 2**-7
 
 
-@needs_kernel
+@needs_avx512_bf16
 @pytest.mark.parametrize("shape", [(192, 576), (80, 96), (48, 64), (40, 34)])  # padded rows
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 33])
 def test_products_equal_torchs_int8_kernel_to_the_last_bit_of_bfloat16(shape, rows):
@@ -55,7 +49,7 @@ def test_products_equal_torchs_int8_kernel_to_the_last_bit_of_bfloat16(shape, ro
     assert (got - linear(x).float()).abs().max() < 0.05 * want.abs().max()
 
 
-@needs_kernel
+@needs_avx512_bf16
 def test_pack_holds_each_rows_integers_and_scale():
     torch.manual_seed(0)
     ints = torch.randint(-128, 128, (40, 6), dtype=torch.int8)
@@ -68,7 +62,7 @@ def test_pack_holds_each_rows_integers_and_scale():
     assert torch.equal(scales[:40], scale.float()) and not scales[40:].any()
 
 
-@needs_kernel
+@needs_avx512_bf16
 def test_a_compiled_graph_calls_the_kernel_with_the_eager_results():
     torch.manual_seed(1)
     mlp = torch.nn.Sequential(
@@ -83,7 +77,7 @@ def test_a_compiled_graph_calls_the_kernel_with_the_eager_results():
         assert torch.equal(compiled(x), mlp(x))
 
 
-@needs_kernel
+@needs_avx512_bf16
 def test_a_long_chunk_multiplies_the_dequantized_weight_densely():
     torch.manual_seed(2)
     linear = torch.nn.Linear(96, 80, bias=False).to(torch.bfloat16)  # N = 80: padded
@@ -99,7 +93,7 @@ def test_a_long_chunk_multiplies_the_dequantized_weight_densely():
     assert (kernel - want[:7]).abs().max() <= 2**-7 * want[:7].abs().max()
 
 
-@needs_kernel
+@needs_avx512_bf16
 def test_the_int4_models_lm_head_takes_it():
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 96))
     model = model.to(torch.bfloat16)
@@ -117,7 +111,7 @@ def test_disabled_or_float32_keeps_torchs_kernel(dtype, custom_kernels):
     assert type(model[0]) is q.Int8Linear
 
 
-@needs_kernel
+@needs_avx512_bf16
 @pytest.mark.parametrize("rows", [1, 5, AVX512_ROWS])
 def test_bfloat16_small_steps_read_their_copies_through_it(rows):
     torch.manual_seed(3)
@@ -141,13 +135,13 @@ def test_float32_small_steps_keep_torchs_kernel():
     assert model[0].max_rows == SMALL_STEP_ROWS[torch.float32]
 
 
-@needs_kernel
+@needs_avx512_bf16
 def test_an_odd_k_is_refused():
     with pytest.raises(ValueError, match="even K"):
         Int8Avx512Linear.from_linear(torch.nn.Linear(33, 32).to(torch.bfloat16))
 
 
-@needs_kernel
+@needs_avx512_bf16
 def test_a_compiled_graph_reads_the_bfloat16_copies_through_it():
     torch.manual_seed(4)
     mlp = torch.nn.Sequential(

@@ -27,12 +27,23 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from textgen.service.models import avx512_bf16
 
 from support.servers import ServerThread
 
 _STARTS_SERVER = "_textgen_starts_server"
 
 NO_CUDA = "needs a CUDA device: torch.cuda.is_available() is False here"
+
+# textgen's CPU kernels for AVX512-BF16 (models/avx512_bf16.py, engine/attention/
+# cpu_prefill.py): a CPU without those instructions has no such kernel (its layers and
+# chunks keep torch's, tested beside); where the CPU has them, a kernel that fails to
+# compile fails its tests
+needs_avx512_bf16 = pytest.mark.skipif(
+    not avx512_bf16.cpu_supports(),
+    reason="needs a CPU with avx512_bf16 (and avx512f/bw/vl/dq): /proc/cpuinfo lacks them "
+    "here; torch's kernels serve such CPUs, tested beside",
+)
 
 TESTS = str(Path(__file__).resolve().parent.parent) + os.sep
 _STDLIB = str(Path(sysconfig.get_paths()["stdlib"]).resolve()) + os.sep

@@ -11,7 +11,7 @@
 // Each (sequence, KV head) has its keys packed for the scores, [keys / 16][D / 2][16][2]
 // (a vector holds 16 keys' pair of dimensions, the query's pair broadcast), and its values
 // for the output, [keys / 2][Dv][2] (a vector holds 16 output dimensions of a pair of keys,
-// the pair's probabilities broadcast): no horizontal sums. Then every 4 query rows of a
+// the pair's probabilities broadcast): no horizontal sums. Then every ROWS query rows of a
 // query head walk the keys in tiles of 64: scores, the causal mask on the diagonal tile,
 // the running max and sum, probabilities rounded to bfloat16, and the values' product.
 

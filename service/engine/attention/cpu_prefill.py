@@ -49,16 +49,15 @@ def _causal_prefill_fake(q, k, v, positions, scale):
 _loaded: bool | None = None  # None: not tried yet
 
 
-def takes(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether the kernel attends these `[b, H, q, D]` queries over `[b, KVH, n, D]` keys and
-    `[b, KVH, n, Dv]` values: enabled, CPU, bfloat16, head sizes it takes, and compiled
-    (tried once, on the first call that could take it)."""
-    head_dim, value_dim = query.shape[-1], values.shape[-1]
+def takes(query: torch.Tensor, value_dim: int) -> bool:
+    """Whether the kernel attends these queries (`[..., D]`; their keys and values in the
+    same dtype, values `value_dim` wide): enabled, CPU, bfloat16, head sizes it takes, and
+    compiled (tried once, on the first call that could take it)."""
+    head_dim = query.shape[-1]
     shapes = head_dim % 2 == 0 and head_dim <= MAX_DIM and value_dim % 16 == 0
     return (
-        ENABLED
-        and query.device.type == "cpu"
-        and query.dtype == keys.dtype == values.dtype == torch.bfloat16
+        query.device.type == "cpu"
+        and query.dtype == torch.bfloat16
         and shapes
         and value_dim <= MAX_DIM
         and available()
@@ -74,7 +73,7 @@ def attend(
 ) -> torch.Tensor:
     """Query rows `[b, H, q, D]` over their sequence's keys `[b, KVH, n, D]` (values
     `[b, KVH, n, Dv]`), row (i, r) over keys 0 .. positions[i, r] (`[b, q]` long; clamped to
-    n - 1) -> `[b, q, H, Dv]`; takes() must hold."""
+    n - 1) -> `[b, q, H, Dv]`; takes(query, Dv) must hold."""
     return torch.ops.textgen.causal_prefill(query, keys, values, positions, scale)
 
 
@@ -85,12 +84,12 @@ def may_run() -> bool:
 
 def available() -> bool:
     """Whether the kernel runs here: may_run(), and it compiled (or loaded from the cache),
-    registering the op's CPU kernel; tried once."""
+    registering the op's CPU kernel; tried once (/proc/cpuinfo read once)."""
     global _loaded
-    if not may_run():
+    if not ENABLED:
         return False
     if _loaded is None:
-        _loaded = _load()
+        _loaded = may_run() and _load()
     return _loaded
 
 

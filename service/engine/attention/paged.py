@@ -843,7 +843,7 @@ def _sdpa_attention(
     terms = (scaling, window, softcap, sinks, alibi, chunk)
     in_place = _in_place_layer(meta, query, cache, alibi, chunk)
     kernel_terms = (scaling, window, softcap, sinks)
-    # fresh chunks through cpu_prefill.py's kernel where it may take them (_attend_fresh)
+    # plain causal chunks through cpu_prefill.py's kernel where it takes them (_attend_chunks)
     prefill_kernel = meta.use_cpu_kernel and not meta.batch_invariant
     if len(groups) == 1:  # most steps (all decodes, or all chunks): no slice, no cat
         group = groups[0]
@@ -1122,8 +1122,10 @@ def _attend_prefill_kernel(
 ) -> torch.Tensor | None:
     """Plain causal chunks (each row over its sequence's keys up to its position) through
     cpu_prefill.py's kernel: query `[H, Tg, D]` -> `[Tg, H, Dv]`; None where it doesn't take
-    them (not bfloat16 on a CPU with AVX512-BF16, head sizes): 2.3-2.7x SDPA's causal
-    attention at 1-2k tokens here."""
+    them (not bfloat16 on a CPU with AVX512-BF16, head sizes), decided before any gather:
+    2.3-2.7x SDPA's causal attention at 1-2k tokens here."""
+    if not cpu_prefill.takes(query, cache.values.shape[-1]):
+        return None
     num_heads, _, head_dim = query.shape
     b, q = group.num_seqs, group.max_query_len
     rows = query.index_select(1, group.query_index).view(num_heads, b, q, head_dim)
@@ -1132,8 +1134,6 @@ def _attend_prefill_kernel(
         _gather(cache.keys, group, query.dtype),
         _gather(cache.values, group, query.dtype),
     )
-    if not cpu_prefill.takes(rows, keys, values):
-        return None
     out = cpu_prefill.attend(rows, keys, values, group.query_pos, scaling)  # [b, q, H, Dv]
     return out.view(b * q, num_heads, -1).index_select(0, group.output_index)
 
