@@ -1,5 +1,5 @@
-"""Mistral 3's processor where torchvision isn't installed: the torchvision-free equivalent
-of transformers' `PixtralProcessor`.
+"""Mistral 3's and Pixtral 12B's processor where torchvision isn't installed: the
+torchvision-free equivalent of transformers' `PixtralProcessor`.
 
 transformers 5.24's PixtralProcessor (models/pixtral/processing_pixtral.py) is declared
 `@requires(backends=("torchvision", "torch"))`, and its module imports a helper from the
@@ -12,12 +12,15 @@ merged patch: the projector's feature rows) each ended by `[IMG_BREAK]`, the las
 `[IMG_END]`. It leaves out PixtralProcessor's `_get_num_multimodal_tokens` (a count for
 callers that have no image yet), which is the one use of the torchvision module's helper.
 
-models/processors.py loads it only where PixtralProcessor can't be imported
-(`torchvision_free`): with torchvision installed, transformers' own class is loaded.
+models/processors.py loads it where a folder names PixtralProcessor (Mistral 3's, and
+Pixtral 12B's, a LLaVA with a Pixtral tower) and it can't be imported (`torchvision_free`):
+with torchvision installed, transformers' own class is loaded.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import ClassVar
 
 from transformers.processing_utils import ProcessorMixin
@@ -84,11 +87,29 @@ class PixtralProcessorPil(ProcessorMixin):
 _TORCHVISION_FREE = {"PixtralProcessor": PixtralProcessorPil}
 
 
-def torchvision_free(model_type: str | None) -> type | None:
-    """The processor class to load for family `model_type` in transformers' place: this
-    module's equivalent where torchvision isn't installed and the family's processor needs
-    it (Mistral 3's PixtralProcessor); None: transformers' own."""
+def torchvision_free(path, model_type: str | None) -> type | None:
+    """The processor class to load for the folder `path` of family `model_type` in
+    transformers' place: this module's equivalent where torchvision isn't installed and the
+    processor the folder names needs it (Mistral 3's, Pixtral 12B's PixtralProcessor, the
+    latter a LLaVA); None: transformers' own."""
+    substitute = _TORCHVISION_FREE.get(named_processor_class(path, model_type))
+    return substitute if substitute is not None and not is_torchvision_available() else None
+
+
+# the files whose "processor_class" AutoProcessor reads, in its order
+_NAMING_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json")
+
+
+def named_processor_class(path, model_type: str | None) -> str | None:
+    """The processor class AutoProcessor loads for the folder `path`: the first
+    "processor_class" its files name, else the family's (`model_type`'s) own."""
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
-    substitute = _TORCHVISION_FREE.get(PROCESSOR_MAPPING_NAMES.get(model_type or ""))
-    return substitute if substitute is not None and not is_torchvision_available() else None
+    for name in _NAMING_FILES:
+        try:
+            named = json.loads((Path(path) / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(named, dict) and isinstance(named.get("processor_class"), str):
+            return named["processor_class"]
+    return PROCESSOR_MAPPING_NAMES.get(model_type or "")

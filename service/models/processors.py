@@ -5,9 +5,9 @@ those families (architectures.py, IMAGES_ONLY_PROCESSORS) the processor is the f
 own class, rebuilt without that argument: it loads the folder's image processor (the PIL
 class where torchvision is missing), tokenizer and the class's own settings (SmolVLM's
 `image_seq_len`), and turns prompts and images into ids and pixels as the family's class
-does. A video part stays refused where the faces parse it. Mistral 3's PixtralProcessor
-can't be imported at all without torchvision: there textgen's equivalent is loaded
-(pixtral_processor.py)."""
+does. A video part stays refused where the faces parse it. PixtralProcessor (Mistral 3's,
+Pixtral 12B's) can't be imported at all without torchvision: where a folder names it,
+textgen's equivalent is loaded (pixtral_processor.py)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,6 @@ def load_processor(path, model_type: str | None, **kwargs):
 
     if class_name := IMAGES_ONLY_PROCESSORS.get(model_type):
         return images_only(getattr(transformers, class_name)).from_pretrained(path, **kwargs)
-    if (substitute := torchvision_free(model_type)) is not None:
+    if (substitute := torchvision_free(path, model_type)) is not None:
         return substitute.from_pretrained(path, local_files_only=True)
     return transformers.AutoProcessor.from_pretrained(path, **kwargs)

@@ -51,6 +51,8 @@ TOKENS = {
     # [IMG] per 8-pixel cell: 24 x 24 (20 x 24 rounded up), 12 x 32 (40 x 16 at an edge of
     # 32) padded to 16 x 32, 32 x 16; the [IMG_BREAK] and [IMG_END] among them are no rows
     "mistral3": [[9], [8], [8, 9]],
+    # Pixtral 12B's layout (a LLaVA): [IMG] per 4-pixel patch, no merger: 6 x 5, 3 x 8, 8 x 3
+    "llava_pixtral": [[30], [24], [24, 30]],
     "paligemma": [[16], [16], [16, 16]],
     # 20 x 24 pixels resized to 40 x 48, 10 x 12 patches, merged 2 x 2: 30 tokens
     "qwen2_vl": [[30], [32], [32, 30]],

@@ -324,8 +324,8 @@ def test_vllm_tokenize_image_to_a_text_model_is_refused_by_name(http_server):
 # positions); a family without chat template (PaliGemma) through TGI's /generate, as TGI
 # served it
 FAMILIES = [
-    "llava_next", "idefics3", "smolvlm", "gemma3", "mistral3", "paligemma", "qwen2_vl",
-    "qwen2_5_vl", "qwen3_vl",
+    "llava_next", "idefics3", "smolvlm", "gemma3", "mistral3", "llava_pixtral", "paligemma",
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
 ]  # fmt: skip
 # Gemma 3's 16 image tokens attend to each other both ways: one chunk holds them; so does
 # PaliGemma's whole prompt (49 tokens with two images)
@@ -357,7 +357,7 @@ def family_reference(family_dir, images: list[bytes]) -> str:
     from PIL import Image
     from transformers import AutoModelForImageTextToText
 
-    # transformers' own (Mistral 3's without torchvision: its PixtralProcessor, from source)
+    # transformers' own (PixtralProcessor without torchvision: from its source)
     processor = transformers_processor(family_dir)
     model = AutoModelForImageTextToText.from_pretrained(family_dir, dtype=torch.float32).eval()
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": TEXT}]

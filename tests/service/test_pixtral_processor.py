@@ -1,10 +1,11 @@
-"""Mistral 3's processor without torchvision (models/pixtral_processor.py) gives what
-transformers' own PixtralProcessor gives on the same folder (support/tiny_vlm.py runs that
-class here from its own source): the same token ids, pixels and image sizes for images of
-four sizes (one of a single patch row), alone and together, and at Mistral Small 3.1's
-settings; each image written as rows of [IMG] per merged patch row,
-[IMG_BREAK] after each row, [IMG_END] after the last. Where torchvision is installed,
-transformers' own class is the one loaded."""
+"""Mistral 3's (and Pixtral 12B's) processor without torchvision
+(models/pixtral_processor.py) gives what transformers' own PixtralProcessor gives on the
+same folder (support/tiny_vlm.py runs that class here from its own source): the same token
+ids, pixels and image sizes for images of four sizes (one of a single patch row), alone and
+together, and at Mistral Small 3.1's settings; each image written as rows of [IMG] per
+merged patch row, [IMG_BREAK] after each row, [IMG_END] after the last. Where torchvision is
+installed, transformers' own class is the one loaded; the class a folder names decides
+(Pixtral 12B's LLaVA)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from support.tiny_vlm import (
     MISTRAL3_MERGE,
     PATCH,
     build_tiny_llava,
+    build_tiny_llava_pixtral,
     build_tiny_mistral3,
     png,
     transformers_pixtral_processor,
@@ -67,6 +69,29 @@ def test_with_torchvision_transformers_own_is_asked_for(folder, monkeypatch):
 def test_other_families_load_transformers_own(tmp_path):
     processor = load_processor(build_tiny_llava(tmp_path / "llava"), "llava")
     assert type(processor).__name__ == "LlavaProcessor"
+
+
+def test_a_llava_folder_naming_pixtral_processor_loads_it(tmp_path):
+    """Pixtral 12B is a LLaVA whose folder names PixtralProcessor: the class the folder
+    names decides (ours without torchvision), not the family's LlavaProcessor."""
+    from transformers.utils import is_torchvision_available
+
+    folder = build_tiny_llava_pixtral(tmp_path / "pixtral")
+    assert pixtral_processor.named_processor_class(folder, "llava") == "PixtralProcessor"
+    assert pixtral_processor.named_processor_class(tmp_path, "llava") == "LlavaProcessor"
+    processor = load_processor(folder, "llava")
+    if is_torchvision_available():
+        assert type(processor).__name__ == "PixtralProcessor"
+        return
+    assert isinstance(processor, PixtralProcessorPil)
+    theirs, images = transformers_processor(folder), [picture((20, 24))]
+    expected = theirs(images=images, text="[IMG]", return_tensors="np")
+    got = processor(images=images, text="[IMG]", return_tensors="np")
+    assert sorted(got.keys()) == sorted(expected.keys())
+    for name in expected:  # every 4-pixel patch a token: 6 rows of 5 [IMG]
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    img = processor.tokenizer.convert_tokens_to_ids("[IMG]")
+    assert (got["input_ids"] == img).sum() == 30
 
 
 @pytest.mark.parametrize("sizes", [[s] for s in SIZES] + [SIZES], ids=str)

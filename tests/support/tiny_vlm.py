@@ -1,6 +1,6 @@
 """Tiny random vision-language models, one per served family (LLaVA, LLaVA-Next, Idefics 3,
 SmolVLM, Gemma 3, Mistral 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL: a vision tower, a
-projector, a language model) with their processors (each image processor's PIL/numpy
+projector, a language model; and Pixtral 12B's LLaVA) with their processors (each image processor's PIL/numpy
 class, no torchvision; Qwen's and SmolVLM's without their video processor), built at test
 time and saved as normal Hugging Face folders; transformers' own processor of such a
 folder (the tests' reference); and small PNGs as data: URIs."""
@@ -292,8 +292,6 @@ def build_tiny_mistral3(path: Path, *, seed: int = 0) -> Path:
     """A tiny random Mistral 3 (Pixtral tower, patch merger, Mistral text) with its
     processor: PixtralProcessor's files (models/pixtral_processor.py's equivalent writes
     them here, where torchvision is missing), its image processor PixtralImageProcessorPil."""
-    import json
-
     import torch
     from textgen.service.models.pixtral_processor import PixtralProcessorPil
     from transformers import (
@@ -326,9 +324,56 @@ def build_tiny_mistral3(path: Path, *, seed: int = 0) -> Path:
         spatial_merge_size=MISTRAL3_MERGE,
         chat_template=tokenizer.chat_template,
     )
-    _save(path, model, processor, tokenizer)
-    # named as Mistral's own folders name it, so that transformers' AutoProcessor loads its
-    # PixtralProcessor where torchvision is installed
+    return _name_pixtral_processor(_save(path, model, processor, tokenizer))
+
+
+def build_tiny_llava_pixtral(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random LLaVA with a Pixtral tower, Pixtral 12B's layout
+    (mistral-community/pixtral-12b: model_type llava, every patch a token, no merger, the
+    "full" feature strategy) and its PixtralProcessor's files, as Mistral 3's."""
+    import torch
+    from textgen.service.models.pixtral_processor import PixtralProcessorPil
+    from transformers import (
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        MistralConfig,
+        PixtralImageProcessorPil,
+        PixtralVisionConfig,
+    )
+
+    tokenizer = _tokenizer(*MISTRAL3_TOKENS)
+    vision = PixtralVisionConfig(**{**TOWER, "image_size": MISTRAL3_EDGE}, head_dim=16)
+    text = MistralConfig(**{**_llama(tokenizer).to_dict(), "sliding_window": None})
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=tokenizer.convert_tokens_to_ids(MISTRAL3_TOKENS[0]),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        projector_hidden_act="gelu",
+        multimodal_projector_bias=True,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    images = PixtralImageProcessorPil(
+        size={"longest_edge": MISTRAL3_EDGE}, patch_size={"height": PATCH, "width": PATCH}
+    )
+    processor = PixtralProcessorPil(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=PATCH,
+        spatial_merge_size=1,
+        chat_template=tokenizer.chat_template,
+    )
+    return _name_pixtral_processor(_save(path, model, processor, tokenizer))
+
+
+def _name_pixtral_processor(path: Path) -> Path:
+    """The folder's processor_config.json naming PixtralProcessor, as Mistral's own folders
+    do, so that transformers' AutoProcessor loads it where torchvision is installed."""
+    import json
+
     processor_config = path / "processor_config.json"
     saved = json.loads(processor_config.read_text())
     processor_config.write_text(json.dumps({**saved, "processor_class": "PixtralProcessor"}))
@@ -599,6 +644,7 @@ BUILDERS = {
     "smolvlm": build_tiny_smolvlm,
     "gemma3": build_tiny_gemma3,
     "mistral3": build_tiny_mistral3,
+    "llava_pixtral": build_tiny_llava_pixtral,
     "paligemma": build_tiny_paligemma,
     "qwen2_vl": build_tiny_qwen2_vl,
     "qwen2_5_vl": build_tiny_qwen2_5_vl,
@@ -608,14 +654,18 @@ BUILDERS = {
 
 def transformers_processor(path: Path):
     """transformers' own processor of a model folder, the tests' reference: AutoProcessor's,
-    but transformers' PixtralProcessor for Mistral 3 where torchvision isn't installed, and
-    Qwen's and SmolVLM's own class without the video processor that needs it."""
+    but transformers' PixtralProcessor where the folder names it (Mistral 3, Pixtral 12B) and
+    torchvision isn't installed, and Qwen's and SmolVLM's own class without the video
+    processor that needs it."""
+    import json
+
     from textgen.service.models.architectures import IMAGES_ONLY_PROCESSORS
     from textgen.service.models.processors import load_processor
     from transformers import AutoConfig, AutoProcessor
 
     model_type = AutoConfig.from_pretrained(path).model_type
-    if model_type == "mistral3":
+    named = json.loads((Path(path) / "processor_config.json").read_text()).get("processor_class")
+    if named == "PixtralProcessor":
         return transformers_pixtral_processor().from_pretrained(path)
     if model_type in IMAGES_ONLY_PROCESSORS:
         return load_processor(path, model_type)
