@@ -36,6 +36,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -321,9 +322,12 @@ TEXTGEN_AVX512_BF16 void dequantize8_t(const uint8_t* weight, const float* scale
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "textgen::int8_linear: x must be a contiguous [M, K] bfloat16 matrix");
-  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  // x [..., K]: the leading dimensions are its rows (a Linear's input as it comes)
+  TORCH_CHECK(x.dim() >= 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "textgen::int8_linear: x must be a contiguous [..., K] bfloat16 tensor");
+  const int64_t K = x.size(-1), M = x.numel() / K, N = out_features;
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = N;
   const int64_t padded = (N + ROWS - 1) / ROWS * ROWS;
   TORCH_CHECK(K % 2 == 0 && weight.numel() == padded * K && scales.numel() == padded &&
                   scales.scalar_type() == at::kFloat && weight.is_contiguous() &&
@@ -333,9 +337,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
     at::Tensor dense_t = at::empty({K, padded}, x.options());
     dequantize8_t(weight.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
                   (uint16_t*)dense_t.data_ptr(), N, K, at::get_num_threads());
-    return at::mm(x, dense_t.narrow(1, 0, N));
+    return at::mm(x.view({M, K}), dense_t.narrow(1, 0, N)).view(shape);
   }
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty(shape, x.options());
   int8_mm(weight.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
           (const uint16_t*)x.const_data_ptr(), (uint16_t*)y.data_ptr(), M, N, K,
           at::get_num_threads());

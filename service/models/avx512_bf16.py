@@ -29,6 +29,7 @@ _library = torch.library.Library("textgen", "FRAGMENT")
 _library.define(
     "int4_linear(Tensor x, Tensor weight, Tensor scales, Tensor zeros, int out_features) -> Tensor"
 )
+# int8_linear's x: [..., K], its leading dimensions the rows (int4_linear's: [M, K])
 _library.define("int8_linear(Tensor x, Tensor weight, Tensor scales, int out_features) -> Tensor")
 
 
@@ -39,7 +40,7 @@ def _int4_linear_fake(x, weight, scales, zeros, out_features):
 
 @torch.library.register_fake("textgen::int8_linear")
 def _int8_linear_fake(x, weight, scales, out_features):
-    return x.new_empty(x.shape[0], out_features)
+    return x.new_empty(*x.shape[:-1], out_features)  # x [..., K]
 
 
 _loaded: bool | None = None  # None: not tried yet

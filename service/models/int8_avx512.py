@@ -48,9 +48,14 @@ def pack(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return weight, scales
 
 
-def product(flat: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    """flat [M, K] bfloat16 times the packed weight's transpose -> [M, n] bfloat16."""
-    return torch.ops.textgen.int8_linear(flat, weight, scales, n)
+# the op's overload, looked up once: a small step calls it for every layer
+INT8_LINEAR = torch.ops.textgen.int8_linear.default
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """x [..., K] bfloat16 (contiguous) times the packed weight's transpose -> [..., n]
+    bfloat16."""
+    return INT8_LINEAR(x, weight, scales, n)
 
 
 class Int8Avx512Linear(QuantizedLinear):

@@ -94,6 +94,23 @@ def test_a_long_chunk_multiplies_the_dequantized_weight_densely():
 
 
 @needs_avx512_bf16
+@pytest.mark.parametrize("leading", [(1, 1), (2, 3), (2, avx512_bf16.INT8_DENSE_FROM // 2)])
+def test_the_op_takes_a_linears_input_as_it_comes(leading):
+    """x [..., K]: its leading dimensions are the rows (a decode's [1, 1, K], a chunk's
+    [1, T, K]), in the kernel and in the dense path; the same product as its rows flattened."""
+    torch.manual_seed(3)
+    weight, scales = int8_avx512.pack(*q.int8_per_row(torch.randn(80, 96), torch.bfloat16))
+    x = torch.randn(*leading, 96).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = int8_avx512.product(x, weight, scales, 80)
+        flat = int8_avx512.product(x.reshape(-1, 96), weight, scales, 80)
+    assert got.shape == (*leading, 80)
+    assert torch.equal(got.reshape(-1, 80), flat)
+    fake = avx512_bf16._int8_linear_fake(x, weight, scales, 80)  # what compiled graphs see
+    assert fake.shape == got.shape
+
+
+@needs_avx512_bf16
 def test_the_int4_models_lm_head_takes_it():
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 96))
     model = model.to(torch.bfloat16)
