@@ -1,9 +1,9 @@
 """Tiny random vision-language models, one per served family (LLaVA, LLaVA-Next, Idefics 3,
 SmolVLM, Gemma 3, Mistral 3, PaliGemma, Qwen2-VL, Qwen2.5-VL, Qwen3-VL: a vision tower, a
-projector, a language model; and Pixtral 12B's LLaVA) with their processors (each image processor's PIL/numpy
-class, no torchvision; Qwen's and SmolVLM's without their video processor), built at test
-time and saved as normal Hugging Face folders; transformers' own processor of such a
-folder (the tests' reference); and small PNGs as data: URIs."""
+projector, a language model; and Pixtral 12B's LLaVA) with their processors (each image
+processor's PIL/numpy class, no torchvision; Qwen's and SmolVLM's without their video
+processor), built at test time and saved as normal Hugging Face folders; transformers' own
+processor of such a folder (the tests' reference); and small PNGs as data: URIs."""
 
 from __future__ import annotations
 
