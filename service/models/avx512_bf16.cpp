@@ -1,5 +1,6 @@
 // int4 and int8 weight x bfloat16 activation products on CPUs with AVX512-BF16: the CPU
-// kernels of the ops `textgen::int4_linear` and `textgen::int8_linear` (avx512_bf16.py
+// kernels of the ops `textgen::int4_linear` and `textgen::int8_linear`, and bfloat16's
+// RMSNorm in one call, `textgen::rms_norm` (fused_norms.py) (avx512_bf16.py
 // defines the ops, compiles this file with inductor's C++ toolchain and loads it, which
 // registers the kernels; int4_avx512.py and int8_avx512.py pack the weights).
 //
@@ -34,6 +35,7 @@
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -346,9 +348,58 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return y;
 }
 
+// RMSNorm of bfloat16 rows [M, H] as transformers' Llama-style RMSNorm computes it: the
+// mean of the squares in float32, x * rsqrt(mean + eps) rounded to bfloat16, times the
+// (bfloat16) weight in float32, rounded again. Only the float32 sum's order differs from
+// torch's reduction. Rows are shared out among the threads.
+TEXTGEN_AVX512_BF16 inline __m512 widen_masked(const uint16_t* bits, __mmask16 mask) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bits));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+TEXTGEN_AVX512_BF16 void rms_norm_rows(const uint16_t* x, const uint16_t* weight, uint16_t* y,
+                                       int64_t begin, int64_t end, int64_t H, float eps) {
+  for (int64_t m = begin; m < end; ++m) {
+    const uint16_t* row = x + m * H;
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t i = 0; i < H; i += 16) {
+      const __mmask16 lanes = H - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (H - i)) - 1);
+      const __m512 v = widen_masked(row + i, lanes);
+      squares = _mm512_add_ps(squares, _mm512_mul_ps(v, v));  // each square rounded, as pow's
+    }
+    const float mean = _mm512_reduce_add_ps(squares) / (float)H;
+    const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
+    for (int64_t i = 0; i < H; i += 16) {
+      const __mmask16 lanes = H - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (H - i)) - 1);
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(widen_masked(row + i, lanes), r));
+      const __m512 scaled = _mm512_mul_ps(_mm512_cvtpbh_ps(h), widen_masked(weight + i, lanes));
+      _mm256_mask_storeu_epi16(y + m * H + i, lanes, (__m256i)_mm512_cvtneps_pbh(scaled));
+    }
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
+                  weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  weight.dim() == 1 && weight.size(0) == x.size(-1),
+              "textgen::rms_norm: x must be a contiguous [..., H] bfloat16 tensor, weight [H]");
+  const int64_t H = x.size(-1), M = H ? x.numel() / H : 0;
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  const uint16_t* in = (const uint16_t*)x.const_data_ptr();
+  const uint16_t* w = (const uint16_t*)weight.const_data_ptr();
+  uint16_t* out = (uint16_t*)y.data_ptr();
+  const float e = (float)eps;
+  // a decode's one row runs here; a chunk's rows are shared out (~64 rows a task)
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+    rms_norm_rows(in, w, out, begin, end, H, e);
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(textgen, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int8_linear", &int8_linear);
+  m.impl("rms_norm", &rms_norm);
 }

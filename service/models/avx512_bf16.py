@@ -31,11 +31,18 @@ _library.define(
 )
 # int8_linear's x: [..., K], its leading dimensions the rows (int4_linear's: [M, K])
 _library.define("int8_linear(Tensor x, Tensor weight, Tensor scales, int out_features) -> Tensor")
+# bfloat16 x [..., H], weight [H] -> transformers' Llama-style RMSNorm of x (fused_norms.py)
+_library.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 
 
 @torch.library.register_fake("textgen::int4_linear")
 def _int4_linear_fake(x, weight, scales, zeros, out_features):
     return x.new_empty(x.shape[0], out_features)
+
+
+@torch.library.register_fake("textgen::rms_norm")
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty_like(x)
 
 
 @torch.library.register_fake("textgen::int8_linear")

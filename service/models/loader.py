@@ -27,6 +27,7 @@ from .attention_adapters import plain_linears
 from .checkpoint_quant import LibraryQuantization, finish_loading
 from .cpuinfo import cpuinfo_flags
 from .errors import ModelError
+from .fused_norms import fuse_rms_norms
 from .hub import NO_CONTEXT, ResolvedModel, config_json, resolve_model, stated_context
 from .processors import load_processor
 from .quantize import QuantizationError, quantize_model, resolve_quantization
@@ -284,6 +285,8 @@ def load_model(
         quantize_model(model, quantize, dev, options.custom_kernels)
     if options.small_step_int8 and not (quantize or lora or shard) and _small_step_cpu(dev, dt):
         add_small_step_weights(model, custom_kernels=options.custom_kernels)
+        if options.custom_kernels and dt == torch.bfloat16:
+            fuse_rms_norms(model)  # (where the CPU has AVX512-BF16)
     copied_rows = small_step_rows(model)
     lora_layers = None
     if lora is not None:
