@@ -14,25 +14,28 @@ Qwen's kind; Gemma's `(1 + weight)` and gated norms keep their forward. Graphs b
 compiled (`--compile`) trace the module's own forward, which inductor fuses with its
 neighbours. Measured on the embedded model (`scripts/measure_small_step_call.py --compare
 norms`): one bfloat16 stream's step 1.17x faster, the same tokens (docs/performance.md).
+`TEXTGEN_FUSED_NORMS=0` or `--disable-custom-kernels` keeps transformers' forward.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 
 import torch
 
 from . import avx512_bf16
 
 RMS_NORM = torch.ops.textgen.rms_norm.default
+ENABLED = os.environ.get("TEXTGEN_FUSED_NORMS", "1") != "0"
 
 
 def fuse_rms_norms(model: torch.nn.Module) -> int:
     """Give `model`'s bfloat16 RMSNorm modules the op's forward where it computes what
     theirs does (see the module's docstring), in place; -> how many. 0 where the CPU's
-    AVX512-BF16 kernels aren't available."""
-    if not avx512_bf16.available():
+    AVX512-BF16 kernels aren't available or TEXTGEN_FUSED_NORMS=0."""
+    if not (ENABLED and avx512_bf16.available()):
         return 0
     fused = 0
     for module in model.modules():

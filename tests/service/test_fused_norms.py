@@ -123,7 +123,11 @@ def test_the_loader_fuses_them_with_the_copies_where_bf16_is_native(tiny_dir, mo
         assert "FusedLlamaRMSNorm" not in {type(m).__name__ for m in loaded.model.modules()}
 
 
-def test_nothing_is_fused_where_the_kernels_are_not_available(monkeypatch):
-    monkeypatch.setattr(avx512_bf16, "available", lambda: False)
+@pytest.mark.parametrize("switch", ["kernels", "env"])
+def test_nothing_is_fused_where_the_kernels_are_not_available_or_off(monkeypatch, switch):
+    if switch == "kernels":
+        monkeypatch.setattr(avx512_bf16, "available", lambda: False)
+    else:  # TEXTGEN_FUSED_NORMS=0
+        monkeypatch.setattr(fused_norms, "ENABLED", False)
     norm = llama_norm(64)
     assert fused_norms.fuse_rms_norms(norm) == 0 and type(norm) is LlamaRMSNorm
