@@ -1,8 +1,9 @@
 """bfloat16 RMSNorm in one op call (service/models/fused_norms.py, `textgen::rms_norm` in
 avx512_bf16.cpp): the same numbers as transformers' own RMSNorm forward, only for the norms
-that compute it (not Gemma's `1 + weight`, not a gated norm, not float32), the model's
-logits unchanged, compiled graphs tracing transformers' forward, and the loader adding it
-with the default dtype's int8 copies where the CPU computes bfloat16 natively."""
+that compute it bit for bit (not Gemma's `1 + weight`, not one rounding once, not a gated
+norm, not float32), the model's logits unchanged, compiled graphs tracing transformers'
+forward, and the loader adding it with the default dtype's int8 copies where the CPU
+computes bfloat16 natively."""
 
 from __future__ import annotations
 
@@ -48,11 +49,22 @@ def test_the_op_computes_transformers_rms_norm(size, leading):
     assert (got == want).float().mean() > 0.99
 
 
+class OnceRoundedRMSNorm(LlamaRMSNorm):
+    """A norm multiplying by the weight in float32 and rounding once (as some families do):
+    one bfloat16 step from the op on some values, so not fused."""
+
+    def forward(self, x):
+        h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+        return (self.weight.float() * h).to(x.dtype)
+
+
 def test_only_the_norms_that_compute_it_are_fused():
     gemma = GemmaRMSNorm(64).to(torch.bfloat16)  # x * (1 + weight)
     gated = MambaRMSNormGated(64, group_size=64).to(torch.bfloat16)  # a gate beside its input
+    once = OnceRoundedRMSNorm(64, eps=1e-5)
+    once.weight.data = llama_norm(64).weight.data.float()
     model = torch.nn.ModuleList(
-        [llama_norm(64), gemma, gated, LlamaRMSNorm(64), torch.nn.Linear(64, 64)]
+        [llama_norm(64), gemma, gated, LlamaRMSNorm(64), once, torch.nn.Linear(64, 64)]
     ).to(torch.bfloat16)
     model[3].float()  # a float32 norm: transformers' forward
     assert fuse_rms_norms(model) == 1
@@ -61,6 +73,7 @@ def test_only_the_norms_that_compute_it_are_fused():
         "GemmaRMSNorm",
         "MambaRMSNormGated",
         "LlamaRMSNorm",
+        "OnceRoundedRMSNorm",
         "Linear",
     ]
     assert fuse_rms_norms(model) == 0  # once
