@@ -227,10 +227,12 @@ def victim(request, victims, stable, proxy):
         replica.wait_serving()
         # Both in Envoy's rotation before the test sends anything: each needs two passed
         # health checks once it serves (stable too, when it started with the proxy), and
-        # a victim the previous test killed stays ejected for 10-15 s.
+        # a victim an earlier test killed or drained stays ejected: the base ejection
+        # time (10 s) times the ejections so far, lifted at the next 5 s sweep (the
+        # module's second ejection: 20-25 s).
         flags = lambda: {r.port: proxy.health_flags(r.port) for r in (stable, replica)}
         in_rotation = lambda: set(flags().values()) == {"healthy"}
-        assert wait_until(in_rotation, 20), flags()
+        assert wait_until(in_rotation, 45), flags()
         yield replica
     finally:
         if not replica.alive():
