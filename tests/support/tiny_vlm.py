@@ -292,70 +292,50 @@ def build_tiny_mistral3(path: Path, *, seed: int = 0) -> Path:
     """A tiny random Mistral 3 (Pixtral tower, patch merger, Mistral text) with its
     processor: PixtralProcessor's files (models/pixtral_processor.py's equivalent writes
     them here, where torchvision is missing), its image processor PixtralImageProcessorPil."""
-    import torch
-    from textgen.service.models.pixtral_processor import PixtralProcessorPil
-    from transformers import (
-        Mistral3Config,
-        Mistral3ForConditionalGeneration,
-        MistralConfig,
-        PixtralImageProcessorPil,
-        PixtralVisionConfig,
-    )
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    tokenizer = _tokenizer(*MISTRAL3_TOKENS)
-    vision = PixtralVisionConfig(**{**TOWER, "image_size": MISTRAL3_EDGE}, head_dim=16)
-    text = MistralConfig(**{**_llama(tokenizer).to_dict(), "sliding_window": None})
-    config = Mistral3Config(
-        vision_config=vision,
-        text_config=text,
-        image_token_id=tokenizer.convert_tokens_to_ids(MISTRAL3_TOKENS[0]),
-        spatial_merge_size=MISTRAL3_MERGE,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = Mistral3ForConditionalGeneration(config)
-    images = PixtralImageProcessorPil(
-        size={"longest_edge": MISTRAL3_EDGE}, patch_size={"height": PATCH, "width": PATCH}
-    )
-    processor = PixtralProcessorPil(
-        image_processor=images,
-        tokenizer=tokenizer,
-        patch_size=PATCH,
-        spatial_merge_size=MISTRAL3_MERGE,
-        chat_template=tokenizer.chat_template,
-    )
-    return _name_pixtral_processor(_save(path, model, processor, tokenizer))
+    config = {"spatial_merge_size": MISTRAL3_MERGE}
+    classes = (Mistral3Config, Mistral3ForConditionalGeneration)
+    return _build_pixtral_like(path, seed, *classes, MISTRAL3_MERGE, **config)
 
 
 def build_tiny_llava_pixtral(path: Path, *, seed: int = 0) -> Path:
     """A tiny random LLaVA with a Pixtral tower, Pixtral 12B's layout
     (mistral-community/pixtral-12b: model_type llava, every patch a token, no merger, the
     "full" feature strategy) and its PixtralProcessor's files, as Mistral 3's."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    config = {
+        "vision_feature_layer": -1,
+        "vision_feature_select_strategy": "full",
+        "projector_hidden_act": "gelu",
+        "multimodal_projector_bias": True,
+    }
+    classes = (LlavaConfig, LlavaForConditionalGeneration)
+    return _build_pixtral_like(path, seed, *classes, 1, **config)
+
+
+def _build_pixtral_like(
+    path: Path, seed: int, config_class, model_class, merge: int, **config
+) -> Path:
+    """A tiny model over a Pixtral tower (Mistral text beneath, `merge` x `merge` patches a
+    token) and PixtralProcessor's files."""
     import torch
     from textgen.service.models.pixtral_processor import PixtralProcessorPil
-    from transformers import (
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        MistralConfig,
-        PixtralImageProcessorPil,
-        PixtralVisionConfig,
-    )
+    from transformers import MistralConfig, PixtralImageProcessorPil, PixtralVisionConfig
 
     tokenizer = _tokenizer(*MISTRAL3_TOKENS)
     vision = PixtralVisionConfig(**{**TOWER, "image_size": MISTRAL3_EDGE}, head_dim=16)
     text = MistralConfig(**{**_llama(tokenizer).to_dict(), "sliding_window": None})
-    config = LlavaConfig(
+    model_config = config_class(
         vision_config=vision,
         text_config=text,
         image_token_id=tokenizer.convert_tokens_to_ids(MISTRAL3_TOKENS[0]),
-        vision_feature_layer=-1,
-        vision_feature_select_strategy="full",
-        projector_hidden_act="gelu",
-        multimodal_projector_bias=True,
         tie_word_embeddings=False,
+        **config,
     )
     torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config)
+    model = model_class(model_config)
     images = PixtralImageProcessorPil(
         size={"longest_edge": MISTRAL3_EDGE}, patch_size={"height": PATCH, "width": PATCH}
     )
@@ -363,7 +343,7 @@ def build_tiny_llava_pixtral(path: Path, *, seed: int = 0) -> Path:
         image_processor=images,
         tokenizer=tokenizer,
         patch_size=PATCH,
-        spatial_merge_size=1,
+        spatial_merge_size=merge,
         chat_template=tokenizer.chat_template,
     )
     return _name_pixtral_processor(_save(path, model, processor, tokenizer))
