@@ -1,5 +1,6 @@
 """RMSNorm in one op call for bfloat16 models on CPUs with AVX512-BF16: what `--dtype auto`
-adds there beside the small steps' int8 copies (small_steps.py).
+adds there beside the small steps' int8 copies (small_steps.py), and `--quantize` beside its
+weights (a named `--dtype bfloat16` keeps transformers' forward).
 
 A decode step of one stream calls a Llama-style model's RMSNorm twice a layer (61 times in
 the embedded model), each ~10 small tensor ops in transformers' forward (widen, square,

@@ -285,9 +285,12 @@ def load_model(
         quantize_model(model, quantize, dev, options.custom_kernels)
     if options.small_step_int8 and not (quantize or lora or shard) and _small_step_cpu(dev, dt):
         add_small_step_weights(model, custom_kernels=options.custom_kernels)
-        if options.custom_kernels and dt == torch.bfloat16:
-            fuse_rms_norms(model)  # (where the CPU has AVX512-BF16)
     copied_rows = small_step_rows(model)
+    # bfloat16 RMSNorm in one call (where the CPU has AVX512-BF16) beside auto's int8
+    # copies or quantized weights; a named --dtype bfloat16 keeps transformers' forward
+    bf16_cpu = dev.type == "cpu" and dt == torch.bfloat16
+    if options.custom_kernels and bf16_cpu and (copied_rows or quantize):
+        fuse_rms_norms(model)
     lora_layers = None
     if lora is not None:
         from .lora_layers import LoraLayers

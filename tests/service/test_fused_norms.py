@@ -136,6 +136,15 @@ def test_the_loader_fuses_them_with_the_copies_where_bf16_is_native(tiny_dir, mo
         assert "FusedLlamaRMSNorm" not in {type(m).__name__ for m in loaded.model.modules()}
 
 
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_bfloat16_weights_get_them_too(tiny_dir, monkeypatch, quantize):
+    """--quantize computes in bfloat16 on such a CPU: its norms are fused as auto's."""
+    monkeypatch.setattr("textgen.service.models.loader.cpu_has_native_bf16", lambda: True)
+    loaded = load_model(str(tiny_dir), dtype="auto", quantize=quantize, options=LoadOptions())
+    assert loaded.dtype == torch.bfloat16 and loaded.quantize == quantize
+    assert "FusedLlamaRMSNorm" in {type(m).__name__ for m in loaded.model.modules()}
+
+
 @pytest.mark.parametrize("switch", ["kernels", "env"])
 def test_nothing_is_fused_where_the_kernels_are_not_available_or_off(monkeypatch, switch):
     if switch == "kernels":
