@@ -51,7 +51,8 @@ def fuse_rms_norms(model: torch.nn.Module) -> int:
 def _epsilon(module: torch.nn.Module) -> float | None:
     """The epsilon of a module that looks like an RMSNorm over its last dimension: its
     class named so, a bfloat16 vector weight on the CPU and nothing else to learn."""
-    if not type(module).__name__.endswith("RMSNorm") or type(module).__name__.startswith("Fused"):
+    norm_class = type(module)
+    if not norm_class.__name__.endswith("RMSNorm") or norm_class.forward is _fused_forward:
         return None
     weight = getattr(module, "weight", None)
     params = list(module.parameters(recurse=True))
@@ -59,7 +60,7 @@ def _epsilon(module: torch.nn.Module) -> float | None:
         return None
     if weight.dim() != 1 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return None
-    if not _takes_one_input(type(module)):  # a gate or other inputs beside (Mamba 2's)
+    if not _takes_one_input(norm_class):  # a gate or other inputs beside (Mamba 2's)
         return None
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     return float(eps) if isinstance(eps, (int, float)) else None
@@ -82,9 +83,7 @@ def _agrees(module: torch.nn.Module, eps: float) -> bool:
     """Whether the module's forward and the op give the same bits on a probe (rows of
     several magnitudes): a norm rounding otherwise (its product with the weight in float32,
     rounded once) keeps its forward."""
-    generator = torch.Generator().manual_seed(0)
-    rows = torch.randn(4, module.weight.shape[0], generator=generator)
-    probe = (rows * torch.tensor([[0.01], [1.0], [4.0], [300.0]])).to(torch.bfloat16)
+    probe = _probe(module.weight.shape[0])
     try:
         want = module(probe)
     except (TypeError, ValueError, RuntimeError):  # another signature (a gate to take, ...)
@@ -92,6 +91,13 @@ def _agrees(module: torch.nn.Module, eps: float) -> bool:
     if not isinstance(want, torch.Tensor) or want.shape != probe.shape:
         return False
     return torch.equal(RMS_NORM(probe, module.weight, eps), want)
+
+
+@functools.cache
+def _probe(width: int) -> torch.Tensor:
+    """Rows of four magnitudes, `width` wide, bfloat16 (one per width: a model's norms share it)."""
+    rows = torch.randn(4, width, generator=torch.Generator().manual_seed(0))
+    return (rows * torch.tensor([[0.01], [1.0], [4.0], [300.0]])).to(torch.bfloat16)
 
 
 def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:

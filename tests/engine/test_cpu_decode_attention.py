@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.compilers import without_cpp_compiler
 from textgen.service.engine.attention import cpu_decode
 from textgen.service.engine.attention import paged as attention
 from textgen.service.engine.config import EngineConfig
@@ -352,14 +353,9 @@ def test_a_failed_compile_turns_the_kernel_off(monkeypatch, caplog):
     """Inductor's C++ toolchain needs a compiler (the Docker image has none): the first
     call's failure leaves decodes to the gathered path, this call's result computed by
     torch's ops."""
-    from torch._inductor.codecache import CppCodeCache
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("no C++ compiler")
-
     monkeypatch.setattr(cpu_decode, "ENABLED", True)
     monkeypatch.setattr(cpu_decode, "_kernels", {})
-    monkeypatch.setattr(CppCodeCache, "load", broken)
+    without_cpp_compiler(monkeypatch)
     batch = make_batch(
         block_size=16, num_heads=6, num_kv_heads=2, head_dim=32, dtype=torch.float32,
         seqs=[(1, 600), (1, 700)],
@@ -378,11 +374,6 @@ def test_a_failed_compile_turns_the_kernel_off(monkeypatch, caplog):
 def test_an_op_kernel_that_fails_to_compile_leaves_the_op_to_python(monkeypatch, caplog):
     """Without cpu_decode_op.cpp (no compiler), a compiled step begins no C++ step and its
     layers attend through the op's Python implementation, with the kernel still."""
-    from torch._inductor.codecache import CppCodeCache
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("no C++ compiler")
-
     batch = make_batch(
         block_size=16, num_heads=6, num_kv_heads=2, head_dim=32, dtype=torch.float32,
         seqs=[(1, 300), (1, 40)],
@@ -394,7 +385,7 @@ def test_an_op_kernel_that_fails_to_compile_leaves_the_op_to_python(monkeypatch,
     monkeypatch.setattr(cpu_decode, "ENABLED", True)
     monkeypatch.setattr(cpu_decode, "_op_tried", False)
     monkeypatch.setattr(cpu_decode, "_op_library", None)
-    monkeypatch.setattr(CppCodeCache, "load", broken)
+    without_cpp_compiler(monkeypatch)
     with caplog.at_level("WARNING"):
         assert not cpu_decode.load_op()
     assert "attention op did not compile" in caplog.text

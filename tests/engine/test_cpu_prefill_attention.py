@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from support.compilers import without_cpp_compiler
 from support.tiers import needs_avx512_bf16
 from textgen.service.engine.attention import cpu_decode, cpu_prefill
 from textgen.service.engine.attention import paged as attention
@@ -137,14 +138,9 @@ def test_not_taken_where_it_must_not_be(calls, monkeypatch):
 
 
 def test_a_failed_compile_keeps_sdpa_with_a_warning(monkeypatch, caplog):
-    from torch._inductor.codecache import CppCodeCache
-
-    def no_compiler(*_args, **_kwargs):
-        raise RuntimeError("no C++ compiler")
-
     monkeypatch.setattr(avx512_bf16, "cpu_supports", lambda: True)
     monkeypatch.setattr(cpu_prefill, "_loaded", None)  # tried again, and put back after
-    monkeypatch.setattr(CppCodeCache, "load", no_compiler)
+    without_cpp_compiler(monkeypatch)
     query = torch.zeros(1, 2, 3, 16, dtype=torch.bfloat16)
     with caplog.at_level("WARNING"):
         assert not cpu_prefill.takes(query, 16)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.compilers import without_cpp_compiler
 from textgen.service.models import avx512_bf16
 from textgen.service.models import quantize as q
 from textgen.service.models.small_steps import SMALL_STEP_ROWS, add_small_step_weights
@@ -29,14 +30,9 @@ def test_cpu_support_reads_the_flags(tmp_path, flags, supported):
 
 
 def test_a_failed_compile_keeps_torchs_kernels_with_a_warning(monkeypatch, caplog):
-    from torch._inductor.codecache import CppCodeCache
-
-    def no_compiler(*_args, **_kwargs):
-        raise RuntimeError("no C++ compiler")
-
     monkeypatch.setattr(avx512_bf16, "cpu_supports", lambda: True)
     monkeypatch.setattr(avx512_bf16, "_loaded", None)  # tried again, and put back after
-    monkeypatch.setattr(CppCodeCache, "load", no_compiler)
+    without_cpp_compiler(monkeypatch)
     int4, int8, copied = (
         torch.nn.Sequential(torch.nn.Linear(64, 128)).to(torch.bfloat16) for _ in range(3)
     )
